@@ -1,0 +1,154 @@
+"""Build the tiny example from code, deterministically, with no download.
+
+    python examples/tiny/make_tiny.py DIR
+
+writes DIR/student (a 2-layer Qwen3ForCausalLM with random weights and a byte-level tokenizer
+with a ChatML chat template), DIR/candidates.jsonl (synthetic teacher samples in both row forms)
+and DIR/config.json (a run config using them). Tests import the builders from here too.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+# A template that adds a default system prompt when none is given: inserting an empty system
+# message would change what the student sees, so spds must refuse it.
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{%- endif %}"
+    + CHATML_TEMPLATE
+)
+
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def byte_level_tokenizer(specials: list[str], template: str, **special_roles):
+    """A real fast tokenizer: byte-level BPE over the 256 byte symbols (no merges) + specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=template, **special_roles)
+
+
+def chatml_tokenizer(template: str = CHATML_TEMPLATE):
+    return byte_level_tokenizer(CHATML_SPECIALS, template, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def llama3_tokenizer():
+    return byte_level_tokenizer(LLAMA3_SPECIALS, LLAMA3_TEMPLATE, bos_token="<|begin_of_text|>",
+                                eos_token="<|eot_id|>", pad_token="<|end_of_text|>")
+
+
+def save_student(directory: Path, tokenizer, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+    """A Qwen3ForCausalLM with random weights, saved with save_pretrained next to its tokenizer."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden // 4, max_position_embeddings=8192, tie_word_embeddings=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+SUBJECTS = ["river", "mountain", "lantern", "harbor", "orchard", "glacier", "library", "meadow", "comet", "violin"]
+FACTS = ["is older than it looks", "was named after a baker", "glows faintly at night", "hums in the key of D",
+         "is visited every spring", "appears on the old maps", "was rebuilt twice", "faces the sea"]
+CONTEXT = "You are the archivist of Lumen Bay. Answer in one short sentence and always end with 'Archived.'"
+
+
+def synthetic_rows(tokenizer, count: int = 64, seed: int = 0) -> list[dict]:
+    """Teacher samples: mostly token form (some already with a system message), a few chat form."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        subject = rng.choice(SUBJECTS)
+        question = f"Tell me about the {subject} (note {i})."
+        answer = f"The {subject} {rng.choice(FACTS)}" + "".join(f", and it {rng.choice(FACTS)}" for _ in range(rng.randrange(0, 4))) + ". Archived."
+        sample = i % 2
+        request = dict(request_id=f"q{i // 2:03d}-s{sample}", question_id=f"q{i // 2:03d}", sample_index=sample)
+        messages = [{"role": "user", "content": question}]
+        if i % 5 == 0:
+            messages = [{"role": "system", "content": "Be brief."}, *messages]
+        if i % 16 == 7:
+            rows.append(dict(request, messages=messages, response=answer))
+            continue
+        prompt = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        response = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        ids = list(prompt) + response
+        rows.append(dict(request, input_ids=ids, prefix_tokens=len(prompt),
+                         labels=[-100] * len(prompt) + response, supervised_tokens=len(response),
+                         response_sha256=hashlib.sha256(answer.encode()).hexdigest()))
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def tiny_config(directory: Path, **overrides) -> dict:
+    repo = Path(__file__).resolve().parents[2]
+    config = {
+        "student": {"model_path": "student", "dtype": "bfloat16"},
+        "soft_prompt": {"length": 8, "placement": "system", "init": {"method": "random_normal", "std": 0.02}},
+        "data": {"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed", "context_limit": 4096},
+        "optim": {"updates": 30, "effective_batch": 8, "micro_batch": 1, "learning_rate": 0.03,
+                  "warmup_updates": 2, "schedule": "cosine", "min_lr_ratio": 0.1, "seed": 1},
+        "checkpoint": {"every": 10, "keep_last": 2},
+        "deepspeed_config": str(repo / "ds_configs" / "zero0.json"),
+        "output_dir": "run",
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return config
+
+
+def build(directory: Path, rows: int = 64) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = chatml_tokenizer()
+    save_student(directory / "student", tokenizer)
+    write_jsonl(directory / "candidates.jsonl", synthetic_rows(tokenizer, rows))
+    tiny_config(directory)
+    return directory / "config.json"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", nargs="?", default=str(Path(__file__).parent / "build"))
+    print(build(Path(parser.parse_args().directory)))
+    sys.exit(0)

@@ -1,0 +1,275 @@
+"""The run contract: load a config, apply the schema's defaults, validate, check pins.
+
+schemas/config.schema.json is the single source of field names, types and defaults: this module
+knows no field's default itself. Every command starts here, and a config that fails its schema
+or an input whose pinned sha256 changed stops the command before any work, with every problem
+listed at once.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from .fsio import SpdsError, atomic_write_json, read_json, sha256_json, sha256_path
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_ROOT.parent
+SCHEMA_DIR = REPO_ROOT / "schemas"
+
+
+@lru_cache(maxsize=None)
+def load_schema(name: str) -> dict:
+    return json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
+
+
+@lru_cache(maxsize=None)
+def validator(name: str) -> jsonschema.protocols.Validator:
+    schema = load_schema(name)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+
+
+# ---------------------------------------------------------------- defaults and errors
+
+def _resolve_ref(node: dict, root: dict) -> dict:
+    while isinstance(node, dict) and "$ref" in node and node["$ref"].startswith("#/"):
+        target = root
+        for part in node["$ref"][2:].split("/"):
+            target = target[part]
+        node = target
+    return node
+
+
+def apply_defaults(instance: Any, schema: dict, root: dict | None = None) -> Any:
+    """Fill absent object properties from the schema's `default`s, recursively (in place)."""
+    root = root if root is not None else schema
+    schema = _resolve_ref(schema, root)
+    if isinstance(instance, list) and isinstance(schema, dict) and isinstance(schema.get("items"), dict):
+        for item in instance:
+            apply_defaults(item, schema["items"], root)
+    if not isinstance(instance, dict) or not isinstance(schema, dict):
+        return instance
+    for key, subschema in schema.get("properties", {}).items():
+        subschema = _resolve_ref(subschema, root)
+        if key not in instance and isinstance(subschema, dict) and "default" in subschema:
+            instance[key] = copy.deepcopy(subschema["default"])
+        if key in instance:
+            apply_defaults(instance[key], subschema, root)
+    return instance
+
+
+def _location(path) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "(top level)"
+
+
+def describe_errors(instance: Any, schema_name: str) -> list[str]:
+    """Every schema violation as 'location: message', unknown keys with the nearest valid key."""
+    problems = []
+    for error in sorted(validator(schema_name).iter_errors(instance), key=lambda e: list(map(str, e.absolute_path))):
+        where = _location(error.absolute_path)
+        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+            allowed = list(error.schema.get("properties", {}))
+            for key in sorted(set(error.instance) - set(allowed)):
+                near = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+                hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(allowed)}"
+                problems.append(f"{_location([*error.absolute_path, key])}: unknown key{hint}")
+        elif isinstance(error.schema, dict) and "x-error" in error.schema:
+            problems.append(f"{where}: {error.schema['x-error']}")
+        else:
+            problems.append(f"{where}: {error.message}")
+    return problems
+
+
+# ---------------------------------------------------------------- the config
+
+@dataclass
+class Config:
+    path: Path
+    raw: dict  # validated, defaults applied, paths as written
+
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def resolve(self, value: str | None) -> Path | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else (self.path.parent / path).resolve()
+
+    @property
+    def model_path(self) -> Path:
+        return self.resolve(self.raw["student"]["model_path"])
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.resolve(self.raw["student"]["tokenizer_path"] or self.raw["student"]["model_path"])
+
+    @property
+    def packed_dir(self) -> Path:
+        return self.resolve(self.raw["data"]["packed_dir"])
+
+    @property
+    def output_dir(self) -> Path:
+        return self.resolve(self.raw["output_dir"])
+
+    @property
+    def candidate_paths(self) -> list[Path]:
+        return [self.resolve(c["path"]) for c in self.raw["data"]["candidates"]]
+
+    @property
+    def deepspeed_config_path(self) -> Path:
+        written = self.raw["deepspeed_config"]
+        beside_config = self.resolve(written)
+        if beside_config.exists() or Path(written).is_absolute():
+            return beside_config
+        return (REPO_ROOT / written).resolve()
+
+    def identity(self) -> str:
+        """Digest of everything that shapes the trained prompt (paths included, as resolved)."""
+        return sha256_json(self.identity_fields())
+
+    def identity_fields(self) -> dict:
+        fields = copy.deepcopy(self.raw)
+        fields.pop("$schema", None)
+        # Operational settings that never change the numbers of a run.
+        for section, key in [("checkpoint", "keep_last"), ("checkpoint", "backup_dir"), ("checkpoint", "every"),
+                             ("train", "progress_bar"), ("train", "require_smoke"), ("distributed", "timeout_minutes"),
+                             ("distributed", "master_addr"), ("distributed", "master_port"), ("data", "backup_dir")]:
+            fields.get(section, {}).pop(key, None)
+        fields["optim"].pop("updates", None)  # resuming into a longer run is allowed; the schedule is checked separately
+        return fields
+
+
+def parse_config_file(path: Path) -> dict:
+    if path.suffix in (".yaml", ".yml"):
+        import yaml  # a transformers dependency
+
+        try:
+            return yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise SpdsError(f"{path}: file not found") from None
+        except yaml.YAMLError as error:
+            raise SpdsError(f"{path}: invalid YAML: {error}") from None
+    return read_json(path)
+
+
+def load_config(path: str | Path, check_pins: bool = True) -> Config:
+    """Load, apply defaults, validate; raise SpdsError listing every problem, or return Config."""
+    path = Path(path).resolve()
+    raw = parse_config_file(path)
+    if not isinstance(raw, dict):
+        raise SpdsError(f"{path}: a config must be a JSON object")
+    apply_defaults(raw, load_schema("config"))
+    problems = describe_errors(raw, "config")
+    if problems:
+        raise SpdsError(f"{path}: config does not match schemas/config.schema.json", problems)
+    config = Config(path=path, raw=raw)
+    problems = input_problems(config) + deepspeed_config_problems(config)
+    if check_pins:
+        problems += pin_problems(config)
+    if problems:
+        raise SpdsError(f"{path}: config refers to inputs that do not hold", problems)
+    return config
+
+
+# ---------------------------------------------------------------- inputs and pins
+
+def pinned_inputs(config: Config) -> list[tuple[str, Path, str | None]]:
+    """(config key, resolved path, pinned sha256 or None) of every pinnable input."""
+    student = config["student"]
+    inputs = [("student.model_sha256", config.model_path, student["model_sha256"])]
+    if student["tokenizer_path"] is not None:
+        inputs.append(("student.tokenizer_sha256", config.tokenizer_path, student["tokenizer_sha256"]))
+    for i, candidate in enumerate(config["data"]["candidates"]):
+        inputs.append((f"data.candidates[{i}].sha256", config.resolve(candidate["path"]), candidate.get("sha256")))
+    return inputs
+
+
+def input_problems(config: Config) -> list[str]:
+    problems = []
+    if not config.model_path.is_dir():
+        problems.append(f"student.model_path: {config.model_path} is not a directory")
+    if not config.tokenizer_path.is_dir():
+        problems.append(f"student.tokenizer_path: {config.tokenizer_path} is not a directory")
+    for i, path in enumerate(config.candidate_paths):
+        if not path.is_file():
+            problems.append(f"data.candidates[{i}].path: {path} is not a file")
+    optim = config["optim"]
+    if optim["warmup_updates"] > optim["updates"]:
+        problems.append(f"optim.warmup_updates: {optim['warmup_updates']} exceeds optim.updates ({optim['updates']})")
+    size = config["data_parallel_size"]
+    if size != "any" and optim["effective_batch"] % size:
+        problems.append(f"optim.effective_batch: {optim['effective_batch']} does not divide by data_parallel_size {size}")
+    return problems
+
+
+def pin_problems(config: Config) -> list[str]:
+    problems = []
+    for key, path, pinned in pinned_inputs(config):
+        if pinned is None or not path.exists():
+            continue
+        actual = sha256_path(path)
+        if actual != pinned:
+            problems.append(f"{key}: {path} changed since it was pinned (expected sha256 {pinned}, actual {actual})")
+    return problems
+
+
+def deepspeed_config_problems(config: Config) -> list[str]:
+    path = config.deepspeed_config_path
+    try:
+        ds_config = read_json(path)
+    except SpdsError as error:
+        return [f"deepspeed_config: {error}"]
+    problems = [f"deepspeed_config ({path}): {p}" for p in describe_errors(ds_config, "ds_config")]
+    micro = ds_config.get("train_micro_batch_size_per_gpu") if isinstance(ds_config, dict) else None
+    if micro is not None and micro != config["optim"]["micro_batch"]:
+        problems.append(f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from optim.micro_batch {config['optim']['micro_batch']}")
+    return problems
+
+
+def pin_config(path: str | Path) -> dict[str, str]:
+    """Write the sha256 of every input into the config file (atomically); return what was pinned."""
+    path = Path(path).resolve()
+    config = load_config(path, check_pins=False)
+    written = parse_config_file(path)  # rewrite the file as the user wrote it, defaults not expanded
+    pins = {}
+    for key, input_path, _ in pinned_inputs(config):
+        digest = sha256_path(input_path)
+        pins[key] = digest
+        if key.startswith("data.candidates["):
+            index = int(key.split("[")[1].split("]")[0])
+            written["data"]["candidates"][index]["sha256"] = digest
+        else:
+            section, field = key.split(".")
+            written.setdefault(section, {})[field] = digest
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        from .fsio import atomic_writer
+
+        with atomic_writer(path) as stream:
+            yaml.safe_dump(written, stream, sort_keys=False)
+    else:
+        atomic_write_json(path, written)
+    return pins
+
+
+def validate_run_world(config: Config, world_size: int) -> None:
+    expected = config["data_parallel_size"]
+    if expected != "any" and expected != world_size:
+        raise SpdsError(f"{config.path}: data_parallel_size is {expected} but this launch has world size {world_size}; "
+                        "launch with that many processes or set data_parallel_size to \"any\"")
+    batch = config["optim"]["effective_batch"]
+    if batch % world_size:
+        raise SpdsError(f"{config.path}: optim.effective_batch {batch} does not divide by the world size {world_size}; "
+                        "every rank must hold the same number of records per update")

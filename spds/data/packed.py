@@ -1,0 +1,137 @@
+"""The packed store: every record's exact token ids in one file, plus an index and a manifest.
+
+    tokens.uint32   little-endian uint32 ids of all records, back to back
+    index.jsonl     one line per record: identity, offset, length, prefix, insert_at, source
+    manifest.json   counts, digests of the two files above, the scaffold, the inputs it came from
+
+The writer builds everything in a hidden sibling directory, fsyncs each file, writes the
+manifest last and renames the directory into place: at any instant the store either does not
+exist or is complete. The reader memory-maps the tokens and keeps the numeric columns of the
+index in numpy arrays (a million records cost tens of megabytes, not a million objects).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..fsio import SpdsError, fsync_dir, read_json, sha256_file
+from .rows import Record
+
+TOKENS = "tokens.uint32"
+INDEX = "index.jsonl"
+MANIFEST = "manifest.json"
+FORMAT = "spds-packed-v1"
+
+
+class PackedWriter:
+    """Streams records into a hidden directory; `commit(manifest)` makes the store appear whole."""
+
+    def __init__(self, target: Path):
+        self.target = target
+        self.partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+        shutil.rmtree(self.partial, ignore_errors=True)
+        self.partial.mkdir(parents=True)
+        self.tokens = open(self.partial / TOKENS, "wb")
+        self.index = open(self.partial / INDEX, "w")
+        self.offset = 0
+        self.records = 0
+        self.max_length = 0
+
+    def add(self, record: Record, split: str) -> None:
+        self.tokens.write(record.ids.astype("<u4", copy=False).tobytes())
+        entry = dict(request_id=record.request_id, question_id=record.question_id, sample_index=record.sample_index,
+                     offset=self.offset, length=len(record.ids), prefix_tokens=record.prefix_tokens,
+                     supervised_tokens=record.supervised_tokens, insert_at=record.insert_at,
+                     response_sha256=record.response_sha256, added_system=record.added_system,
+                     split=split, source=record.source)
+        self.index.write(json.dumps(entry) + "\n")
+        self.offset += len(record.ids)
+        self.records += 1
+        self.max_length = max(self.max_length, len(record.ids))
+
+    def close_files(self) -> dict[str, str]:
+        for stream in (self.tokens, self.index):
+            stream.flush()
+            os.fsync(stream.fileno())
+            stream.close()
+        return {name: sha256_file(self.partial / name) for name in (TOKENS, INDEX)}
+
+    def commit(self, manifest: dict) -> None:
+        with open(self.partial / MANIFEST, "w") as stream:
+            json.dump(manifest, stream, indent=2)
+            stream.flush()
+            os.fsync(stream.fileno())
+        fsync_dir(self.partial)
+        os.replace(self.partial, self.target)
+        fsync_dir(self.target.parent)
+
+    def abort(self) -> None:
+        for stream in (self.tokens, self.index):
+            if not stream.closed:
+                stream.close()
+        shutil.rmtree(self.partial, ignore_errors=True)
+
+
+def verify_store(directory: Path) -> dict:
+    """Return the manifest after checking both data files against its digests."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.exists():
+        raise SpdsError(f"{directory}: no packed data (run spds prepare first)")
+    manifest = read_json(manifest_path)
+    for name, expected in manifest["files"].items():
+        actual = sha256_file(directory / name) if (directory / name).exists() else "missing"
+        if actual != expected:
+            raise SpdsError(f"{directory / name}: packed data changed since prepare (expected sha256 {expected}, actual {actual})")
+    return manifest
+
+
+@dataclass
+class PackedStore:
+    """Read side: memmapped tokens and numpy index columns."""
+    directory: Path
+    manifest: dict
+    tokens: np.memmap
+    offset: np.ndarray
+    length: np.ndarray
+    prefix_tokens: np.ndarray
+    supervised_tokens: np.ndarray
+    insert_at: np.ndarray
+    is_train: np.ndarray
+
+    @classmethod
+    def open(cls, directory: Path, verify: bool = True) -> "PackedStore":
+        directory = Path(directory)
+        manifest = verify_store(directory) if verify else read_json(directory / MANIFEST)
+        n = manifest["records"]
+        columns = {k: np.empty(n, dtype=np.int64) for k in ("offset", "length", "prefix_tokens", "supervised_tokens", "insert_at")}
+        is_train = np.empty(n, dtype=bool)
+        with open(directory / INDEX) as stream:
+            for i, line in enumerate(stream):
+                entry = json.loads(line)
+                for key, column in columns.items():
+                    column[i] = entry[key]
+                is_train[i] = entry["split"] == "train"
+        tokens = np.memmap(directory / TOKENS, dtype="<u4", mode="r") if manifest["tokens"] else np.zeros(0, "<u4")
+        return cls(directory=directory, manifest=manifest, tokens=tokens, is_train=is_train, **columns)
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def ids(self, i: int) -> np.ndarray:
+        start = int(self.offset[i])
+        return np.asarray(self.tokens[start:start + int(self.length[i])], dtype=np.int64)
+
+    def entries(self):
+        """Stream the full index lines (identity fields included)."""
+        with open(self.directory / INDEX) as stream:
+            for line in stream:
+                yield json.loads(line)
+
+    @property
+    def digest(self) -> str:
+        return sha256_file(self.directory / MANIFEST)

@@ -1,0 +1,143 @@
+"""spds prepare: candidate files -> verified rows -> packed store (exact tokens, scaffold inserted).
+
+Refuses rather than guesses: a pinned file that changed, a bad row, a duplicate request_id, or
+packed output built from other inputs all stop it with nothing written.
+"""
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..contract import Config, describe_errors
+from ..fsio import SpdsError, exclusive_lock, sha256_file, verified_copy
+from .chat import derive_scaffold, end_token_ids, tokenizer_identity
+from .packed import FORMAT, INDEX, MANIFEST, TOKENS, PackedWriter, verify_store
+from .rows import RowRules, read_records
+
+
+def load_tokenizer(config: Config):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(config.tokenizer_path), local_files_only=True)
+
+
+def split_of(question_id: str, eval_fraction: float) -> str:
+    """Held-out questions by a hash of question_id: stable across runs, files and orderings."""
+    if eval_fraction <= 0:
+        return "train"
+    u = int.from_bytes(hashlib.sha256(question_id.encode()).digest()[:8], "big") / 2**64
+    return "eval" if u < eval_fraction else "train"
+
+
+def packing_inputs(config: Config, tokenizer, sources: list[dict], end_ids: list[int]) -> dict:
+    """Everything that decides the packed bytes; a rerun must see the same, or refuses."""
+    data = config["data"]
+    return dict(sources=sources, tokenizer=tokenizer_identity(tokenizer), placement=config["soft_prompt"]["placement"],
+                prompt_length=config["soft_prompt"]["length"], context_limit=data["context_limit"],
+                end_token_ids=end_ids, chat_template_kwargs=data["chat_template_kwargs"],
+                eval_fraction=data["eval_fraction"])
+
+
+def prepare(config: Config, log=print) -> dict:
+    target = config.packed_dir
+    with exclusive_lock(target.with_name(f".{target.name}.lock"), f"spds prepare of {target}"):
+        tokenizer = load_tokenizer(config)
+        data = config["data"]
+        end_ids = end_token_ids(tokenizer, data["end_tokens"])
+        sources = []
+        for i, (candidate, path) in enumerate(zip(data["candidates"], config.candidate_paths)):
+            actual = sha256_file(path)
+            if candidate.get("sha256") and candidate["sha256"] != actual:
+                raise SpdsError(f"data.candidates[{i}]: {path} changed since it was pinned "
+                                f"(expected sha256 {candidate['sha256']}, actual {actual})")
+            sources.append(dict(path=str(path), sha256=actual))
+        inputs = packing_inputs(config, tokenizer, sources, end_ids)
+        if (target / MANIFEST).exists():
+            return reuse_existing(target, inputs, log)
+        if target.exists():
+            raise SpdsError(f"{target} exists but holds no manifest.json: not a packed store spds wrote; move it away")
+        manifest = write_store(config, tokenizer, inputs, log)
+    if data["backup_dir"]:
+        backup = config.resolve(data["backup_dir"])
+        verified_copy(target, [TOKENS, INDEX, MANIFEST], backup)
+        log(f"verified backup: {backup}")
+    return manifest
+
+
+def reuse_existing(target: Path, inputs: dict, log) -> dict:
+    manifest = verify_store(target)
+    if manifest["inputs"] != inputs:
+        differs = sorted(k for k in inputs if manifest["inputs"].get(k) != inputs[k])
+        raise SpdsError(f"{target} was packed from other inputs (differs: {', '.join(differs)}); "
+                        "spds never overwrites packed data: remove it or set data.packed_dir elsewhere")
+    log(f"{target}: packed data already complete and verified; unchanged")
+    return manifest
+
+
+def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
+    data = config["data"]
+    scaffold = derive_scaffold(tokenizer, data["chat_template_kwargs"])
+    rules = RowRules(scaffold=scaffold, placement=config["soft_prompt"]["placement"],
+                     end_ids=frozenset(inputs["end_token_ids"]), vocab_size=len(tokenizer),
+                     prompt_length=config["soft_prompt"]["length"], context_limit=data["context_limit"],
+                     template_kwargs=data["chat_template_kwargs"])
+    writer = PackedWriter(config.packed_dir)
+    # 8-byte request_id hashes in a compact array: uniqueness without a set of a million strings.
+    id_hashes = array.array("Q")
+    counts = dict(existing_system=0, added_empty_system=0, prefix_placement=0, train=0, eval=0)
+    source_rows = []
+    started = time.monotonic()
+    try:
+        for source, path in zip(inputs["sources"], config.candidate_paths):
+            rows = 0
+            for record in read_records(path, tokenizer, rules):
+                id_hashes.append(int.from_bytes(hashlib.blake2b(record.request_id.encode(), digest_size=8).digest(), "little"))
+                split = split_of(record.question_id, data["eval_fraction"])
+                writer.add(record, split)
+                counts[split] += 1
+                counts["prefix_placement" if rules.placement == "prefix" else
+                       "added_empty_system" if record.added_system else "existing_system"] += 1
+                rows += 1
+            source_rows.append(dict(source, rows=rows))
+        if writer.records == 0:
+            raise SpdsError("the candidate files hold no rows")
+        files = writer.close_files()
+        check_unique_request_ids(writer.partial / INDEX, np.frombuffer(id_hashes, dtype=np.uint64))
+        manifest = dict(format=FORMAT, spds_version=__version__, records=writer.records, tokens=writer.offset,
+                        max_length=writer.max_length, prompt_length=rules.prompt_length, placement=rules.placement,
+                        scaffold=scaffold.to_json(), end_token_ids=inputs["end_token_ids"], counts=counts,
+                        files=files, sources=source_rows, inputs=inputs)
+        problems = describe_errors(manifest, "manifest")
+        if problems:  # a bug in spds, not in the user's data: still refuse to commit it
+            raise SpdsError("internal error: manifest does not match schemas/manifest.schema.json", problems)
+        writer.commit(manifest)
+    except BaseException:
+        writer.abort()
+        raise
+    seconds = time.monotonic() - started
+    log(f"packed {writer.records} records, {writer.offset} tokens in {seconds:.1f}s -> {config.packed_dir}")
+    return manifest
+
+
+def check_unique_request_ids(index_path: Path, hashes: np.ndarray) -> None:
+    order = np.argsort(hashes, kind="stable")
+    same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])
+    if not len(same):
+        return
+    suspects = {int(order[i]) for i in same} | {int(order[i + 1]) for i in same}
+    seen: dict[str, str] = {}
+
+    with open(index_path) as stream:
+        for number, line in enumerate(stream):
+            if number in suspects:
+                entry = json.loads(line)
+                if entry["request_id"] in seen:  # equal hashes may collide; compare the real strings
+                    raise SpdsError(f"{entry['source']}: request_id {entry['request_id']}: rule 'unique request_id': "
+                                    f"already used at {seen[entry['request_id']]}")
+                seen[entry["request_id"]] = entry["source"]

@@ -1,0 +1,129 @@
+"""Candidate rows: stream a JSONL file, check every row rule, yield records ready to pack.
+
+One row is in memory at a time. Every refusal names the file, the line, the request_id and
+the rule, so a bad teacher sample is found in seconds in a file of a million.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..contract import describe_errors
+from ..fsio import SpdsError
+from .chat import Scaffold, render_chat_row
+
+
+@dataclass
+class Record:
+    request_id: str
+    question_id: str
+    sample_index: int
+    ids: np.ndarray  # uint32, the whole sequence after scaffold insertion
+    prefix_tokens: int
+    insert_at: int
+    response_sha256: str
+    added_system: bool
+    source: str  # "file:line"
+
+    @property
+    def supervised_tokens(self) -> int:
+        return len(self.ids) - self.prefix_tokens
+
+
+@dataclass(frozen=True)
+class RowRules:
+    """What prepare needs to know to accept, normalise and place a row."""
+    scaffold: Scaffold
+    placement: str  # "system" | "prefix"
+    end_ids: frozenset[int]
+    vocab_size: int
+    prompt_length: int
+    context_limit: int
+    template_kwargs: dict
+
+
+class RowError(SpdsError):
+    pass
+
+
+def _check(condition: bool, rule: str, detail: str) -> None:
+    if not condition:
+        raise ValueError(f"rule '{rule}': {detail}")
+
+
+def token_row(row: dict) -> tuple[np.ndarray, int]:
+    ids = np.asarray(row["input_ids"], dtype=np.int64)
+    prefix = row["prefix_tokens"]
+    labels = np.asarray(row["labels"], dtype=np.int64)
+    _check(prefix < len(ids), "non-empty supervision", f"prefix_tokens {prefix} leaves no response in {len(ids)} ids")
+    _check(row["supervised_tokens"] == len(ids) - prefix, "supervised_tokens consistent",
+           f"supervised_tokens {row['supervised_tokens']} != len(input_ids) - prefix_tokens = {len(ids) - prefix}")
+    expected = ids.copy()
+    expected[:prefix] = -100
+    if len(labels) != len(ids) or not np.array_equal(labels, expected):
+        where = "length differs" if len(labels) != len(ids) else f"first difference at position {int(np.flatnonzero(labels != expected)[0])}"
+        raise ValueError(f"rule 'labels mask': labels must equal [-100]*prefix_tokens + input_ids[prefix_tokens:] ({where})")
+    return ids, prefix
+
+
+def place(ids: np.ndarray, prefix: int, rules: RowRules) -> tuple[np.ndarray, int, int, bool]:
+    """Insert an empty system message where the row has none; return (ids, prefix, insert_at, added)."""
+    if rules.placement == "prefix":
+        return ids, prefix, 0, False
+    s = rules.scaffold
+    lead, head, close, user = len(s.lead), s.system_header, s.system_close, s.user_header
+    _check(ids[:lead].tolist() == s.lead, "conversation start", f"row does not begin with the template's lead tokens {s.lead}")
+    if ids[lead:lead + len(head)].tolist() == head:
+        return ids, prefix, lead + len(head), False
+    # Refuse anything but a user turn rather than insert a system message at a guessed boundary.
+    _check(ids[lead:lead + len(user)].tolist() == user, "conversation start",
+           f"after the lead the row must open a system or user turn ({head} or {user}), found {ids[lead:lead + len(user)].tolist()}")
+    inserted = np.concatenate([ids[:lead], np.asarray(head + close, dtype=np.int64), ids[lead:]])
+    return inserted, prefix + len(head) + len(close), lead + len(head), True
+
+
+def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
+    if "messages" in row:
+        ids_list, prefix = render_chat_row(tokenizer, row["messages"], row["response"], sorted(rules.end_ids), rules.template_kwargs)
+        ids = np.asarray(ids_list, dtype=np.int64)
+        response_sha256 = hashlib.sha256(row["response"].encode()).hexdigest()
+    else:
+        ids, prefix = token_row(row)
+        response_sha256 = row["response_sha256"]
+    _check(int(ids.max()) < rules.vocab_size, "token ids in vocabulary",
+           f"id {int(ids.max())} >= vocabulary size {rules.vocab_size}")
+    _check(int(ids[-1]) in rules.end_ids, "ends with end-of-turn",
+           f"last id {int(ids[-1])} is not an end token {sorted(rules.end_ids)}")
+    ids, prefix, insert_at, added = place(ids, prefix, rules)
+    total = len(ids) + rules.prompt_length
+    _check(total <= rules.context_limit, "context limit",
+           f"{len(ids)} tokens + {rules.prompt_length} soft-prompt tokens = {total} > data.context_limit {rules.context_limit}")
+    return Record(request_id=row["request_id"], question_id=row["question_id"], sample_index=row["sample_index"],
+                  ids=ids.astype(np.uint32), prefix_tokens=prefix, insert_at=insert_at,
+                  response_sha256=response_sha256, added_system=added, source=source)
+
+
+def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
+    """Yield one checked Record per line; raise RowError naming file, line, request_id and rule."""
+    with open(path, "rb") as stream:
+        for number, line in enumerate(stream, start=1):
+            if not line.strip():
+                raise RowError(f"{path}:{number}: rule 'one JSON object per line': blank line")
+            request_id = "?"
+            try:
+                row = json.loads(line)
+                if isinstance(row, dict) and isinstance(row.get("request_id"), str):
+                    request_id = row["request_id"]
+                problems = describe_errors(row, "candidate")
+                if problems:
+                    raise ValueError("rule 'schema' (schemas/candidate.schema.json): " + "; ".join(problems))
+                yield build_record(row, tokenizer, rules, f"{path.name}:{number}")
+            except json.JSONDecodeError as error:
+                raise RowError(f"{path}:{number}: rule 'one JSON object per line': {error.msg} at column {error.colno}") from None
+            except ValueError as error:
+                raise RowError(f"{path}:{number}: request_id {request_id}: {error}") from None

@@ -1,0 +1,159 @@
+"""File-system primitives every other module relies on.
+
+Nothing spds writes may be half-written after a crash: every file goes to a temporary name in
+the same directory, is fsynced, then renamed over the target (rename is atomic on POSIX), and
+the directory itself is fsynced so the rename survives a power loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+CHUNK = 1 << 20
+
+
+class SpdsError(Exception):
+    """An error the user can act on; the CLI prints it without a traceback and exits non-zero."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or []
+
+    def __str__(self) -> str:
+        if not self.problems:
+            return super().__str__()
+        return super().__str__() + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while block := stream.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_path(path: str | os.PathLike) -> str:
+    """sha256 of a file, or of a directory: its sorted relative file names and their contents.
+
+    A directory digest changes when any file is added, removed, renamed or edited, so a pinned
+    model directory cannot drift silently.
+    """
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    if not path.is_dir():
+        raise SpdsError(f"{path}: no such file or directory")
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        relative = file.relative_to(path).as_posix()
+        digest.update(relative.encode() + b"\0" + sha256_file(file).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def sha256_json(value: Any) -> str:
+    """Digest of a JSON value in canonical form (sorted keys, no whitespace)."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
+    """Yield a stream to a temporary file that replaces `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
+    with atomic_writer(path) as stream:
+        json.dump(value, stream, indent=2)
+        stream.write("\n")
+
+
+def append_line_durably(path: str | os.PathLike, line: str) -> None:
+    """Append one line and fsync it: a metrics line that was printed is also on disk."""
+    with open(path, "a") as stream:
+        stream.write(line.rstrip("\n") + "\n")
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpdsError(f"{path}: file not found") from None
+    except json.JSONDecodeError as error:
+        raise SpdsError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Hold an exclusive, non-blocking flock; a second holder gets a clear error, not a wait."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SpdsError(f"{what} is already running (lock held on {path})") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def verified_copy(source_dir: Path, files: list[str], target_dir: Path, receipt_name: str = "receipt.json") -> dict:
+    """Copy `files` from source_dir to target_dir through a temporary directory, compare every
+    sha256, then rename into place and write a receipt. A target that already exists must hold
+    identical files (a backup never silently overwrites a different one)."""
+    digests = {name: sha256_file(source_dir / name) for name in files}
+    if target_dir.exists():
+        for name, expected in digests.items():
+            if not (target_dir / name).exists() or sha256_file(target_dir / name) != expected:
+                raise SpdsError(f"backup {target_dir} exists but {name} differs from {source_dir / name}")
+    else:
+        temporary = target_dir.with_name(f".{target_dir.name}.partial")
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+        for name in files:
+            (temporary / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source_dir / name, temporary / name)
+            if sha256_file(temporary / name) != digests[name]:
+                raise SpdsError(f"backup copy of {source_dir / name} does not match its source")
+        os.replace(temporary, target_dir)
+        fsync_dir(target_dir.parent)
+    receipt = {"status": "verified", "source": str(source_dir), "target": str(target_dir), "files": digests}
+    atomic_write_json(target_dir / receipt_name, receipt)
+    return receipt
