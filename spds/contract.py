@@ -74,8 +74,12 @@ def _location(path) -> str:
 
 def describe_errors(instance: Any, schema_name: str) -> list[str]:
     """Every schema violation as 'location: message', unknown keys with the nearest valid key."""
+    return describe_errors_with(validator(schema_name), instance)
+
+
+def describe_errors_with(checker: jsonschema.protocols.Validator, instance: Any) -> list[str]:
     problems = []
-    for error in sorted(validator(schema_name).iter_errors(instance), key=lambda e: list(map(str, e.absolute_path))):
+    for error in sorted(checker.iter_errors(instance), key=lambda e: list(map(str, e.absolute_path))):
         where = _location(error.absolute_path)
         if error.validator == "additionalProperties" and isinstance(error.instance, dict):
             allowed = list(error.schema.get("properties", {}))

@@ -1,0 +1,113 @@
+"""The run contract: schemas, defaults, unknown keys, every problem at once, pins."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from conftest import REPO, edit_config
+from spds.cli import main
+from spds.contract import load_config, load_schema, pin_config
+from spds.fsio import SpdsError, sha256_path
+
+
+def test_every_schema_is_valid_draft_2020_12():
+    names = sorted(p.name.removesuffix(".schema.json") for p in (REPO / "schemas").glob("*.schema.json"))
+    assert {"config", "ds_config", "candidate", "manifest"} <= set(names)
+    for name in names:
+        schema = load_schema(name)
+        assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
+def test_every_shipped_deepspeed_config_validates(tiny):
+    for ds_config in sorted((REPO / "ds_configs").glob("*.json")):
+        edit_config(tiny, deepspeed_config=str(ds_config))
+        assert main(["validate", str(tiny / "config.json")]) == 0, ds_config
+
+
+def test_defaults_come_from_the_schema(tiny):
+    config = load_config(tiny / "config.json")
+    schema = load_schema("config")
+    assert config["optim"]["betas"] == schema["properties"]["optim"]["properties"]["betas"]["default"]
+    assert config["student"]["attn_implementation"] == "sdpa"
+    assert config["data_parallel_size"] == "any"
+    assert config["data"]["candidates"][0]["sha256"] is None
+
+
+def test_all_problems_reported_together_with_nearest_key(tiny, capsys):
+    edit_config(tiny, optim={"lerning_rate": 0.1, "updates": 0}, soft_prompt={"placement": "middle"})
+    with pytest.raises(SpdsError) as caught:
+        load_config(tiny / "config.json")
+    text = str(caught.value)
+    assert "optim.lerning_rate: unknown key; did you mean 'learning_rate'?" in text
+    assert "optim.updates: 0 is less than the minimum of 1" in text
+    assert "soft_prompt.placement" in text
+    assert main(["validate", str(tiny / "config.json")]) == 1
+    assert "lerning_rate" in capsys.readouterr().err
+
+
+def test_mixed_precision_section_is_refused_with_the_reason(tiny, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "train_batch_size": 8}))
+    edit_config(tiny, deepspeed_config=str(ds))
+    with pytest.raises(SpdsError) as caught:
+        load_config(tiny / "config.json")
+    text = str(caught.value)
+    assert "bf16: remove the bf16 section" in text and "FP32 soft prompt" in text
+    assert "train_batch_size: remove train_batch_size" in text
+
+
+def test_missing_inputs_are_named(tiny):
+    edit_config(tiny, student={"model_path": "nowhere"}, data={"candidates": [{"path": "missing.jsonl"}]})
+    with pytest.raises(SpdsError) as caught:
+        load_config(tiny / "config.json")
+    assert "student.model_path" in str(caught.value) and "data.candidates[0].path" in str(caught.value)
+
+
+def test_pin_then_changed_input_refuses_naming_expected_and_actual(tiny):
+    pins = pin_config(tiny / "config.json")
+    written = json.loads((tiny / "config.json").read_text())
+    assert written["data"]["candidates"][0]["sha256"] == pins["data.candidates[0].sha256"]
+    assert "packed_dir" in written["data"] and "betas" not in written.get("optim", {})  # defaults not expanded
+    load_config(tiny / "config.json")
+    with open(tiny / "candidates.jsonl", "a") as stream:
+        stream.write("\n")
+    with pytest.raises(SpdsError) as caught:
+        load_config(tiny / "config.json")
+    text = str(caught.value)
+    assert "data.candidates[0].sha256" in text
+    assert pins["data.candidates[0].sha256"] in text and sha256_path(tiny / "candidates.jsonl") in text
+    assert main(["prepare", str(tiny / "config.json")]) == 1
+    assert not (tiny / "packed").exists()
+
+
+def test_directory_digest_covers_names_and_contents(tmp_path):
+    (tmp_path / "a").write_text("x")
+    first = sha256_path(tmp_path)
+    (tmp_path / "a").rename(tmp_path / "b")
+    second = sha256_path(tmp_path)
+    (tmp_path / "b").write_text("y")
+    assert len({first, second, sha256_path(tmp_path)}) == 3
+
+
+def test_yaml_config(tiny):
+    yaml = pytest.importorskip("yaml")
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.yaml").write_text(yaml.safe_dump(config))
+    assert load_config(tiny / "config.yaml")["optim"]["effective_batch"] == 8
+
+
+def test_world_size_contract(tiny):
+    from spds.contract import validate_run_world
+
+    edit_config(tiny, data_parallel_size=4, optim={"effective_batch": 8})
+    config = load_config(tiny / "config.json")
+    validate_run_world(config, 4)
+    with pytest.raises(SpdsError, match="data_parallel_size is 4 but this launch has world size 2"):
+        validate_run_world(config, 2)
+    edit_config(tiny, data_parallel_size="any", optim={"effective_batch": 8})
+    with pytest.raises(SpdsError, match="does not divide by the world size 3"):
+        validate_run_world(load_config(tiny / "config.json"), 3)
