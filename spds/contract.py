@@ -150,7 +150,8 @@ class Config:
                              ("train", "progress_bar"), ("train", "require_smoke"), ("distributed", "timeout_minutes"),
                              ("distributed", "master_addr"), ("distributed", "master_port"), ("data", "backup_dir")]:
             fields.get(section, {}).pop(key, None)
-        fields["optim"].pop("updates", None)  # resuming into a longer run is allowed; the schedule is checked separately
+        if fields["optim"]["schedule"] == "constant" and not fields["optim"]["warmup_updates"]:
+            fields["optim"].pop("updates")  # a constant-rate run may be extended and resumed
         return fields
 
 

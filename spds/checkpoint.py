@@ -1,0 +1,191 @@
+"""Checkpoints that resume bit-exactly, and that exist only once committed.
+
+A checkpoint directory  <output>/checkpoints/update-NNNNNN/  holds
+    mp_rank_00_model_states.pt   DeepSpeed's save_checkpoint(exclude_frozen_parameters=True):
+                                 the prompt, Adam moments and step, the LR scheduler (no backbone)
+    rank-RRRRR.pt                each rank's RNG states (python, numpy, torch CPU, CUDA) and
+                                 data cursor, written by that rank (temp file, fsync, rename)
+    commit.json                  written last by rank 0 after every other file is fsynced:
+                                 identities, versions, cursor, and the sha256 of every file
+
+DeepSpeed writes without fsync or rename, so a directory without a valid commit.json (a save
+killed half-way) does not exist for resume; the previous committed one is used.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .contract import describe_errors
+from .fsio import SpdsError, atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy
+
+PATTERN = re.compile(r"^update-(\d{6,})$")
+COMMIT = "commit.json"
+
+
+def tag_for(update: int) -> str:
+    return f"update-{update:06d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+# ---------------------------------------------------------------- per-rank state
+
+def capture_rng() -> dict:
+    numpy_state = np.random.get_state()
+    state = dict(python=random.getstate(),
+                 numpy=[numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+                 torch=torch.get_rng_state())
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as stream:
+        os.fsync(stream.fileno())
+
+
+def prompt_digest(prompt: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(prompt.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- save and commit
+
+def fault_point(name: str, update: int) -> None:
+    """Crash-test hook: SPDS_FAULT=NAME:UPDATE kills this process with SIGKILL right here, as a
+    power cut or an OOM killer would. Tests use it to prove a half-written save is harmless."""
+    if os.environ.get("SPDS_FAULT") == f"{name}:{update}":
+        os.kill(os.getpid(), 9)
+
+
+def save(engine, root: Path, update: int, cursor: dict, identities: dict, versions: dict, reason: str,
+         rank: int, world: int) -> Path:
+    """Collective: every rank calls it. Returns the committed directory."""
+    tag = tag_for(update)
+    directory = root / tag
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)  # a stale, uncommitted save of the same update
+        root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    engine.save_checkpoint(str(root), tag=tag, exclude_frozen_parameters=True, save_latest=False)
+    fault_point("after-deepspeed-save", update)
+    with atomic_writer(directory / rank_file(rank), "wb") as stream:
+        torch.save(dict(rank=rank, world_size=world, rng=capture_rng(), cursor=cursor), stream)
+    if rank == 0:
+        for path in directory.iterdir():
+            if path.is_file():
+                fsync_file(path)  # DeepSpeed's own files reach the disk before the commit says so
+    dist.barrier()
+    if rank == 0:
+        files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != COMMIT}
+        missing = [rank_file(r) for r in range(world) if rank_file(r) not in files]
+        if missing:
+            raise SpdsError(f"{directory}: rank files {missing} are not visible to rank 0; checkpoints need a "
+                            "file system shared by all nodes")
+        commit = dict(format="spds-checkpoint-v1", update=update, tag=tag, reason=reason, saved_at=time.time(),
+                      world_size=world, identities=identities, versions=versions, cursor=cursor,
+                      prompt_sha256=prompt_digest(engine.module.prompt), files=files)
+        problems = describe_errors(commit, "commit")
+        if problems:
+            raise SpdsError("internal error: commit record does not match schemas/commit.schema.json", problems)
+        atomic_write_json(directory / COMMIT, commit)
+    dist.barrier()
+    return directory
+
+
+# ---------------------------------------------------------------- find, verify, restore
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    """(update, directory) of every directory that holds a commit record, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = PATTERN.match(path.name)
+        if match and (path / COMMIT).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def verify(directory: Path) -> dict:
+    """The commit record, after checking that every file it names has its recorded sha256."""
+    commit = read_json(directory / COMMIT)
+    problems = describe_errors(commit, "commit")
+    if problems:
+        raise SpdsError(f"{directory / COMMIT}: not a valid commit record", problems)
+    for name, expected in commit["files"].items():
+        path = directory / name
+        actual = sha256_file(path) if path.exists() else "missing"
+        if actual != expected:
+            raise SpdsError(f"checkpoint file {path} is corrupted (expected sha256 {expected}, actual {actual}); "
+                            f"remove {directory} to resume from the previous checkpoint")
+    return commit
+
+
+def identity_changes(saved: dict, current: dict) -> list[str]:
+    return [f"{key}: checkpoint {saved.get(key)!r:.80} != now {current.get(key)!r:.80}"
+            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+
+
+def restore(engine, directory: Path, identities: dict, rank: int, world: int) -> dict:
+    """Load a verified checkpoint into the engine and this rank's RNG; return the cursor."""
+    commit = verify(directory)
+    changes = identity_changes(commit["identities"], identities)
+    if changes:
+        raise SpdsError(f"cannot resume from {directory}: the run's identity changed", changes)
+    engine.load_checkpoint(str(directory.parent), tag=directory.name, load_module_strict=False,
+                           load_optimizer_states=True, load_lr_scheduler_states=True)
+    # load_module_strict=False would silently skip a missing prompt: prove it was loaded.
+    if prompt_digest(engine.module.prompt) != commit["prompt_sha256"]:
+        raise SpdsError(f"{directory}: the soft prompt was not restored by DeepSpeed's load_checkpoint")
+    state = torch.load(directory / rank_file(rank), weights_only=False)
+    if state["rank"] != rank or state["world_size"] != world:
+        raise SpdsError(f"{directory / rank_file(rank)} belongs to rank {state['rank']} of {state['world_size']}")
+    restore_rng(state["rng"])
+    return state["cursor"]
+
+
+# ---------------------------------------------------------------- retention and backup
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep_last` and uncommitted leftovers older
+    than the newest commit. The newest committed checkpoint is never deleted."""
+    kept = committed(root)
+    if not kept:
+        return []
+    newest = kept[-1][0]
+    doomed = [path for _, path in kept[:-max(1, keep_last)]]
+    for path in root.iterdir():
+        match = PATTERN.match(path.name)
+        if match and not (path / COMMIT).exists() and int(match.group(1)) < newest:
+            doomed.append(path)
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def backup(directory: Path, backup_root: Path) -> dict:
+    commit = read_json(directory / COMMIT)
+    return verified_copy(directory, [*commit["files"], COMMIT], backup_root / directory.name, "backup-receipt.json")

@@ -1,0 +1,104 @@
+"""DeepSpeed set-up and the exact update.
+
+What DeepSpeed is asked to do, and why (each verified on deepspeed 0.19.8, CPU/gloo and H200/NCCL):
+  * fp32 engine: a bf16/fp16 section would cast every floating parameter, the prompt too, so the
+    engine runs in fp32 and spds casts only the frozen student (student.dtype) itself.
+  * gradient_accumulation_steps 1 and every micro-batch's backward under engine.no_sync(): the
+    prompt gradient accumulates locally, untouched by DeepSpeed's 1/GAS scaling.
+  * one engine.allreduce_gradients() per update with gradient_allreduce_op "sum" (averaging off):
+    the reduced gradient is the exact SUM over ranks. Each rank's loss is already divided by the
+    global supervised-token count, so the sum is the gradient of the global mean. (Multiplying the
+    loss by the world size instead is not exact with a bf16 backbone.)
+  * a torch Adam/AdamW over the prompt only, handed to deepspeed.initialize: no op builds.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+
+from .contract import Config
+from .fsio import SpdsError, read_json
+from .schedule import lr_factor
+
+
+def ensure_accelerator_env() -> None:
+    """DeepSpeed picks its accelerator at import: make a machine without CUDA choose the CPU."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def init_distributed(config: Config) -> tuple[int, int, torch.device]:
+    """Join (or, without a launcher, create) the process group; return (rank, world, device)."""
+    ensure_accelerator_env()
+    import deepspeed
+
+    settings = config["distributed"]
+    if "RANK" not in os.environ:  # one plain process: a one-rank group of its own
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", settings["master_addr"])
+        os.environ.setdefault("MASTER_PORT", str(settings["master_port"] or _free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = settings["backend"] if settings["backend"] != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(minutes=settings["timeout_minutes"]))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def deepspeed_config(config: Config, world: int) -> dict:
+    """The user's DeepSpeed file plus the keys spds owns (the schema forbids setting them there)."""
+    ds = read_json(config.deepspeed_config_path)
+    micro = config["optim"]["micro_batch"]
+    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1, train_batch_size=micro * world,
+              gradient_allreduce_op="sum", communication_data_type="fp32")
+    ds.setdefault("zero_optimization", {"stage": 0})
+    return ds
+
+
+def build_engine(config: Config, model: torch.nn.Module, world: int):
+    import deepspeed
+
+    optim = config["optim"]
+    optimizer_class = torch.optim.AdamW if optim["optimizer"] == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class([model.prompt], lr=optim["learning_rate"], betas=tuple(optim["betas"]),
+                                eps=optim["eps"], weight_decay=optim["weight_decay"], foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(config, world), dist_init_required=False)
+    if engine.gradient_average:
+        raise SpdsError("DeepSpeed would average gradients over ranks; spds needs gradient_allreduce_op 'sum' "
+                        "(deepspeed >= 0.19.6)")
+    return engine
+
+
+def check_precision(engine) -> None:
+    """Asserted every update: FP32 prompt, gradient and Adam moments; a gradient-free student."""
+    prompt = engine.module.prompt
+    if prompt.dtype != torch.float32 or (prompt.grad is not None and prompt.grad.dtype != torch.float32):
+        raise SpdsError(f"soft prompt precision changed: parameter {prompt.dtype}, gradient {getattr(prompt.grad, 'dtype', None)}")
+    for name, moment in engine.optimizer.state.get(prompt, {}).items():
+        if torch.is_tensor(moment) and moment.is_floating_point() and moment.dtype != torch.float32:
+            raise SpdsError(f"optimizer state {name} is {moment.dtype}, not float32")
+    for name, parameter in engine.module.student.named_parameters():
+        if parameter.requires_grad or parameter.grad is not None:
+            raise SpdsError(f"frozen student parameter {name} requires or received a gradient")
+
+
+def all_reduce_sum(values: list[float | torch.Tensor], device: torch.device) -> list[float]:
+    """Sum small host/device scalars over ranks in one collective (one host sync per update)."""
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    torch.distributed.all_reduce(tensor)
+    return tensor.tolist()

@@ -1,0 +1,356 @@
+"""spds smoke / spds train: the training loop, top-down.
+
+    contract -> process group -> packed data -> frozen student + FP32 prompt -> DeepSpeed engine
+    -> resume from the newest committed checkpoint -> for each update:
+         global batch (seed, u) -> this rank's records -> micro-batches under no_sync
+         -> exact SUM all-reduce -> clip -> step -> metrics -> checkpoint / stop at the boundary
+
+Every rank runs this file; rank 0 alone writes run.json, metrics.jsonl, progress.json,
+terminal.json and commit records.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .contract import REPO_ROOT, Config, describe_errors, load_config, validate_run_world
+from .fsio import SpdsError, append_line_durably, atomic_write_json, canonical_json, exclusive_lock, read_json, sha256_json
+from . import checkpoint, schedule
+from .data.packed import PackedStore
+from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
+from .loss import make_loss
+from .model import Segment, SoftPromptModel, initial_prompt, load_student
+
+
+# ---------------------------------------------------------------- the loop
+
+def run(config: Config, smoke: bool, log=print) -> dict:
+    rank, world, device = init_distributed(config)
+    validate_run_world(config, world)
+    optim = config["optim"]
+    store = PackedStore.open(config.packed_dir)
+    plan = Plan(store, config, world)
+    identities = run_identities(config, store, world)
+    out = config.output_dir / "smoke" if smoke else config.output_dir
+    smoke_waived = False if smoke else check_smoke_evidence(config, identities)
+    seed_everything(optim["seed"])
+
+    model = build_model(config, device)
+    engine = build_engine(config, model, world)
+    root = out / "checkpoints"
+    if smoke and rank == 0:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)  # a smoke is isolated: never resumed, never reused
+    torch.distributed.barrier()
+    start, resumed_from = 1, None
+    if not smoke and checkpoint.committed(root):
+        resumed_from = checkpoint.committed(root)[-1][1]
+        cursor = checkpoint.restore(engine, resumed_from, identities, rank, world)
+        start = cursor["next_update"]
+    last = 1 if smoke else optim["updates"]
+
+    with rank_zero_lock(out, rank):
+        if rank == 0:
+            write_run_record(out, config, smoke, start, last, world, identities, smoke_waived, resumed_from, model)
+        stop = StopFlag()
+        began, saved = time.monotonic(), None
+        status, update = "complete", start - 1
+        bar = progress_bar(config, rank, start, last)
+        try:
+            for update in range(start, last + 1):
+                batch = plan.global_batch(update, force_longest=smoke)
+                mine = plan.deal(batch)[rank]
+                metric, stop_requested = train_step(engine, store, plan, batch, mine, device, stop)
+                metric.update(update=update, elapsed_seconds=time.monotonic() - began)
+                if rank == 0:
+                    record_metric(out, metric, last, saved, bar, engine)
+                due = update % config["checkpoint"]["every"] == 0 or update == last or stop_requested
+                if due:
+                    reason = "smoke" if smoke else "signal" if stop_requested else "final" if update == last else "scheduled"
+                    saved = save_checkpoint(config, engine, root, update, plan, batch, mine, identities, reason, rank, world)
+                if stop_requested and update < last:
+                    status = "stopped"
+                    break
+            if smoke:
+                verify_restore(engine, saved, identities, rank, world)
+                if rank == 0:
+                    write_smoke_evidence(out, identities, world, plan, metric, saved)
+        except BaseException as error:
+            if rank == 0:
+                write_terminal(out, "failed", update - 1, saved, f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        if rank == 0:
+            write_terminal(out, status, update, saved, "stopped by signal at an update boundary" if status == "stopped" else None)
+    torch.distributed.barrier()
+    return dict(status=status, update=update, output=str(out), checkpoint=str(saved) if saved else None)
+
+
+def train_step(engine, store: PackedStore, plan: "Plan", batch, mine: list[int], device, stop: "StopFlag"):
+    """One update. The gradient is d/dprompt of (sum CE over the global batch / its supervised tokens)."""
+    started = time.monotonic()
+    denominator = int(store.supervised_tokens[batch].sum())
+    micro = plan.micro_batch
+    local_loss = torch.zeros((), dtype=torch.float32, device=device)
+    with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
+        for first in range(0, len(mine), micro):
+            segments = [plan.segment(i) for i in mine[first:first + micro]]
+            loss_sum = engine(segments)
+            engine.backward(loss_sum / denominator)
+            local_loss += loss_sum.detach()
+    engine.allreduce_gradients()  # exact SUM over ranks (gradient_allreduce_op "sum")
+    loss_sum, stop_votes = all_reduce_sum([local_loss, float(stop.requested)], device)
+    prompt = engine.module.prompt
+    max_norm = plan.max_grad_norm
+    grad_norm = torch.nn.utils.clip_grad_norm_([prompt], max_norm if max_norm else float("inf"))
+    check_precision(engine)
+    learning_rate = engine.get_lr()[0]
+    engine.step()
+    check_precision(engine)
+    seconds = time.monotonic() - started
+    positions = int(store.length[batch].sum()) + len(batch) * plan.prompt_length
+    metric = dict(loss=loss_sum / denominator, supervised_tokens=denominator, tokens=positions, records=len(batch),
+                  grad_norm=float(grad_norm), learning_rate=learning_rate, seconds=seconds,
+                  tokens_per_second=positions / seconds,
+                  peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0,
+                  global_batch_sha256=schedule.batch_digest(batch))
+    return metric, stop_votes > 0
+
+
+# ---------------------------------------------------------------- the pieces the loop calls
+
+class Plan:
+    """Which records are trained, in which update, on which rank, in which micro-batches."""
+
+    def __init__(self, store: PackedStore, config: Config, world: int):
+        self.store, self.world = store, world
+        optim = config["optim"]
+        self.seed, self.batch, self.micro_batch = optim["seed"], optim["effective_batch"], optim["micro_batch"]
+        self.max_grad_norm = optim["max_grad_norm"]
+        self.prompt_length = config["soft_prompt"]["length"]
+        self.train_records = np.flatnonzero(store.is_train)
+        if not len(self.train_records):
+            raise SpdsError("no training records: data.eval_fraction holds out every question")
+        self.costs = schedule.record_cost(store.length + self.prompt_length)
+
+    def global_batch(self, update: int, force_longest: bool = False) -> np.ndarray:
+        batch = self.train_records[schedule.global_batch(self.seed, update, len(self.train_records), self.batch)]
+        if force_longest:  # the smoke proves the longest record fits: make sure it is in
+            longest = self.train_records[int(np.argmax(self.store.length[self.train_records]))]
+            if longest not in batch:
+                batch = batch.copy()
+                batch[0] = longest
+        return batch
+
+    def deal(self, batch: np.ndarray) -> list[list[int]]:
+        return schedule.deal_to_ranks(batch, self.costs, self.world)
+
+    def segment(self, index: int) -> Segment:
+        return Segment(ids=torch.from_numpy(self.store.ids(index)), prefix_tokens=int(self.store.prefix_tokens[index]),
+                       insert_at=int(self.store.insert_at[index]))
+
+    def cursor(self, update: int, batch, mine) -> dict:
+        return dict(completed_update=update, next_update=update + 1, recipe=schedule.RECIPE, seed=self.seed,
+                    training_records=len(self.train_records), effective_batch=self.batch,
+                    global_batch_sha256=schedule.batch_digest(batch), rank_records=[int(i) for i in mine])
+
+
+def build_model(config: Config, device: torch.device) -> SoftPromptModel:
+    student_cfg, prompt_cfg = config["student"], config["soft_prompt"]
+    student = load_student(config.model_path, student_cfg["dtype"], student_cfg["attn_implementation"], device)
+    tokenizer = None
+    if prompt_cfg["init"]["method"] == "text":
+        from .data.prepare import load_tokenizer
+
+        tokenizer = load_tokenizer(config)
+    prompt = initial_prompt(student, prompt_cfg["length"], prompt_cfg["init"], config["optim"]["seed"], tokenizer)
+    loss_fn = make_loss(config["loss"]["backend"], config["loss"]["chunk_tokens"])
+    return SoftPromptModel(student, prompt, loss_fn, student_cfg["activation_checkpointing"], student_cfg["sdpa_backend"])
+
+
+def save_checkpoint(config, engine, root, update, plan, batch, mine, identities, reason, rank, world) -> Path:
+    directory = checkpoint.save(engine, root, update, plan.cursor(update, batch, mine), identities, library_versions(),
+                                reason, rank, world)
+    if rank == 0:
+        if config["checkpoint"]["backup_dir"] and reason != "smoke":
+            checkpoint.backup(directory, config.resolve(config["checkpoint"]["backup_dir"]))
+        checkpoint.prune(root, config["checkpoint"]["keep_last"])
+    return directory
+
+
+def verify_restore(engine, directory: Path, identities: dict, rank: int, world: int) -> None:
+    """Smoke: poison the prompt and Adam moments, restore the checkpoint, demand bit-equality."""
+    prompt = engine.module.prompt
+    state = engine.optimizer.state[prompt]
+    before = {"prompt": prompt.detach().clone(), **{k: v.clone() for k, v in state.items() if torch.is_tensor(v)}}
+    with torch.no_grad():
+        prompt.fill_(float("nan"))
+        for value in state.values():
+            if torch.is_tensor(value):
+                value.fill_(float("nan") if value.is_floating_point() else 0)
+    checkpoint.restore(engine, directory, identities, rank, world)
+    after = {"prompt": prompt.detach(), **{k: v for k, v in engine.optimizer.state[prompt].items() if torch.is_tensor(v)}}
+    for key, value in before.items():
+        if not torch.equal(value, after[key]):
+            raise SpdsError(f"smoke: restoring {directory} did not reproduce {key} bit for bit")
+
+
+class StopFlag:
+    """SIGTERM/SIGINT only raise a flag; the ranks agree on it at the next update boundary."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+# ---------------------------------------------------------------- identities and records
+
+def code_digest() -> str:
+    files = sorted([*(REPO_ROOT / "spds").rglob("*.py"), *(REPO_ROOT / "schemas").glob("*.json")])
+    return sha256_json({str(p.relative_to(REPO_ROOT)): p.read_bytes().hex() for p in files})
+
+
+def run_identities(config: Config, store: PackedStore, world: int) -> dict:
+    topology = dict(world_size=world, micro_batch=config["optim"]["micro_batch"], reduction="sum")
+    return dict(code=code_digest(), config=config.identity(), data=store.digest, topology=sha256_json(topology))
+
+
+def library_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for package in ("spds", "torch", "deepspeed", "transformers", "numpy", "liger-kernel"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def check_smoke_evidence(config: Config, identities: dict) -> bool:
+    """Train refuses without smoke evidence for this code, config and data; returns True if waived."""
+    if not config["train"]["require_smoke"]:
+        return True
+    path = config.output_dir / "smoke" / "evidence.json"
+    if not path.exists():
+        raise SpdsError(f"no smoke evidence at {path}: run `spds smoke {config.path}` first "
+                        "(or set train.require_smoke to false; the waiver is recorded in run.json)")
+    evidence = read_json(path)
+    stale = [k for k in ("code", "config", "data") if evidence.get("identities", {}).get(k) != identities[k]]
+    if evidence.get("status") != "passed" or stale:
+        raise SpdsError(f"smoke evidence {path} is for another {', '.join(stale) or 'result'}: run `spds smoke` again")
+    return False
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def launch_environment() -> dict:
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+            "DS_ACCELERATOR", "TORCHELASTIC_RUN_ID")
+    environment = {k: os.environ[k] for k in keys if k in os.environ}
+    environment.update({k: v for k, v in os.environ.items() if k.startswith(("SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "NCCL_"))})
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "deepspeed" if any(a.startswith("--local") for a in sys.argv) else "none"
+    return dict(hostname=socket.gethostname(), launcher=launcher, argv=sys.argv, environment=environment)
+
+
+def write_validated(path: Path, value: dict, schema: str) -> None:
+    problems = describe_errors(value, schema)
+    if problems:
+        raise SpdsError(f"internal error: {path.name} does not match schemas/{schema}.schema.json", problems)
+    atomic_write_json(path, value)
+
+
+def write_run_record(out, config, smoke, start, last, world, identities, smoke_waived, resumed_from, model) -> None:
+    write_validated(out / "run.json", dict(
+        mode="smoke" if smoke else "train", started_at=time.time(), start_update=start, updates=last, world_size=world,
+        identities=identities, versions=library_versions(), config=config.raw, config_path=str(config.path),
+        launch=launch_environment(), smoke_waived=smoke_waived, resumed_from=str(resumed_from) if resumed_from else None,
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        loss_backend=model.loss_fn.backend), "run")
+
+
+def record_metric(out: Path, metric: dict, last: int, saved, bar, engine) -> None:
+    problems = describe_errors(metric, "metrics")
+    if problems:
+        raise SpdsError("internal error: a metrics line does not match schemas/metrics.schema.json", problems)
+    append_line_durably(out / "metrics.jsonl", canonical_json(metric))
+    done = metric["update"]
+    atomic_write_json(out / "progress.json", dict(status="running", update=done, updates=last, loss=metric["loss"],
+                                                  elapsed_seconds=metric["elapsed_seconds"],
+                                                  eta_seconds=metric["seconds"] * (last - done),
+                                                  last_checkpoint=str(saved) if saved else None))
+    if engine.monitor.enabled:  # TensorBoard / CSV through DeepSpeed's monitor settings
+        engine.monitor.write_events([(f"spds/{k}", metric[k], done) for k in ("loss", "grad_norm", "learning_rate", "tokens_per_second")])
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{metric['loss']:.4f}", tok_s=f"{metric['tokens_per_second']:.0f}")
+    else:
+        print(f"update {done}/{last}  loss {metric['loss']:.4f}  grad_norm {metric['grad_norm']:.3g}  "
+              f"lr {metric['learning_rate']:.3g}  {metric['tokens_per_second']:.0f} tok/s", flush=True)
+
+
+def write_terminal(out: Path, status: str, update: int, saved, reason) -> None:
+    write_validated(out / "terminal.json", dict(status=status, update=max(0, update), finished_at=time.time(),
+                                                checkpoint=str(saved) if saved else None, reason=reason), "terminal")
+
+
+def write_smoke_evidence(out: Path, identities: dict, world: int, plan: Plan, metric: dict, saved: Path) -> None:
+    write_validated(out / "evidence.json", dict(
+        status="passed", identities=identities, world_size=world,
+        longest_record_tokens=int(plan.store.length[plan.train_records].max()), metric=metric,
+        checkpoint=str(saved), versions=library_versions()), "smoke")
+
+
+def progress_bar(config: Config, rank: int, start: int, last: int):
+    if rank != 0 or not config["train"]["progress_bar"] or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=last, initial=start - 1, unit="update", dynamic_ncols=True)
+
+
+class rank_zero_lock:
+    """Rank 0 holds an exclusive lock on the output directory: two trainers never share one."""
+
+    def __init__(self, out: Path, rank: int):
+        self.out, self.rank, self.lock = out, rank, None
+
+    def __enter__(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self.lock = exclusive_lock(self.out / ".train.lock", f"another spds trainer on {self.out}")
+            self.lock.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.lock is not None:
+            self.lock.__exit__(*exc)
+
+
+def main(config_path: str, smoke: bool = False) -> int:
+    config = load_config(config_path)
+    result = run(config, smoke)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"spds {'smoke' if smoke else 'train'}: {result['status']} at update {result['update']}; "
+              f"outputs in {result['output']}" + (f", checkpoint {result['checkpoint']}" if result["checkpoint"] else ""))
+    torch.distributed.destroy_process_group()
+    return 0
