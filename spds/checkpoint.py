@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -74,10 +75,11 @@ def prompt_digest(prompt: torch.Tensor) -> str:
 # ---------------------------------------------------------------- save and commit
 
 def fault_point(name: str, update: int) -> None:
-    """Crash-test hook: SPDS_FAULT=NAME:UPDATE kills this process with SIGKILL right here, as a
-    power cut or an OOM killer would. Tests use it to prove a half-written save is harmless."""
+    """Crash-test hook: SPDS_FAULT=NAME:UPDATE sends this process a signal right here: SIGKILL for
+    "kill-*" points (a power cut, the OOM killer), SIGTERM for "sigterm-*" (a preemption). Tests
+    use it to prove that a half-written save is harmless and that a stop resumes bit-exactly."""
     if os.environ.get("SPDS_FAULT") == f"{name}:{update}":
-        os.kill(os.getpid(), 9)
+        os.kill(os.getpid(), signal.SIGTERM if name.startswith("sigterm") else signal.SIGKILL)
 
 
 def save(engine, root: Path, update: int, cursor: dict, identities: dict, versions: dict, reason: str,
@@ -90,7 +92,7 @@ def save(engine, root: Path, update: int, cursor: dict, identities: dict, versio
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, exclude_frozen_parameters=True, save_latest=False)
-    fault_point("after-deepspeed-save", update)
+    fault_point("kill-after-deepspeed-save", update)
     with atomic_writer(directory / rank_file(rank), "wb") as stream:
         torch.save(dict(rank=rank, world_size=world, rng=capture_rng(), cursor=cursor), stream)
     if rank == 0:

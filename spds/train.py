@@ -71,6 +71,7 @@ def run(config: Config, smoke: bool, log=print) -> dict:
             for update in range(start, last + 1):
                 batch = plan.global_batch(update, force_longest=smoke)
                 mine = plan.deal(batch)[rank]
+                checkpoint.fault_point(f"sigterm-before-update-rank{rank}", update)
                 metric, stop_requested = train_step(engine, store, plan, batch, mine, device, stop)
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 if rank == 0:

@@ -1,0 +1,73 @@
+"""Run spds as a user would (a subprocess, optionally under a launcher) and read what it left."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def environment(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def launch_command(args: list[str], world: int = 1, launcher: str = "plain") -> list[str]:
+    if launcher == "plain":
+        assert world == 1
+        return [sys.executable, "-m", "spds.cli", *args]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
+                "-m", "spds.cli", *args]
+    if launcher == "deepspeed":
+        deepspeed = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+        return [deepspeed, f"--num_gpus={world}", f"--master_port={free_port()}", "--module", "spds.cli", *args]
+    raise ValueError(launcher)
+
+
+def spds(args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_command(args, world, launcher), cwd=cwd, env=environment(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-6000:]}"
+    return result
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    committed = sorted(p for p in (run_dir / "checkpoints").glob("update-*") if (p / "commit.json").exists())
+    assert committed, f"no committed checkpoint in {run_dir}"
+    return committed[-1]
+
+
+def final_state(run_dir: Path) -> dict:
+    """Prompt and Adam moments of the newest committed checkpoint."""
+    state = torch.load(newest_checkpoint(run_dir) / "mp_rank_00_model_states.pt", weights_only=False)
+    adam = state["optimizer"]["state"][0]
+    return dict(prompt=state["module"]["prompt"], exp_avg=adam["exp_avg"], exp_avg_sq=adam["exp_avg_sq"],
+                step=adam["step"], lr=state["lr_scheduler"]["_last_lr"][0])
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

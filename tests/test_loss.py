@@ -1,0 +1,33 @@
+"""The chunked fused linear cross entropy equals the plain definition, value and gradient."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spds.loss import chunked_linear_cross_entropy, make_loss, reference_linear_cross_entropy
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_matches_reference(dtype, tolerance, chunk):
+    generator = torch.Generator().manual_seed(chunk)
+    hidden = torch.randn(37, 16, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(53, 16, generator=generator).to(dtype)
+    targets = torch.randint(0, 53, (37,), generator=generator)
+    reference_hidden = hidden.detach().clone().requires_grad_()
+    expected = reference_linear_cross_entropy(reference_hidden, weight, targets)
+    (expected * 0.5).backward()
+    loss = chunked_linear_cross_entropy(hidden, weight, targets, chunk)
+    (loss * 0.5).backward()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(hidden.grad.float(), reference_hidden.grad.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_weight_gets_no_gradient_and_auto_backend_on_cpu():
+    loss_fn = make_loss("auto", 4)
+    assert loss_fn.backend == "chunked"  # no CUDA here
+    hidden = torch.randn(5, 8, requires_grad=True)
+    weight = torch.randn(11, 8, requires_grad=False)
+    loss_fn(hidden, weight, torch.arange(5)).backward()
+    assert weight.grad is None and hidden.grad is not None

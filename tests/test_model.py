@@ -1,0 +1,75 @@
+"""The soft prompt is spliced where the record says, and the loss is the student's own CE."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from spds.loss import make_loss
+from spds.model import Segment, SoftPromptModel, initial_prompt, load_student
+
+
+@pytest.fixture(scope="module")
+def student(tiny_assets):
+    return load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
+
+
+def make_segment(tokenizer, system: bool = True) -> Segment:
+    rows = make_tiny.synthetic_rows(tokenizer, 4)
+    row = next(r for r in rows if "input_ids" in r)
+    ids = torch.tensor(row["input_ids"])
+    return Segment(ids=ids, prefix_tokens=row["prefix_tokens"], insert_at=3 if system else 0)
+
+
+def reference_loss(student, prompt, segment):
+    """Plain HF forward over the joined embeddings, logits materialised, labels -100 on the prompt."""
+    embeddings = student.get_input_embeddings()(segment.ids)
+    a, P = segment.insert_at, prompt.shape[0]
+    joined = torch.cat([embeddings[:a], prompt.to(embeddings.dtype), embeddings[a:]])[None]
+    labels = torch.cat([segment.ids[:a], torch.full((P,), -100), segment.ids[a:]]).clone()
+    labels[:segment.prefix_tokens + P] = -100
+    logits = student(inputs_embeds=joined, position_ids=torch.arange(joined.shape[1])[None]).logits[0]
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), labels[1:], reduction="sum")
+
+
+@pytest.mark.parametrize("insert_at", [0, 3])
+def test_loss_and_prompt_gradient_match_the_students_own_forward(student, insert_at):
+    tokenizer = make_tiny.chatml_tokenizer()
+    segment = make_segment(tokenizer)
+    segment.insert_at = insert_at
+    prompt = initial_prompt(student, 5, {"method": "random_normal", "std": 0.5}, seed=3)
+    model = SoftPromptModel(student, prompt, make_loss("chunked", 16))
+    loss = model([segment])
+    loss.backward()
+    reference_prompt = prompt.clone().requires_grad_()
+    expected = reference_loss(student, reference_prompt, segment)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.prompt.grad, reference_prompt.grad, rtol=1e-4, atol=1e-6)
+    assert model.prompt.grad.dtype == torch.float32
+    assert all(p.grad is None for p in student.parameters())
+
+
+def test_padded_micro_batch_equals_separate_records(student):
+    tokenizer = make_tiny.chatml_tokenizer()
+    rows = [r for r in make_tiny.synthetic_rows(tokenizer, 8) if "input_ids" in r][:3]
+    segments = [Segment(torch.tensor(r["input_ids"]), r["prefix_tokens"], 3) for r in rows]
+    assert len({len(s.ids) for s in segments}) > 1  # really padded
+    prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=1)
+    model = SoftPromptModel(student, prompt, make_loss("chunked", 64))
+    together = model(segments)
+    separate = sum(model([s]) for s in segments)
+    torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-4)
+
+
+def test_init_methods(student):
+    tokenizer = make_tiny.chatml_tokenizer()
+    embeddings = student.get_input_embeddings().weight
+    text = initial_prompt(student, 5, {"method": "text", "text": "ab"}, 0, tokenizer)
+    ids = tokenizer.encode("ab", add_special_tokens=False)
+    assert torch.equal(text, embeddings[[ids[0], ids[1], ids[0], ids[1], ids[0]]].float())
+    sampled = initial_prompt(student, 6, {"method": "vocab_sample"}, 0)
+    assert all(any(torch.equal(row, e) for e in embeddings.float()) for row in sampled)
+    first = initial_prompt(student, 4, {"method": "random_normal", "std": 0.1}, 9)
+    assert torch.equal(first, initial_prompt(student, 4, {"method": "random_normal", "std": 0.1}, 9))
+    assert first.dtype == torch.float32 and 0.05 < first.std() < 0.2

@@ -1,0 +1,41 @@
+"""Batches depend only on (seed, update, dataset size); ranks get equal counts, longest first."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spds.fsio import SpdsError
+from spds.schedule import deal_to_ranks, global_batch, lr_factor
+
+
+def test_batches_are_pure_and_cover_each_epoch_once():
+    size, batch = 10, 4
+    stream = np.concatenate([global_batch(7, u, size, batch) for u in range(1, 6)])  # 20 positions = 2 epochs
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
+    assert np.array_equal(global_batch(7, 3, size, batch), global_batch(7, 3, size, batch))
+    assert not np.array_equal(global_batch(7, 1, size, batch), global_batch(8, 1, size, batch))
+    with pytest.raises(SpdsError, match="exceeds the 10 training records"):
+        global_batch(7, 1, size, 11)
+
+
+def test_deal_longest_first_to_least_loaded_with_equal_counts():
+    costs = np.array([100, 1, 50, 49, 2, 98], dtype=float)
+    groups = deal_to_ranks(np.arange(6), costs, 2)
+    assert [len(g) for g in groups] == [3, 3]
+    # 100 -> r0; 98 -> r1; 50 -> r1 (98 < 100); 49 -> r0 (100 < 148); 2 -> r1; r1 full, so 1 -> r0
+    assert groups == [[0, 3, 1], [5, 2, 4]]
+    loads = [costs[g].sum() for g in groups]
+    assert abs(loads[0] - loads[1]) <= costs.max()
+    with pytest.raises(SpdsError, match="does not divide by the world size 4"):
+        deal_to_ranks(np.arange(6), costs, 4)
+
+
+def test_learning_rate_shapes():
+    optim = dict(warmup_updates=2, updates=10, schedule="cosine", min_lr_ratio=0.1)
+    factors = [lr_factor(step, optim) for step in range(10)]
+    assert factors[:3] == [0.5, 1.0, 1.0]
+    assert factors[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(factors[1:], factors[2:]))
+    assert lr_factor(5, dict(optim, schedule="constant")) == 1.0
+    linear = [lr_factor(s, dict(optim, schedule="linear", min_lr_ratio=0.0)) for s in range(2, 10)]
+    assert linear[0] == 1.0 and linear[-1] == 0.0
