@@ -51,6 +51,8 @@ def cmd_train(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spds", description="Soft-prompt distillation on a frozen causal LM.")
+    # The deepspeed launcher puts --local_rank=N before the verb; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     verbs = parser.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("validate", help="validate configs, their DeepSpeed config and pinned inputs")
     p.add_argument("configs", nargs="+")
@@ -65,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
                        ("train", "train the soft prompt (resumes from the newest committed checkpoint)")]:
         p = verbs.add_parser(verb, help=text)
         p.add_argument("config")
-        # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
-        p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
         p.set_defaults(run=cmd_train)
     return parser
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Many nodes from a hostfile ("hostname slots=N" per line, see hostfile.example).
+#   launch/multi_node.sh CONFIG HOSTFILE [--verb train|smoke] [--master-addr ADDR] [--port PORT]
+#       ssh/pdsh (the deepspeed default): run once, on the first host; it starts every node.
+#   launch/multi_node.sh CONFIG HOSTFILE --no-ssh --node-rank R --master-addr ADDR [--port PORT]
+#       clusters without ssh: run once on every node, R = that node's line in the hostfile (0-based).
+# Environment for the other nodes goes through a .deepspeed_env file written next to the config.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+[ $# -ge 2 ] || die "usage: $0 CONFIG HOSTFILE [--no-ssh --node-rank R] [--master-addr ADDR] [--port PORT] [--verb train|smoke]"
+config=$1; hostfile=$2; shift 2
+verb=train; port=${MASTER_PORT:-29500}; addr=${MASTER_ADDR:-}; no_ssh=0; node_rank=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --verb) verb=$2; shift 2;;
+    --port) port=$2; shift 2;;
+    --master-addr) addr=$2; shift 2;;
+    --no-ssh) no_ssh=1; shift;;
+    --node-rank) node_rank=$2; shift 2;;
+    *) die "unknown option $1";;
+  esac
+done
+[ -f "$hostfile" ] || die "hostfile $hostfile not found"
+spds_validate "$config"
+write_deepspeed_env "$(cd "$(dirname "$config")" && pwd)/.deepspeed_env"
+args=(--hostfile "$hostfile" --master_port "$port")
+[ -n "$addr" ] && args+=(--master_addr "$addr")
+if [ "$no_ssh" = 1 ]; then
+  [ -n "$node_rank" ] || die "--no-ssh needs --node-rank"
+  [ -n "$addr" ] || die "--no-ssh needs --master-addr (the address of the hostfile's first node)"
+  args+=(--no_ssh --node_rank "$node_rank")
+fi
+exec "$SPDS_DEEPSPEED" "${args[@]}" --module spds.cli "$verb" "$config"

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One node, N processes through the deepspeed launcher.
+#   launch/single_node.sh CONFIG [--gpus N] [--verb train|smoke] [--port PORT]
+# N defaults to the number of visible GPUs. The config is validated first; nothing is launched
+# if it fails.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+[ $# -ge 1 ] || die "usage: $0 CONFIG [--gpus N] [--verb train|smoke] [--port PORT]"
+config=$1; shift
+gpus=""; verb=train; port=${MASTER_PORT:-29500}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gpus) gpus=$2; shift 2;;
+    --verb) verb=$2; shift 2;;
+    --port) port=$2; shift 2;;
+    *) die "unknown option $1";;
+  esac
+done
+[ -n "$gpus" ] || gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+[ "$gpus" -ge 1 ] 2>/dev/null || die "no GPU found: pass --gpus N (with DS_ACCELERATOR=cpu for CPU processes)"
+spds_validate "$config"
+exec "$SPDS_DEEPSPEED" --num_gpus "$gpus" --master_port "$port" --module spds.cli "$verb" "$config"
