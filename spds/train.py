@@ -179,7 +179,8 @@ def build_model(config: Config, device: torch.device) -> SoftPromptModel:
         tokenizer = load_tokenizer(config)
     prompt = initial_prompt(student, prompt_cfg["length"], prompt_cfg["init"], config["optim"]["seed"], tokenizer)
     loss_fn = make_loss(config["loss"]["backend"], config["loss"]["chunk_tokens"])
-    return SoftPromptModel(student, prompt, loss_fn, student_cfg["activation_checkpointing"], student_cfg["sdpa_backend"])
+    return SoftPromptModel(student, prompt, loss_fn, student_cfg["activation_checkpointing"], student_cfg["sdpa_backend"],
+                           student_cfg["activation_memory_gib"])
 
 
 def save_checkpoint(config, engine, root, update, plan, batch, mine, identities, reason, rank, world) -> Path:

@@ -73,3 +73,28 @@ def test_init_methods(student):
     first = initial_prompt(student, 4, {"method": "random_normal", "std": 0.1}, 9)
     assert torch.equal(first, initial_prompt(student, 4, {"method": "random_normal", "std": 0.1}, 9))
     assert first.dtype == torch.float32 and 0.05 < first.std() < 0.2
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
+    tokenizer = make_tiny.chatml_tokenizer()
+    segment = make_segment(tokenizer)
+    results = []
+    for setting in (False, True):
+        student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
+        prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=2)
+        model = SoftPromptModel(student, prompt, make_loss("chunked", 16), activation_checkpointing=setting)
+        loss = model([segment])
+        assert model.student.training is setting  # the per-micro-batch switch really flipped
+        loss.backward()
+        results.append((loss.detach(), model.prompt.grad))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)
+
+
+def test_auto_checkpointing_policy(student):
+    from spds.model import CheckpointPolicy
+
+    policy = CheckpointPolicy("auto", student, budget_gib=None)
+    assert policy(10**9) is False  # CPU: never
+    policy.device = torch.device("cuda")  # the decision itself, without a GPU
+    policy.budget = 1000 * policy.bytes_per_position
+    assert policy(999) is False and policy(1001) is True

@@ -1,0 +1,276 @@
+"""GPU benchmark: spds's real training step against HF transformers + PEFT prompt tuning.
+
+    python bench/bench_gpu.py --model 1.7b --cases fixed:4096,16384,32768 mix:64 --out results.json
+
+Both run on the same random-weight Qwen3-shaped student (built from a config on the GPU, no
+download), 256 virtual tokens, micro-batch 1. spds runs its own code path: a packed store on
+disk, Plan/deal, SoftPromptModel, the DeepSpeed engine and train_step (exact SUM, fused CE).
+HF+PEFT runs get_peft_model(PromptTuningConfig) with gradient checkpointing, one record per
+optimizer step, the loss from the model's own forward (materialised logits), as a user would.
+
+Useful FLOPs per position = 4 x matmul parameters (lm_head included) + 6 x layers x seq x
+heads x head_dim (forward and input-gradient backward, causal attention, no recompute); MFU is
+that over the measured bf16 matmul peak.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+VOCAB = 151936
+SHAPES = {  # Qwen3 dense shapes (hidden, layers, heads, kv heads, intermediate, tied embeddings)
+    "0.6b": (1024, 28, 16, 8, 3072, True),
+    "1.7b": (2048, 28, 16, 8, 6144, True),
+    "4b": (2560, 36, 32, 8, 9728, True),
+    "8b": (4096, 36, 32, 8, 12288, False),
+    "14b": (5120, 40, 40, 8, 17408, False),
+    "32b": (5120, 64, 64, 8, 25600, False),
+    "cpu-test": (128, 2, 4, 2, 256, True),  # a dry run of this script on a machine without a GPU
+}
+DEVICE = "cuda"
+HEAD_DIM = 128
+PROMPT = 256
+PREFIX = 128  # prompt-side tokens of each synthetic record; the rest is supervised response
+
+
+def qwen3_config(name: str, attn: str = "sdpa"):
+    from transformers import Qwen3Config
+
+    hidden, layers, heads, kv, inter, tied = SHAPES[name]
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=HEAD_DIM,
+                       max_position_embeddings=131072, tie_word_embeddings=tied, rope_theta=1_000_000,
+                       attn_implementation=attn)
+
+
+def build_student(name: str):
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(DEVICE):
+        model = Qwen3ForCausalLM(qwen3_config(name))
+    torch.set_default_dtype(previous)
+    return model.requires_grad_(False).eval()
+
+
+def matmul_parameters(name: str) -> int:
+    hidden, layers, heads, kv, inter, _ = SHAPES[name]
+    per_layer = hidden * heads * HEAD_DIM * 2 + hidden * kv * HEAD_DIM * 2 + 3 * hidden * inter
+    return layers * per_layer + VOCAB * hidden
+
+
+def useful_flops(name: str, positions: list[int]) -> float:
+    hidden, layers, heads, *_ = SHAPES[name]
+    p = matmul_parameters(name)
+    return float(sum(4 * p * n + 6 * layers * heads * HEAD_DIM * n * n for n in positions))
+
+
+def measure_peak_tflops() -> float:
+    if DEVICE == "cpu":
+        return 1.0
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * 8192**3 / float(np.median(times)) / 1e12
+
+
+# ---------------------------------------------------------------- spds
+
+def write_store(directory: Path, lengths: list[int], seed: int = 0):
+    from spds.data.packed import PackedStore, PackedWriter
+    from spds.data.rows import Record
+
+    rng = np.random.default_rng(seed)
+    writer = PackedWriter(directory)
+    for i, length in enumerate(lengths):
+        ids = rng.integers(0, VOCAB - 1000, length).astype(np.uint32)
+        writer.add(Record(request_id=f"r{i}", question_id=f"q{i}", sample_index=0, ids=ids,
+                          prefix_tokens=min(PREFIX, length // 2), insert_at=3, response_sha256="0" * 64,
+                          added_system=False, source=f"synthetic:{i}"), "train")
+    files = writer.close_files()
+    writer.commit(dict(format="spds-packed-v1", records=len(lengths), tokens=int(sum(lengths)), files=files))
+    return PackedStore.open(directory)
+
+
+def spds_config(directory: Path, records: int, checkpointing, sdpa_backend: str):
+    from spds.contract import Config, apply_defaults, load_schema
+
+    raw = {"student": {"model_path": "random-weights", "activation_checkpointing": checkpointing, "sdpa_backend": sdpa_backend},
+           "soft_prompt": {"length": PROMPT}, "data": {"candidates": [{"path": "synthetic"}]},
+           "optim": {"effective_batch": records, "micro_batch": 1, "updates": 1, "learning_rate": 1e-3},
+           "train": {"require_smoke": False}, "output_dir": str(directory / "run")}
+    apply_defaults(raw, load_schema("config"))
+    return Config(path=directory / "config.json", raw=raw)
+
+
+def time_spds(student, name: str, lengths: list[int], checkpointing="auto", sdpa_backend="auto") -> dict:
+    from spds.engine import build_engine, init_distributed
+    from spds.loss import make_loss
+    from spds.model import SoftPromptModel, initial_prompt
+    from spds.train import Plan, StopFlag, train_step
+
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch)
+        warm = 512
+        store = write_store(directory / "packed", [warm] + lengths)
+        config = spds_config(directory, len(lengths), checkpointing, sdpa_backend)
+        if not torch.distributed.is_initialized():
+            init_distributed(config)
+        prompt = initial_prompt(student, PROMPT, config["soft_prompt"]["init"], 0)
+        model = SoftPromptModel(student, prompt, make_loss("auto", 4096), checkpointing, sdpa_backend)
+        engine = build_engine(config, model, 1)
+        plan = Plan(store, config, 1)
+        device = torch.device(DEVICE)
+        stop = StopFlag()
+        warm_batch = np.array([0])
+        train_step(engine, store, plan, warm_batch, [0], device, stop)  # kernels, Triton JIT, allocator
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        batch = np.arange(1, len(lengths) + 1)
+        mine = plan.deal(batch)[0]
+        started = time.perf_counter()
+        metric, _ = train_step(engine, store, plan, batch, mine, device, stop)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        result = dict(seconds=seconds, positions=metric["tokens"], peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                      loss=metric["loss"], backend=model.loss_fn.backend)
+        del engine, model
+        torch.cuda.empty_cache()
+        return result
+
+
+# ---------------------------------------------------------------- HF + PEFT
+
+def time_peft(student, lengths: list[int]) -> dict:
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+
+    model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=PROMPT))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    rng = np.random.default_rng(0)
+
+    def step(length: int) -> None:
+        ids = torch.from_numpy(rng.integers(0, VOCAB - 1000, length)).to(DEVICE)[None]
+        labels = ids.clone()
+        labels[:, :min(PREFIX, length // 2)] = -100
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(512)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for length in lengths:
+        step(length)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    model.unload() if hasattr(model, "unload") else None
+    student.gradient_checkpointing_disable()
+    return dict(seconds=seconds, positions=sum(lengths) + PROMPT * len(lengths), peak_gib=peak)
+
+
+# ---------------------------------------------------------------- driver
+
+def guarded(fn, *args, **kwargs) -> dict:
+    try:
+        return fn(*args, **kwargs)
+    except torch.OutOfMemoryError as error:
+        torch.cuda.empty_cache()
+        return dict(error=f"OOM: {str(error).splitlines()[0][:120]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--cases", nargs="+", required=True,
+                        help="fixed:L1,L2,...[:records]  or  mix:RECORDS  (log-uniform 512-32k)")
+    parser.add_argument("--variants", default="default",
+                        help="comma list of spds variants: default, flash, cudnn, efficient, ckpt, nockpt")
+    parser.add_argument("--no-peft", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    import transformers
+
+    global DEVICE
+    if not torch.cuda.is_available():
+        DEVICE = "cpu"
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+            setattr(torch.cuda, name, lambda *a, **k: None)
+        torch.cuda.max_memory_allocated = lambda *a, **k: 0
+        torch.cuda.get_device_name = lambda *a, **k: "cpu (dry run)"
+
+    peak = measure_peak_tflops()
+    header = (f"{time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+              f"transformers {transformers.__version__} | measured bf16 matmul peak {peak:.0f} TFLOP/s")
+    print(header, flush=True)
+    student = build_student(args.model)
+    variants = {"default": ("auto", "auto"), "flash": ("auto", "flash"), "cudnn": ("auto", "cudnn"),
+                "efficient": ("auto", "efficient"), "ckpt": (True, "auto"), "nockpt": (False, "auto")}
+    rows = []
+    for case in args.cases:
+        kind, spec, *rest = case.split(":")
+        if kind == "mix":
+            rng = np.random.default_rng(0)
+            lengths = [int(x) for x in np.exp(rng.uniform(math.log(512), math.log(32768), int(spec)))]
+            label = f"mix {spec} records 512-32k"
+            groups = [(label, lengths)]
+        else:
+            records = int(rest[0]) if rest else 4
+            groups = [(f"{int(L) // 1024}k x {records}", [int(L)] * records) for L in spec.split(",")]
+        for label, lengths in groups:
+            flops = useful_flops(args.model, [n + PROMPT for n in lengths])
+            for variant in args.variants.split(","):
+                result = guarded(time_spds, student, args.model, lengths, *variants[variant])
+                rows.append(dict(model=args.model, case=label, system=f"spds {variant}", **result, flops=flops))
+                print(json.dumps(rows[-1]), flush=True)
+            if not args.no_peft:
+                rows.append(dict(model=args.model, case=label, system="HF+PEFT ckpt", **guarded(time_peft, student, lengths), flops=flops))
+                print(json.dumps(rows[-1]), flush=True)
+    print()
+    print(header)
+    print("| model | case | system | tokens/s | peak GiB | MFU | vs HF+PEFT |")
+    print("|---|---|---|---|---|---|---|")
+    baseline = {(r["case"]): r for r in rows if r["system"].startswith("HF") and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['case']} | {r['system']} | {r['error']} | | | |")
+            continue
+        rate = r["positions"] / r["seconds"]
+        mfu = r["flops"] / r["seconds"] / (peak * 1e12)
+        base = baseline.get(r["case"])
+        ratio = f"{rate / (base['positions'] / base['seconds']):.2f}x" if base else ""
+        print(f"| {r['model']} | {r['case']} | {r['system']} | {rate:,.0f} | {r['peak_gib']:.1f} | {mfu:.0%} | {ratio} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(header=header, peak_tflops=peak, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
