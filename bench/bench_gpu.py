@@ -116,44 +116,56 @@ def write_store(directory: Path, lengths: list[int], seed: int = 0):
     return PackedStore.open(directory)
 
 
-def spds_config(directory: Path, records: int, checkpointing, sdpa_backend: str):
-    from spds.contract import Config, apply_defaults, load_schema
+# spds variants: config overrides (student, optim) on top of the schema's defaults.
+BY_LENGTH = {"below": 8192, "short": "flash", "long": "cudnn"}
+VARIANTS = {
+    "default": ({}, {}),
+    "flash": ({"sdpa_backend": "flash"}, {}),
+    "cudnn": ({"sdpa_backend": "cudnn"}, {}),
+    "bylen": ({"sdpa_backend": BY_LENGTH}, {}),
+    "packed": ({"sdpa_backend": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
+    "packed-auto": ({}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
+    "ckpt": ({"activation_checkpointing": True}, {}),
+    "nopad": ({"pad_to_multiple_of": 1}, {}),
+}
 
-    raw = {"student": {"model_path": "random-weights", "activation_checkpointing": checkpointing, "sdpa_backend": sdpa_backend},
+
+def spds_config(directory: Path, records: int, variant: str):
+    from spds.contract import Config, apply_defaults, describe_errors, load_schema
+
+    student, optim = VARIANTS[variant]
+    raw = {"student": {"model_path": "random-weights", **student},
            "soft_prompt": {"length": PROMPT}, "data": {"candidates": [{"path": "synthetic"}]},
-           "optim": {"effective_batch": records, "micro_batch": 1, "updates": 1, "learning_rate": 1e-3},
+           "optim": {"effective_batch": records, "updates": 1, "learning_rate": 1e-3, **optim},
            "train": {"require_smoke": False}, "output_dir": str(directory / "run")}
     apply_defaults(raw, load_schema("config"))
+    assert not describe_errors(raw, "config"), describe_errors(raw, "config")
     return Config(path=directory / "config.json", raw=raw)
 
 
-def time_spds(student, name: str, lengths: list[int], checkpointing="auto", sdpa_backend="auto") -> dict:
+def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths: list[int]) -> dict:
+    """One timed update over `lengths` after one warm-up update over `warm_lengths`."""
     from spds.engine import build_engine, init_distributed
-    from spds.loss import make_loss
-    from spds.model import SoftPromptModel, initial_prompt
-    from spds.train import Plan, StopFlag, train_step
+    from spds.train import Plan, StopFlag, build_model_from, train_step
 
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
-        warm = 512
-        store = write_store(directory / "packed", [warm] + lengths)
-        config = spds_config(directory, len(lengths), checkpointing, sdpa_backend)
+        store = write_store(directory / "packed", warm_lengths + lengths)
+        config = spds_config(directory, len(lengths), variant)
         if not torch.distributed.is_initialized():
             init_distributed(config)
-        prompt = initial_prompt(student, PROMPT, config["soft_prompt"]["init"], 0)
-        model = SoftPromptModel(student, prompt, make_loss("auto", 4096), checkpointing, sdpa_backend)
+        model = build_model_from(config, student)
         engine = build_engine(config, model, 1)
         plan = Plan(store, config, 1)
         device = torch.device(DEVICE)
         stop = StopFlag()
-        warm_batch = np.array([0])
-        train_step(engine, store, plan, warm_batch, [0], device, stop)  # kernels, Triton JIT, allocator
+        warm = np.arange(len(warm_lengths))
+        train_step(engine, store, plan, warm, plan.deal(warm)[0], device, stop)  # kernels, Triton JIT, plans
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        batch = np.arange(1, len(lengths) + 1)
-        mine = plan.deal(batch)[0]
+        batch = np.arange(len(warm_lengths), len(warm_lengths) + len(lengths))
         started = time.perf_counter()
-        metric, _ = train_step(engine, store, plan, batch, mine, device, stop)
+        metric, _ = train_step(engine, store, plan, batch, plan.deal(batch)[0], device, stop)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         result = dict(seconds=seconds, positions=metric["tokens"], peak_gib=torch.cuda.max_memory_allocated() / 2**30,
@@ -165,7 +177,7 @@ def time_spds(student, name: str, lengths: list[int], checkpointing="auto", sdpa
 
 # ---------------------------------------------------------------- HF + PEFT
 
-def time_peft(student, lengths: list[int]) -> dict:
+def time_peft(student, lengths: list[int], warm_lengths: list[int]) -> dict:
     from peft import PromptTuningConfig, TaskType, get_peft_model
 
     model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=PROMPT))
@@ -182,7 +194,8 @@ def time_peft(student, lengths: list[int]) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step(512)
+    for length in warm_lengths:
+        step(length)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -212,7 +225,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", required=True,
                         help="fixed:L1,L2,...[:records]  or  mix:RECORDS  (log-uniform 512-32k)")
     parser.add_argument("--variants", default="default",
-                        help="comma list of spds variants: default, flash, cudnn, efficient, ckpt, nockpt")
+                        help="comma list of spds variants: " + ", ".join(VARIANTS))
     parser.add_argument("--no-peft", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -232,27 +245,28 @@ def main() -> None:
               f"transformers {transformers.__version__} | measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print(header, flush=True)
     student = build_student(args.model)
-    variants = {"default": ("auto", "auto"), "flash": ("auto", "flash"), "cudnn": ("auto", "cudnn"),
-                "efficient": ("auto", "efficient"), "ckpt": (True, "auto"), "nockpt": (False, "auto")}
     rows = []
     for case in args.cases:
         kind, spec, *rest = case.split(":")
-        if kind == "mix":
+        if kind == "mix":  # steady state: one update over another mix first, then the timed one
             rng = np.random.default_rng(0)
-            lengths = [int(x) for x in np.exp(rng.uniform(math.log(512), math.log(32768), int(spec)))]
-            label = f"mix {spec} records 512-32k"
-            groups = [(label, lengths)]
+            draw = lambda: [int(x) for x in np.exp(rng.uniform(math.log(512), math.log(32768), int(spec)))]
+            warm_lengths = draw()
+            groups = [(f"mix {spec} records 512-32k", draw())]
         else:
             records = int(rest[0]) if rest else 4
-            groups = [(f"{int(L) // 1024}k x {records}", [int(L)] * records) for L in spec.split(",")]
+            groups = [(f"{int(L) / 1024:g}k x {records}", [int(L)] * records) for L in spec.split(",")]
+            warm_lengths = None
         for label, lengths in groups:
+            warm = warm_lengths or lengths
             flops = useful_flops(args.model, [n + PROMPT for n in lengths])
             for variant in args.variants.split(","):
-                result = guarded(time_spds, student, args.model, lengths, *variants[variant])
+                result = guarded(time_spds, student, args.model, lengths, variant, warm)
                 rows.append(dict(model=args.model, case=label, system=f"spds {variant}", **result, flops=flops))
                 print(json.dumps(rows[-1]), flush=True)
             if not args.no_peft:
-                rows.append(dict(model=args.model, case=label, system="HF+PEFT ckpt", **guarded(time_peft, student, lengths), flops=flops))
+                result = guarded(time_peft, student, lengths, warm)
+                rows.append(dict(model=args.model, case=label, system="HF+PEFT ckpt", **result, flops=flops))
                 print(json.dumps(rows[-1]), flush=True)
     print()
     print(header)

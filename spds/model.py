@@ -25,7 +25,7 @@ from torch import nn
 @dataclass
 class Segment:
     """One record as the model needs it."""
-    ids: torch.Tensor  # int64 [L]
+    ids: torch.Tensor  # int64 [L], on the model's device
     prefix_tokens: int
     insert_at: int
 
@@ -98,8 +98,11 @@ def enable_checkpointing(student: nn.Module) -> None:
 
 class SoftPromptModel(nn.Module):
     def __init__(self, student: nn.Module, prompt: torch.Tensor, loss_fn, activation_checkpointing=False,
-                 sdpa_backend: str = "auto", activation_memory_gib: float | None = None):
+                 sdpa_backend="auto", activation_memory_gib: float | None = None, pad_to_multiple_of: int | None = None):
         super().__init__()
+        if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
+            pad_to_multiple_of = 256 if student.device.type == "cuda" else 1
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.student = student
         self.prompt = nn.Parameter(prompt.to(torch.float32).to(student.device))
         self.loss_fn = loss_fn
@@ -109,37 +112,43 @@ class SoftPromptModel(nn.Module):
             enable_checkpointing(student)
         student.eval()
 
-    def _attention_context(self):
-        if self.sdpa_backend == "auto":
+    def _attention_context(self, positions: int):
+        backend = self.sdpa_backend
+        if isinstance(backend, dict):  # {"below": N, "short": kernel, "long": kernel}, chosen by measurement
+            backend = backend["short"] if positions < backend["below"] else backend["long"]
+        if backend == "auto":
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[self.sdpa_backend]))
+        return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
 
     def joined_embeddings(self, segment: Segment) -> torch.Tensor:
         embed = self.student.get_input_embeddings()
-        tokens = embed(segment.ids.to(self.prompt.device))
+        tokens = embed(segment.ids)
         a = segment.insert_at
         return torch.cat([tokens[:a], self.prompt.to(tokens.dtype), tokens[a:]], dim=0)
 
     def hidden_states(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """Final hidden states [L+P, H] of each segment; several are right-padded into one batch."""
+        """Final hidden states [L+P, H] of each segment, in one forward pass.
+
+        Several segments are right-padded into one batch, with no attention mask: under causal
+        attention a position never sees a later one, so padding after a record's end cannot change
+        its outputs, and the fast causal kernels (flash, cuDNN) stay usable. The padded length is
+        rounded up to pad_to_multiple_of so that the kernels see few distinct shapes (cuDNN builds
+        a plan per shape)."""
         joined = [self.joined_embeddings(s) for s in segments]
         longest = max(len(j) for j in joined)
-        device = self.prompt.device
-        if len(joined) == 1:
+        longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        if len(joined) == 1 and longest == len(joined[0]):
             inputs = joined[0][None]
-            mask = None
         else:
             inputs = torch.stack([nn.functional.pad(j, (0, 0, 0, longest - len(j))) for j in joined])
-            mask = torch.stack([(torch.arange(longest, device=device) < len(j)).long() for j in joined])
-        positions = torch.arange(longest, device=device)[None].expand(len(joined), -1)
+        positions = torch.arange(longest, device=self.prompt.device)[None].expand(len(joined), -1)
         # transformers checkpoints layers only in train mode; the frozen student has no dropout,
         # so the mode is the per-micro-batch checkpointing switch and nothing else.
         self.student.train(self.checkpointing(longest * len(joined)))
-        with self._attention_context():
-            output = self.student.base_model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
-                                             use_cache=False)
+        with self._attention_context(longest):
+            output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
         return [output.last_hidden_state[i, :len(j)] for i, j in enumerate(joined)]
 
     def forward(self, segments: list[Segment]) -> torch.Tensor:
@@ -151,4 +160,4 @@ class SoftPromptModel(nn.Module):
             rows.append(hidden[segment.prefix_tokens + P - 1:L + P - 1])
             targets.append(segment.ids[segment.prefix_tokens:])
         lm_head = self.student.get_output_embeddings().weight
-        return self.loss_fn(torch.cat(rows), lm_head, torch.cat(targets).to(lm_head.device))
+        return self.loss_fn(torch.cat(rows), lm_head, torch.cat(targets))

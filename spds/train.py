@@ -104,12 +104,11 @@ def train_step(engine, store: PackedStore, plan: "Plan", batch, mine: list[int],
     """One update. The gradient is d/dprompt of (sum CE over the global batch / its supervised tokens)."""
     started = time.monotonic()
     denominator = int(store.supervised_tokens[batch].sum())
-    micro = plan.micro_batch
+    segments = plan.segments(mine, device)  # one host-to-device copy: no host sync in the loop below
     local_loss = torch.zeros((), dtype=torch.float32, device=device)
     with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
-        for first in range(0, len(mine), micro):
-            segments = [plan.segment(i) for i in mine[first:first + micro]]
-            loss_sum = engine(segments)
+        for micro_batch in plan.micro_batches(mine):
+            loss_sum = engine([segments[i] for i in micro_batch])
             engine.backward(loss_sum / denominator)
             local_loss += loss_sum.detach()
     engine.allreduce_gradients()  # exact SUM over ranks (gradient_allreduce_op "sum")
@@ -140,6 +139,7 @@ class Plan:
         self.store, self.world = store, world
         optim = config["optim"]
         self.seed, self.batch, self.micro_batch = optim["seed"], optim["effective_batch"], optim["micro_batch"]
+        self.micro_batch_tokens = optim["micro_batch_tokens"]
         self.max_grad_norm = optim["max_grad_norm"]
         self.prompt_length = config["soft_prompt"]["length"]
         self.train_records = np.flatnonzero(store.is_train)
@@ -159,9 +159,32 @@ class Plan:
     def deal(self, batch: np.ndarray) -> list[list[int]]:
         return schedule.deal_to_ranks(batch, self.costs, self.world)
 
-    def segment(self, index: int) -> Segment:
-        return Segment(ids=torch.from_numpy(self.store.ids(index)), prefix_tokens=int(self.store.prefix_tokens[index]),
-                       insert_at=int(self.store.insert_at[index]))
+    def micro_batches(self, mine: list[int]) -> list[list[int]]:
+        """Consecutive records (longest first, as dealt) in groups of at most micro_batch records
+        and, when set, micro_batch_tokens padded positions: similar lengths share a forward."""
+        groups: list[list[int]] = []
+        for index in mine:
+            group = groups[-1] if groups else None
+            padded = int(self.costs[group[0]]) * (len(group) + 1) if group else 0
+            if group and len(group) < self.micro_batch and (self.micro_batch_tokens is None or padded <= self.micro_batch_tokens):
+                group.append(index)
+            else:
+                groups.append([index])
+        return groups
+
+    def segments(self, mine: list[int], device: torch.device) -> dict[int, Segment]:
+        """This rank's records of one update on the device, copied in one transfer (pinned memory,
+        asynchronous): a per-record copy from pageable memory would stall the host every time."""
+        ids = np.concatenate([self.store.ids(i) for i in mine])
+        host = torch.from_numpy(ids)
+        on_device = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        segments, start = {}, 0
+        for i in mine:
+            length = int(self.store.length[i])
+            segments[i] = Segment(ids=on_device[start:start + length], prefix_tokens=int(self.store.prefix_tokens[i]),
+                                  insert_at=int(self.store.insert_at[i]))
+            start += length
+        return segments
 
     def cursor(self, update: int, batch, mine) -> dict:
         return dict(completed_update=update, next_update=update + 1, recipe=schedule.RECIPE, seed=self.seed,
@@ -170,8 +193,13 @@ class Plan:
 
 
 def build_model(config: Config, device: torch.device) -> SoftPromptModel:
-    student_cfg, prompt_cfg = config["student"], config["soft_prompt"]
+    student_cfg = config["student"]
     student = load_student(config.model_path, student_cfg["dtype"], student_cfg["attn_implementation"], device)
+    return build_model_from(config, student)
+
+
+def build_model_from(config: Config, student) -> SoftPromptModel:
+    student_cfg, prompt_cfg = config["student"], config["soft_prompt"]
     tokenizer = None
     if prompt_cfg["init"]["method"] == "text":
         from .data.prepare import load_tokenizer
@@ -180,7 +208,7 @@ def build_model(config: Config, device: torch.device) -> SoftPromptModel:
     prompt = initial_prompt(student, prompt_cfg["length"], prompt_cfg["init"], config["optim"]["seed"], tokenizer)
     loss_fn = make_loss(config["loss"]["backend"], config["loss"]["chunk_tokens"])
     return SoftPromptModel(student, prompt, loss_fn, student_cfg["activation_checkpointing"], student_cfg["sdpa_backend"],
-                           student_cfg["activation_memory_gib"])
+                           student_cfg["activation_memory_gib"], student_cfg["pad_to_multiple_of"])
 
 
 def save_checkpoint(config, engine, root, update, plan, batch, mine, identities, reason, rank, world) -> Path:
@@ -230,7 +258,9 @@ def code_digest() -> str:
 
 
 def run_identities(config: Config, store: PackedStore, world: int) -> dict:
-    topology = dict(world_size=world, micro_batch=config["optim"]["micro_batch"], reduction="sum")
+    optim = config["optim"]
+    topology = dict(world_size=world, micro_batch=optim["micro_batch"], micro_batch_tokens=optim["micro_batch_tokens"],
+                    reduction="sum")
     return dict(code=code_digest(), config=config.identity(), data=store.digest, topology=sha256_json(topology))
 
 

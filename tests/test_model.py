@@ -62,6 +62,15 @@ def test_padded_micro_batch_equals_separate_records(student):
     torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-4)
 
 
+def test_length_buckets_pad_without_changing_the_loss(student):
+    tokenizer = make_tiny.chatml_tokenizer()
+    segment = make_segment(tokenizer)
+    prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=1)
+    exact = SoftPromptModel(student, prompt, make_loss("chunked", 64), pad_to_multiple_of=1)([segment])
+    padded = SoftPromptModel(student, prompt, make_loss("chunked", 64), pad_to_multiple_of=97)([segment])
+    torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-4)
+
+
 def test_init_methods(student):
     tokenizer = make_tiny.chatml_tokenizer()
     embeddings = student.get_input_embeddings().weight

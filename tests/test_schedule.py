@@ -39,3 +39,16 @@ def test_learning_rate_shapes():
     assert lr_factor(5, dict(optim, schedule="constant")) == 1.0
     linear = [lr_factor(s, dict(optim, schedule="linear", min_lr_ratio=0.0)) for s in range(2, 10)]
     assert linear[0] == 1.0 and linear[-1] == 0.0
+
+
+def test_micro_batches_respect_count_and_token_budget():
+    from types import SimpleNamespace
+
+    from spds.train import Plan
+
+    plan = Plan.__new__(Plan)
+    plan.costs = np.array([1000, 900, 300, 290, 280, 100], dtype=float)
+    plan.micro_batch, plan.micro_batch_tokens = 3, 1000
+    assert plan.micro_batches([0, 1, 2, 3, 4, 5]) == [[0], [1], [2, 3, 4], [5]]
+    plan.micro_batch_tokens = None
+    assert plan.micro_batches([0, 1, 2, 3, 4, 5]) == [[0, 1, 2], [3, 4, 5]]

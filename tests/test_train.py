@@ -58,28 +58,39 @@ def plain_pytorch_reference(directory, updates: int) -> tuple[torch.Tensor, list
 
 @pytest.mark.slow
 def test_same_update_whatever_the_world_size(run_dir, tmp_path):
-    prompts = {}
-    for world, launcher in [(1, "plain"), (2, "torchrun"), (3, "torchrun")]:
-        edit_config(run_dir, output_dir=f"run-w{world}")
+    runs = {  # name: (world, launcher, micro_batch, micro_batch_tokens, student dtype)
+        "w1": (1, "plain", 1, None, "bfloat16"), "w2": (2, "torchrun", 1, None, "bfloat16"),
+        "w3": (3, "torchrun", 1, None, "bfloat16"),
+        # Padded micro-batches (up to 4 records / 600 positions) against single records, in fp32:
+        # in bf16 a batched matmul rounds differently from a single one, which Adam then amplifies.
+        "fp32": (1, "plain", 1, None, "float32"), "fp32-packed": (2, "torchrun", 4, 600, "float32"),
+    }
+    prompts, lines = {}, {}
+    for name, (world, launcher, micro, tokens, dtype) in runs.items():
+        edit_config(run_dir, output_dir=name, optim={**FAST["optim"], "micro_batch": micro, "micro_batch_tokens": tokens},
+                    student={"dtype": dtype})
         check(spds(["train", "config.json"], run_dir, world=world, launcher=launcher))
-        out = run_dir / f"run-w{world}"
-        prompts[world] = final_state(out)["prompt"]
+        out = run_dir / name
+        prompts[name], lines[name] = final_state(out)["prompt"], metrics(out)
         assert read_json(out / "run.json")["world_size"] == world
         assert read_json(out / "terminal.json")["status"] == "complete"
     reference, reference_grad_norms = plain_pytorch_reference(run_dir, FAST["optim"]["updates"])
     assert (reference - plain_pytorch_reference(run_dir, 0)[0]).abs().max() > 1e-2  # training moved the prompt
-    for world, prompt in prompts.items():
+    for name in ("w1", "w2", "w3"):
         # fp32 summation order differs between world sizes; nothing else may.
-        torch.testing.assert_close(prompt, reference, rtol=0, atol=2e-6, msg=f"world {world} vs plain PyTorch")
-    # The same records, losses and token counts per update, whatever the world size.
-    # Adam is nearly blind to a uniform gradient scale (an averaged instead of summed all-reduce),
-    # so compare the reduced gradient itself: its norm is logged every update.
-    lines = {w: metrics(run_dir / f"run-w{w}") for w in prompts}
-    for world in (2, 3):
-        for a, b, expected in zip(lines[1], lines[world], reference_grad_norms):
+        torch.testing.assert_close(prompts[name], reference, rtol=0, atol=2e-6,
+                                   msg=lambda m, name=name: f"{name} vs plain PyTorch: {m}")
+    torch.testing.assert_close(prompts["fp32-packed"], prompts["fp32"], rtol=0, atol=2e-6)
+    # The same records, losses and token counts per update, whatever the world size. Adam is
+    # nearly blind to a uniform gradient scale (an averaged instead of summed all-reduce), so
+    # compare the reduced gradient itself: its norm is logged every update.
+    for name in ("w2", "w3"):
+        for a, b, expected in zip(lines["w1"], lines[name], reference_grad_norms):
             assert a["global_batch_sha256"] == b["global_batch_sha256"] and a["supervised_tokens"] == b["supervised_tokens"]
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
             assert b["grad_norm"] == pytest.approx(expected, rel=1e-4)
+    for a, b in zip(lines["fp32"], lines["fp32-packed"]):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5) and b["loss"] == pytest.approx(a["loss"], rel=1e-6)
 
 
 def _straight_and(run_dir, name: str, **env):
