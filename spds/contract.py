@@ -144,7 +144,11 @@ class Config:
 
     def identity_fields(self) -> dict:
         fields = copy.deepcopy(self.raw)
-        fields.pop("$schema", None)
+        # Where things are written is not what is trained: a run directory may move. The packed
+        # data's identity is its own digest, checked separately.
+        for key in ("$schema", "output_dir"):
+            fields.pop(key, None)
+        fields["data"].pop("packed_dir", None)
         # Operational settings that never change the numbers of a run.
         for section, key in [("checkpoint", "keep_last"), ("checkpoint", "backup_dir"), ("checkpoint", "every"),
                              ("train", "progress_bar"), ("train", "require_smoke"), ("distributed", "timeout_minutes"),

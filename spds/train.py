@@ -35,6 +35,9 @@ from .model import Segment, SoftPromptModel, initial_prompt, load_student
 # ---------------------------------------------------------------- the loop
 
 def run(config: Config, smoke: bool, log=print) -> dict:
+    if config["train"]["deterministic"]:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+        torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world, device = init_distributed(config)
     validate_run_world(config, world)
     optim = config["optim"]
