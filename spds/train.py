@@ -203,6 +203,11 @@ def build_model(config: Config, device: torch.device) -> SoftPromptModel:
 
 def build_model_from(config: Config, student) -> SoftPromptModel:
     student_cfg, prompt_cfg = config["student"], config["soft_prompt"]
+    sdpa_backend = student_cfg["sdpa_backend"]
+    if config["train"]["deterministic"] and sdpa_backend == "auto":
+        # Flash and cuDNN attention backward accumulate with atomics: measured on H200, the same
+        # record gives a different prompt gradient run to run. The math kernel does not.
+        sdpa_backend = "math"
     tokenizer = None
     if prompt_cfg["init"]["method"] == "text":
         from .data.prepare import load_tokenizer
@@ -210,7 +215,7 @@ def build_model_from(config: Config, student) -> SoftPromptModel:
         tokenizer = load_tokenizer(config)
     prompt = initial_prompt(student, prompt_cfg["length"], prompt_cfg["init"], config["optim"]["seed"], tokenizer)
     loss_fn = make_loss(config["loss"]["backend"], config["loss"]["chunk_tokens"])
-    return SoftPromptModel(student, prompt, loss_fn, student_cfg["activation_checkpointing"], student_cfg["sdpa_backend"],
+    return SoftPromptModel(student, prompt, loss_fn, student_cfg["activation_checkpointing"], sdpa_backend,
                            student_cfg["activation_memory_gib"], student_cfg["pad_to_multiple_of"])
 
 
