@@ -14,7 +14,6 @@ import hashlib
 import json
 import platform
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -63,10 +62,14 @@ def main() -> None:
             make_tiny.tiny_config(directory, data={"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed",
                                                    "context_limit": 1 << 20})
             started = time.monotonic()
-            subprocess.run([sys.executable, "-m", "spds.cli", "prepare", str(directory / "config.json")], check=True,
-                           stdout=subprocess.DEVNULL, cwd=REPO)
+            # A fresh process per run, reporting its own peak RSS (RUSAGE_CHILDREN would keep the
+            # largest child so far).
+            probe = ("import resource, sys; from spds.cli import main; code = main(['prepare', sys.argv[1]]); "
+                     "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+            output = subprocess.run([sys.executable, "-c", probe, str(directory / "config.json")], check=True,
+                                    capture_output=True, text=True, cwd=REPO).stdout
             seconds = time.monotonic() - started
-            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            peak = int(output.split("PEAK_RSS_KIB")[1].split()[0]) / 1024
             size = (directory / "candidates.jsonl").stat().st_size / 2**20
             print(f"| {mean_length} | {rows} | {tokens} | {seconds:.1f} | {rows / seconds:.0f} | {tokens / seconds:.0f} | {peak:.0f} | {size:.0f} |")
 
