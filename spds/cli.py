@@ -49,6 +49,40 @@ def cmd_train(args) -> int:
     return train_main(args.config, smoke=args.verb == "smoke")
 
 
+def cmd_generate(args) -> int:
+    from .contract import load_config
+    from .generate import generate
+
+    generate(load_config(args.config, require_candidates=False))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .contract import load_config
+    from .evaluate import evaluate
+
+    result = evaluate(load_config(args.config), args.checkpoint)
+    nll = result["nll"]
+    ceiling = "n/a" if nll["ceiling"] is None else f"{nll['ceiling']:.4f}"
+    gap = "n/a" if result["gap_recovered"] is None else f"{result['gap_recovered']:.1%}"
+    print(f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), update {result['update']}")
+    print(f"NLL per token  floor {nll['floor']:.4f}  soft {nll['soft']:.4f}  ceiling {ceiling}  gap recovered {gap}")
+    print(f"eval.json and plot in {load_config(args.config).output_dir}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from .contract import load_config
+    from .export import export
+
+    config = load_config(args.config)
+    result = export(config, args.checkpoint, Path(args.out) if args.out else config.output_dir / "export")
+    print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spds", description="Soft-prompt distillation on a frozen causal LM.")
     # The deepspeed launcher puts --local_rank=N before the verb; LOCAL_RANK in the environment says the same.
@@ -68,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = verbs.add_parser(verb, help=text)
         p.add_argument("config")
         p.set_defaults(run=cmd_train)
+    p = verbs.add_parser("generate", help="the teacher answers the questions with the context: candidate rows")
+    p.add_argument("config")
+    p.set_defaults(run=cmd_generate)
+    p = verbs.add_parser("eval", help="held-out NLL: floor, ceiling, soft prompt; gap recovered")
+    p.add_argument("config")
+    p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
+    p.set_defaults(run=cmd_eval)
+    p = verbs.add_parser("export", help="safetensors soft prompt (and a PEFT adapter for prefix placement)")
+    p.add_argument("config")
+    p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
+    p.add_argument("--out", default=None, help="output directory (default: OUTPUT_DIR/export)")
+    p.set_defaults(run=cmd_export)
     return parser
 
 

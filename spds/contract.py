@@ -172,7 +172,7 @@ def parse_config_file(path: Path) -> dict:
     return read_json(path)
 
 
-def load_config(path: str | Path, check_pins: bool = True) -> Config:
+def load_config(path: str | Path, check_pins: bool = True, require_candidates: bool = True) -> Config:
     """Load, apply defaults, validate; raise SpdsError listing every problem, or return Config."""
     path = Path(path).resolve()
     raw = parse_config_file(path)
@@ -183,7 +183,7 @@ def load_config(path: str | Path, check_pins: bool = True) -> Config:
     if problems:
         raise SpdsError(f"{path}: config does not match schemas/config.schema.json", problems)
     config = Config(path=path, raw=raw)
-    problems = input_problems(config) + deepspeed_config_problems(config)
+    problems = input_problems(config, require_candidates) + deepspeed_config_problems(config)
     if check_pins:
         problems += pin_problems(config)
     if problems:
@@ -204,14 +204,14 @@ def pinned_inputs(config: Config) -> list[tuple[str, Path, str | None]]:
     return inputs
 
 
-def input_problems(config: Config) -> list[str]:
+def input_problems(config: Config, require_candidates: bool = True) -> list[str]:
     problems = []
     if not config.model_path.is_dir():
         problems.append(f"student.model_path: {config.model_path} is not a directory")
     if not config.tokenizer_path.is_dir():
         problems.append(f"student.tokenizer_path: {config.tokenizer_path} is not a directory")
     for i, path in enumerate(config.candidate_paths):
-        if not path.is_file():
+        if not path.is_file() and require_candidates:  # spds generate writes them
             problems.append(f"data.candidates[{i}].path: {path} is not a file")
     optim = config["optim"]
     if optim["warmup_updates"] > optim["updates"]:

@@ -94,6 +94,25 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
         raise
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path for a library that writes files itself; fsync and rename it over
+    `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield temporary
+        with open(temporary, "rb") as stream:
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
 def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
     with atomic_writer(path) as stream:
         json.dump(value, stream, indent=2)

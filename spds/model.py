@@ -122,13 +122,13 @@ class SoftPromptModel(nn.Module):
 
         return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
 
-    def joined_embeddings(self, segment: Segment) -> torch.Tensor:
+    def joined_embeddings(self, segment: Segment, block: torch.Tensor) -> torch.Tensor:
         embed = self.student.get_input_embeddings()
         tokens = embed(segment.ids)
         a = segment.insert_at
-        return torch.cat([tokens[:a], self.prompt.to(tokens.dtype), tokens[a:]], dim=0)
+        return torch.cat([tokens[:a], block.to(tokens.dtype), tokens[a:]], dim=0)
 
-    def hidden_states(self, segments: list[Segment]) -> list[torch.Tensor]:
+    def hidden_states(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
         """Final hidden states [L+P, H] of each segment, in one forward pass.
 
         Several segments are right-padded into one batch, with no attention mask: under causal
@@ -136,7 +136,7 @@ class SoftPromptModel(nn.Module):
         its outputs, and the fast causal kernels (flash, cuDNN) stay usable. The padded length is
         rounded up to pad_to_multiple_of so that the kernels see few distinct shapes (cuDNN builds
         a plan per shape)."""
-        joined = [self.joined_embeddings(s) for s in segments]
+        joined = [self.joined_embeddings(s, block) for s in segments]
         longest = max(len(j) for j in joined)
         longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         if len(joined) == 1 and longest == len(joined[0]):
@@ -151,11 +151,15 @@ class SoftPromptModel(nn.Module):
             output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
         return [output.last_hidden_state[i, :len(j)] for i, j in enumerate(joined)]
 
-    def forward(self, segments: list[Segment]) -> torch.Tensor:
-        """Summed cross entropy (fp32 scalar) over the supervised tokens of `segments`."""
-        P = self.prompt.shape[0]
+    def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None) -> torch.Tensor:
+        """Summed cross entropy (fp32 scalar) over the supervised tokens of `segments`.
+
+        `inserted` replaces the prompt by another block of embeddings at the same place (spds eval:
+        the context's token embeddings for the ceiling, nothing for the floor)."""
+        block = self.prompt if inserted is None else inserted
+        P = block.shape[0]
         rows, targets = [], []
-        for segment, hidden in zip(segments, self.hidden_states(segments)):
+        for segment, hidden in zip(segments, self.hidden_states(segments, block)):
             L = len(segment.ids)
             rows.append(hidden[segment.prefix_tokens + P - 1:L + P - 1])
             targets.append(segment.ids[segment.prefix_tokens:])

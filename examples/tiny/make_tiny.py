@@ -116,7 +116,13 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def tiny_config(directory: Path, **overrides) -> dict:
+def write_questions(path: Path, count: int = 32, seed: int = 1) -> Path:
+    rng = random.Random(seed)
+    rows = [dict(question_id=f"g{i:03d}", question=f"What do you know about the {rng.choice(SUBJECTS)}?") for i in range(count)]
+    return write_jsonl(path, rows)
+
+
+def tiny_config(directory: Path, name: str = "config.json", **overrides) -> dict:
     repo = Path(__file__).resolve().parents[2]
     config = {
         "student": {"model_path": "student", "dtype": "bfloat16"},
@@ -133,7 +139,7 @@ def tiny_config(directory: Path, **overrides) -> dict:
             config[key] = {**config[key], **value}
         else:
             config[key] = value
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / name).write_text(json.dumps(config, indent=2) + "\n")
     return config
 
 
@@ -144,6 +150,15 @@ def build(directory: Path, rows: int = 64) -> Path:
     save_student(directory / "student", tokenizer)
     write_jsonl(directory / "candidates.jsonl", synthetic_rows(tokenizer, rows))
     tiny_config(directory)
+    # The whole distillation loop: generate (teacher = the student, with CONTEXT) -> prepare ->
+    # smoke -> train -> eval on held-out questions -> export.
+    write_questions(directory / "questions.jsonl")
+    tiny_config(directory, "loop.json", context={"text": CONTEXT},
+                generate={"questions": "questions.jsonl", "output": "generated.jsonl", "samples_per_question": 2,
+                          "max_new_tokens": 40, "temperature": 0.8, "batch_size": 16, "seed": 0},
+                data={"candidates": [{"path": "generated.jsonl"}], "packed_dir": "loop-packed", "context_limit": 4096,
+                      "eval_fraction": 0.25},
+                output_dir="loop-run")
     return directory / "config.json"
 
 

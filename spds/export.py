@@ -1,0 +1,126 @@
+"""spds export: the trained prompt as a portable file, and the code to use it exactly as trained.
+
+    <out>/soft_prompt.safetensors   tensor "prompt" [length, hidden] FP32, with metadata: placement,
+                                    the insertion rule (scaffold ids), length, student identity,
+                                    spds version, source checkpoint and update
+    <out>/peft/                     for prefix placement only: a PEFT prompt-tuning adapter
+                                    (adapter_config.json + adapter_model.safetensors), written by
+                                    PEFT itself from a PeftModel holding the prompt
+
+`load_soft_prompt` reads the file back; `splice` builds the student's input exactly as training
+did; `generate` decodes with it. A prompt trained for `system` placement has no PEFT equivalent
+(PEFT prepends virtual tokens to everything), hence no adapter for it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .checkpoint import committed, verify
+from .contract import Config
+from .fsio import SpdsError, atomic_path, read_json, sha256_json
+
+FILE = "soft_prompt.safetensors"
+
+
+def checkpoint_prompt(directory: Path) -> tuple[torch.Tensor, dict]:
+    """The FP32 prompt of a verified, committed checkpoint, and its commit record."""
+    commit = verify(directory)
+    state = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return state["module"]["prompt"].float().contiguous(), commit
+
+
+def resolve_checkpoint(config: Config, path: str | None) -> Path:
+    if path:
+        return Path(path).resolve()
+    found = committed(config.output_dir / "checkpoints")
+    if not found:
+        raise SpdsError(f"no committed checkpoint in {config.output_dir / 'checkpoints'}: train first or pass --checkpoint")
+    return found[-1][1]
+
+
+def student_identity(config: Config) -> str:
+    pinned = config["student"]["model_sha256"]
+    return pinned or sha256_json({"model_path": str(config.model_path)})
+
+
+def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
+    from safetensors.torch import save_file
+
+    directory = resolve_checkpoint(config, checkpoint_path)
+    prompt, commit = checkpoint_prompt(directory)
+    manifest = read_json(config.packed_dir / "manifest.json")
+    metadata = {"format": "spds-soft-prompt-v1", "spds_version": __version__, "placement": manifest["placement"],
+                "prompt_length": str(prompt.shape[0]), "hidden_size": str(prompt.shape[1]),
+                "scaffold": json.dumps(manifest["scaffold"]), "student_identity": student_identity(config),
+                "student_path": str(config.model_path), "checkpoint": str(directory), "update": str(commit["update"])}
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / FILE) as temporary:
+        save_file({"prompt": prompt}, str(temporary), metadata=metadata)
+    result = {"soft_prompt": str(out / FILE), "update": commit["update"], "placement": manifest["placement"]}
+    if manifest["placement"] == "prefix":
+        result["peft_adapter"] = str(export_peft(config, prompt, out / "peft"))
+    return result
+
+
+def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
+    """A prompt-tuning adapter that PEFT loads: built with PEFT, our prompt in its embedding."""
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+
+    from .model import load_student
+
+    student = load_student(config.model_path, "float32", config["student"]["attn_implementation"], torch.device("cpu"))
+    peft_model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=prompt.shape[0],
+                                                            base_model_name_or_path=str(config.model_path)))
+    with torch.no_grad():
+        peft_model.prompt_encoder["default"].embedding.weight.copy_(prompt)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def load_soft_prompt(path: str | Path) -> tuple[torch.Tensor, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+        prompt = handle.get_tensor("prompt")
+    metadata["scaffold"] = json.loads(metadata["scaffold"])
+    return prompt, metadata
+
+
+def insertion_point(ids: list[int], metadata: dict) -> tuple[list[int], int]:
+    """Apply the training-time insertion rule (spds.data.rows.place) to rendered conversation ids."""
+    import numpy as np
+
+    from .data.chat import Scaffold
+    from .data.rows import RowRules, place
+
+    rules = RowRules(scaffold=Scaffold(**metadata["scaffold"]), placement=metadata["placement"], end_ids=frozenset(),
+                     vocab_size=0, prompt_length=0, context_limit=0, template_kwargs={})
+    try:
+        placed, _, insert_at, _ = place(np.asarray(ids, dtype=np.int64), 0, rules)
+    except ValueError as error:
+        raise SpdsError(f"cannot place the soft prompt: {error}") from None
+    return placed.tolist(), insert_at
+
+
+def splice(student, prompt: torch.Tensor, ids: list[int], insert_at: int) -> torch.Tensor:
+    """inputs_embeds [1, L+P, H] exactly as in training: prompt cast to the student's dtype."""
+    embed = student.get_input_embeddings()
+    tokens = embed(torch.tensor(ids, device=embed.weight.device))
+    block = prompt.to(device=tokens.device, dtype=tokens.dtype)
+    return torch.cat([tokens[:insert_at], block, tokens[insert_at:]])[None]
+
+
+@torch.no_grad()
+def generate(student, tokenizer, prompt: torch.Tensor, metadata: dict, messages: list[dict], **generate_kwargs) -> str:
+    """Answer `messages` with the soft prompt spliced in as in training; return the decoded reply."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ids, insert_at = insertion_point([int(i) for i in ids], metadata)
+    inputs_embeds = splice(student, prompt, ids, insert_at)
+    mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+    output = student.generate(inputs_embeds=inputs_embeds, attention_mask=mask, **generate_kwargs)
+    return tokenizer.decode(output[0], skip_special_tokens=True)

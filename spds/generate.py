@@ -1,0 +1,129 @@
+"""spds generate: the teacher answers each question with the context; rows for spds prepare.
+
+The teacher (a local model, by default the student) sees [system: context] + the question's
+messages. The row records what the *student* will see: the question rendered by the student's
+chat template WITHOUT the context, then the teacher's response ids, ending in an end-of-turn
+token. Requests are batched in a fixed order with a seed per batch, so a run is deterministic,
+and resuming (request_ids already in the output are skipped; a half-written last line is cut)
+regenerates only what is missing, with the same result.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .contract import Config
+from .data.chat import end_token_ids, render
+from .evaluate import context_text
+from .fsio import SpdsError
+
+
+def read_questions(path: Path) -> list[dict]:
+    questions = []
+    with open(path) as stream:
+        for number, line in enumerate(stream, start=1):
+            try:
+                row = json.loads(line)
+                messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
+                questions.append(dict(question_id=str(row["question_id"]), messages=messages))
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise SpdsError(f"{path}:{number}: a question needs question_id and messages or question ({error})") from None
+    return questions
+
+
+def repair_and_read(output: Path) -> set[str]:
+    """request_ids already written; a last line cut short by a crash is removed first."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    keep = data[:data.rfind(b"\n") + 1]
+    done = set()
+    for line in keep.splitlines():
+        try:
+            done.add(json.loads(line)["request_id"])
+        except (json.JSONDecodeError, KeyError):
+            keep = keep[:keep.find(line)]  # a corrupt line: cut it and everything after
+            break
+    if len(keep) != len(data):
+        with open(output, "r+b") as stream:
+            stream.truncate(len(keep))
+            os.fsync(stream.fileno())
+    return done
+
+
+def generate(config: Config, log=print) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from .data.prepare import load_tokenizer
+
+    settings = config["generate"]
+    if not settings["questions"]:
+        raise SpdsError("generate.questions is not set")
+    context = context_text(config)
+    if not context:
+        raise SpdsError("context.text or context.file must hold the system prompt to distill")
+    tokenizer = load_tokenizer(config)
+    tokenizer.padding_side = "left"
+    kwargs = config["data"]["chat_template_kwargs"]
+    end_ids = end_token_ids(tokenizer, config["data"]["end_tokens"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    teacher_path = config.resolve(settings["teacher_path"]) if settings["teacher_path"] else config.model_path
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_path), local_files_only=True,
+                                                   dtype=getattr(torch, config["student"]["dtype"])).to(device).eval()
+    requests = [dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
+                for q in read_questions(config.resolve(settings["questions"])) for s in range(settings["samples_per_question"])]
+    output = config.resolve(settings["output"])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = repair_and_read(output)
+    written, size = 0, settings["batch_size"]
+    batches = [requests[i:i + size] for i in range(0, len(requests), size)]
+    from tqdm import tqdm
+
+    with open(output, "a") as stream:
+        for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
+            if all(r["request_id"] in done for r in batch):
+                continue
+            responses = answer(teacher, tokenizer, batch, context, settings, end_ids, kwargs, seed=settings["seed"] + number)
+            for request, response in zip(batch, responses):
+                if request["request_id"] in done:
+                    continue
+                stream.write(json.dumps(candidate_row(tokenizer, request, response, end_ids, kwargs)) + "\n")
+                written += 1
+            stream.flush()
+            os.fsync(stream.fileno())
+    log(f"wrote {written} rows ({len(done)} were already there) to {output}")
+    return dict(written=written, skipped=len(done), output=str(output))
+
+
+@torch.no_grad()
+def answer(teacher, tokenizer, batch: list[dict], context: str, settings: dict, end_ids: list[int], kwargs: dict,
+           seed: int) -> list[list[int]]:
+    """Teacher response ids for each request (ending at the first end token, which is kept)."""
+    prompts = [render(tokenizer, [{"role": "system", "content": context}, *r["messages"]], True, kwargs) for r in batch]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=teacher.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=teacher.device)
+    torch.manual_seed(seed)
+    sample = settings["temperature"] > 0
+    output = teacher.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings["max_new_tokens"],
+                              do_sample=sample, temperature=settings["temperature"] if sample else None,
+                              top_p=settings["top_p"] if sample else None, eos_token_id=end_ids, pad_token_id=pad)
+    responses = []
+    for row in output[:, width:].tolist():
+        end = next((i for i, t in enumerate(row) if t in end_ids), None)
+        responses.append(row[:end + 1] if end is not None else row + [end_ids[0]])  # cut at max_new_tokens: close it
+    return responses
+
+
+def candidate_row(tokenizer, request: dict, response: list[int], end_ids: list[int], kwargs: dict) -> dict:
+    """A token-form row: the student's view of the question (no context) + the teacher's response."""
+    prompt = render(tokenizer, request["messages"], True, kwargs)
+    text = tokenizer.decode(response[:-1])
+    return dict(request_id=request["request_id"], question_id=request["question_id"], sample_index=request["sample_index"],
+                input_ids=prompt + response, prefix_tokens=len(prompt), labels=[-100] * len(prompt) + response,
+                supervised_tokens=len(response), response_sha256=hashlib.sha256(text.encode()).hexdigest())

@@ -1,0 +1,147 @@
+"""The distillation loop around training: generate, eval, export."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import edit_config, make_tiny
+from helpers import check, final_state, read_json, spds
+from spds.contract import load_config
+from spds.data.packed import PackedStore
+from spds.export import insertion_point, load_soft_prompt, splice
+from spds.model import load_student
+from test_train import FAST
+
+
+@pytest.fixture
+def loop_dir(tiny_assets, tmp_path):
+    """The tiny loop config (generate -> ... -> export), with its own copy of the inputs."""
+    for name in ("questions.jsonl",):
+        shutil.copy(tiny_assets / name, tmp_path / name)
+    config = json.loads((tiny_assets / "loop.json").read_text())
+    config["student"]["model_path"] = str(tiny_assets / "student")
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_generate_is_deterministic_and_resumes_after_a_torn_write(loop_dir, tmp_path_factory):
+    check(spds(["generate", "config.json"], loop_dir))
+    output = loop_dir / "generated.jsonl"
+    first = output.read_bytes()
+    rows = [json.loads(line) for line in first.splitlines()]
+    assert len(rows) == 64 and len({r["request_id"] for r in rows}) == 64
+    assert all(r["input_ids"][r["prefix_tokens"]:] == r["labels"][r["prefix_tokens"]:] for r in rows)
+    # The student-side prompt has no context: the context's words never appear in it.
+    tokenizer = make_tiny.chatml_tokenizer()
+    assert all("Lumen Bay" not in tokenizer.decode(r["input_ids"][:r["prefix_tokens"]]) for r in rows)
+    # A crash mid-write: 20 whole lines and half of the 21st.
+    lines = first.splitlines(keepends=True)
+    output.write_bytes(b"".join(lines[:20]) + lines[20][: len(lines[20]) // 2])
+    result = check(spds(["generate", "config.json"], loop_dir))
+    assert "20 were already there" in result.stdout
+    assert output.read_bytes() == first
+    # The generated rows are valid candidates.
+    check(spds(["prepare", "config.json"], loop_dir))
+
+
+@pytest.mark.slow
+def test_eval_matches_a_hand_computed_reference(tiny):
+    edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2}}, student={"dtype": "float32"},
+                data={"eval_fraction": 0.3}, context={"text": make_tiny.CONTEXT})
+    check(spds(["prepare", "config.json"], tiny))
+    check(spds(["train", "config.json"], tiny))
+    result = check(spds(["eval", "config.json"], tiny))
+    assert "gap recovered" in result.stdout
+    report = read_json(tiny / "run" / "eval.json")
+    config = load_config(tiny / "config.json")
+    store = PackedStore.open(config.packed_dir)
+    student = load_student(config.model_path, "float32", "eager", torch.device("cpu"))
+    prompt = final_state(tiny / "run")["prompt"]
+    context = torch.tensor(make_tiny.chatml_tokenizer().encode(make_tiny.CONTEXT, add_special_tokens=False))
+    blocks = {"floor": prompt[:0], "soft": prompt, "ceiling": student.get_input_embeddings()(context)}
+    sums = dict.fromkeys(blocks, 0.0)
+    held_out = np.flatnonzero(~store.is_train)
+    with torch.no_grad():
+        for i in held_out:
+            ids = torch.from_numpy(store.ids(i))
+            prefix, at = int(store.prefix_tokens[i]), int(store.insert_at[i])
+            for name, block in blocks.items():
+                embeds = student.get_input_embeddings()(ids)
+                joined = torch.cat([embeds[:at], block, embeds[at:]])[None]
+                labels = torch.cat([ids[:at], torch.full((len(block),), -100), ids[at:]])
+                labels[:prefix + len(block)] = -100
+                logits = student(inputs_embeds=joined).logits[0]
+                sums[name] += float(torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum"))
+    tokens = int(store.supervised_tokens[held_out].sum())
+    assert report["records"] == len(held_out) and report["supervised_tokens"] == tokens
+    for name in blocks:
+        assert report["nll"][name] == pytest.approx(sums[name] / tokens, rel=1e-5), name
+    floor, soft, ceiling = (report["nll"][k] for k in ("floor", "soft", "ceiling"))
+    assert report["gap_recovered"] == pytest.approx((floor - soft) / (floor - ceiling))
+    assert report["context_tokens"] == len(context)
+
+
+@pytest.mark.slow
+def test_export_round_trip_and_generation_splices_as_training(tiny):
+    edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2}}, student={"dtype": "float32"})
+    check(spds(["prepare", "config.json"], tiny))
+    check(spds(["train", "config.json"], tiny))
+    check(spds(["export", "config.json"], tiny))
+    prompt, metadata = load_soft_prompt(tiny / "run" / "export" / "soft_prompt.safetensors")
+    assert torch.equal(prompt, final_state(tiny / "run")["prompt"]) and prompt.dtype == torch.float32
+    assert metadata["placement"] == "system" and metadata["update"] == "2" and int(metadata["prompt_length"]) == 4
+    # First-token logits of the generation helper == training-time logits for the same record.
+    from spds.loss import make_loss
+    from spds.model import Segment, SoftPromptModel
+
+    config = load_config(tiny / "config.json")
+    store = PackedStore.open(config.packed_dir)
+    student = load_student(config.model_path, "float32", "sdpa", torch.device("cpu"))
+    tokenizer = make_tiny.chatml_tokenizer()
+    messages = [{"role": "user", "content": "Tell me about the comet."}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ids, insert_at = insertion_point(list(rendered), metadata)
+    assert insert_at == len(store.manifest["scaffold"]["system_header"])
+    with torch.no_grad():
+        generation_logits = student(inputs_embeds=splice(student, prompt, ids, insert_at)).logits[0, -1]
+        model = SoftPromptModel(student, prompt, make_loss("chunked", 64))
+        hidden = model.hidden_states([Segment(torch.tensor(ids), len(ids) - 1, insert_at)], model.prompt)[0]
+        training_logits = hidden[-1] @ student.get_output_embeddings().weight.t()
+    torch.testing.assert_close(generation_logits, training_logits, rtol=1e-5, atol=1e-5)
+    from spds.export import generate
+
+    reply = generate(student, tokenizer, prompt, metadata, messages, max_new_tokens=5, do_sample=False)
+    assert isinstance(reply, str)
+
+
+@pytest.mark.slow
+def test_peft_adapter_gives_the_same_loss_for_prefix_placement(tiny):
+    peft = pytest.importorskip("peft")
+    edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2},
+                         "soft_prompt": {**FAST["soft_prompt"], "placement": "prefix"}}, student={"dtype": "float32"})
+    check(spds(["prepare", "config.json"], tiny))
+    check(spds(["train", "config.json"], tiny))
+    exported = json.loads(check(spds(["export", "config.json"], tiny)).stdout.strip().splitlines()[-1])
+    config = load_config(tiny / "config.json")
+    store = PackedStore.open(config.packed_dir)
+    student = load_student(config.model_path, "float32", "sdpa", torch.device("cpu"))
+    model = peft.PeftModel.from_pretrained(student, exported["peft_adapter"]).eval()
+    prompt = final_state(tiny / "run")["prompt"]
+    from spds.loss import make_loss
+    from spds.model import Segment, SoftPromptModel
+
+    reference = SoftPromptModel(load_student(config.model_path, "float32", "sdpa", torch.device("cpu")), prompt,
+                                make_loss("chunked", 64))
+    with torch.no_grad():
+        for i in range(3):
+            ids = torch.from_numpy(store.ids(i))
+            labels = ids.clone()
+            labels[:int(store.prefix_tokens[i])] = -100
+            peft_loss = model(input_ids=ids[None], labels=labels[None]).loss
+            spds_loss = reference([Segment(ids, int(store.prefix_tokens[i]), 0)]) / int(store.supervised_tokens[i])
+            torch.testing.assert_close(peft_loss.float(), spds_loss, rtol=1e-5, atol=1e-5)
