@@ -92,7 +92,12 @@ def plot(metrics_path: Path, nll: dict, target: Path) -> str | None:
         curve.plot([m["update"] for m in lines], [m["loss"] for m in lines])
     curve.set(title="training loss (mean CE per supervised token)", xlabel="update", ylabel="loss")
     names = [n for n in ("floor", "soft", "ceiling") if nll.get(n) is not None]
-    bars.bar(names, [nll[n] for n in names], color=["#999999", "#3366cc", "#33aa55"][:len(names)])
+    values = [nll[n] for n in names]
+    bars.bar(names, values, color=["#999999", "#3366cc", "#33aa55"][:len(names)])
+    spread = max(values) - min(values) or 1.0
+    bars.set_ylim(min(values) - spread, max(values) + spread / 2)  # the differences are the point
+    for x, value in enumerate(values):
+        bars.annotate(f"{value:.4f}", (x, value), ha="center", va="bottom")
     bars.set(title="held-out NLL per response token", ylabel="NLL")
     figure.tight_layout()
     with atomic_path(target) as temporary:

@@ -63,15 +63,22 @@ def llama3_tokenizer():
                                 eos_token="<|eot_id|>", pad_token="<|end_of_text|>")
 
 
-def save_student(directory: Path, tokenizer, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
-    """A Qwen3ForCausalLM with random weights, saved with save_pretrained next to its tokenizer."""
+def save_student(directory: Path, tokenizer, layers: int = 2, hidden: int = 64, seed: int = 0,
+                 initializer_range: float = 0.3) -> Path:
+    """A Qwen3ForCausalLM with random weights, saved with save_pretrained next to its tokenizer.
+
+    Weights 15x the usual scale (std 0.3, not 0.02) make the random student's next-token
+    distributions sharp, so its answers depend visibly on the system prompt: the demo's floor
+    (no context) and ceiling (with it) differ by about 3 nats per token, leaving the soft prompt
+    something real to recover."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=hidden // 4, max_position_embeddings=8192, tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         initializer_range=initializer_range)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     directory.mkdir(parents=True, exist_ok=True)
