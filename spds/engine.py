@@ -30,7 +30,7 @@ def ensure_accelerator_env() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -45,7 +45,7 @@ def init_distributed(config: Config) -> tuple[int, int, torch.device]:
     if "RANK" not in os.environ:  # one plain process: a one-rank group of its own
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", settings["master_addr"])
-        os.environ.setdefault("MASTER_PORT", str(settings["master_port"] or _free_port()))
+        os.environ.setdefault("MASTER_PORT", str(settings["master_port"] or free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -76,25 +75,6 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
-    """Yield a stream to a temporary file that replaces `path` only if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode) as stream:
-            yield stream
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-
-
-@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path for a library that writes files itself; fsync and rename it over
     `path` only if the block succeeds."""
@@ -111,6 +91,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
+    """Yield a stream to a temporary file that replaces `path` only if the block succeeds."""
+    with atomic_path(path) as temporary, open(temporary, mode) as stream:
+        yield stream
 
 
 def atomic_write_json(path: str | os.PathLike, value: Any) -> None:

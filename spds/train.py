@@ -14,6 +14,7 @@ import importlib.metadata
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -34,40 +35,37 @@ from .model import Segment, SoftPromptModel, initial_prompt, load_student
 
 # ---------------------------------------------------------------- the loop
 
-def run(config: Config, smoke: bool, log=print) -> dict:
+def run(config: Config, smoke: bool) -> dict:
     if config["train"]["deterministic"]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
         torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world, device = init_distributed(config)
     validate_run_world(config, world)
-    optim = config["optim"]
-    store = PackedStore.open(config.packed_dir)
-    plan = Plan(store, config, world)
-    identities = run_identities(config, store, world)
     out = config.output_dir / "smoke" if smoke else config.output_dir
-    smoke_waived = False if smoke else check_smoke_evidence(config, identities)
-    seed_everything(optim["seed"])
+    with rank_zero_lock(out, rank):  # before anything touches the run directory
+        optim = config["optim"]
+        store = PackedStore.open(config.packed_dir)
+        plan = Plan(store, config, world)
+        identities = run_identities(config, store, world)
+        smoke_waived = False if smoke else check_smoke_evidence(config, identities)
+        seed_everything(optim["seed"])
+        model = build_model(config, device)
+        engine = build_engine(config, model, world)
 
-    model = build_model(config, device)
-    engine = build_engine(config, model, world)
-    root = out / "checkpoints"
-    if smoke and rank == 0:
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)  # a smoke is isolated: never resumed, never reused
-    torch.distributed.barrier()
-    start, resumed_from = 1, None
-    if not smoke and checkpoint.committed(root):
-        resumed_from = checkpoint.committed(root)[-1][1]
-        cursor = checkpoint.restore(engine, resumed_from, identities, rank, world)
-        start = cursor["next_update"]
-    last = 1 if smoke else optim["updates"]
-
-    with rank_zero_lock(out, rank):
+        root = out / "checkpoints"
+        if smoke and rank == 0:
+            shutil.rmtree(root, ignore_errors=True)  # a smoke is isolated: never resumed, never reused
+        torch.distributed.barrier()
+        start, resumed_from = 1, None
+        if not smoke and checkpoint.committed(root):
+            resumed_from = checkpoint.committed(root)[-1][1]
+            start = checkpoint.restore(engine, resumed_from, identities, rank, world)["next_update"]
+        last = 1 if smoke else optim["updates"]
         if rank == 0:
             write_run_record(out, config, smoke, start, last, world, identities, smoke_waived, resumed_from, model)
+
         stop = StopFlag()
-        began, saved = time.monotonic(), None
+        began, saved, metric = time.monotonic(), None, None
         status, update = "complete", start - 1
         bar = progress_bar(config, rank, start, last)
         try:
@@ -79,8 +77,7 @@ def run(config: Config, smoke: bool, log=print) -> dict:
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 if rank == 0:
                     record_metric(out, metric, last, saved, bar, engine)
-                due = update % config["checkpoint"]["every"] == 0 or update == last or stop_requested
-                if due:
+                if update % config["checkpoint"]["every"] == 0 or update == last or stop_requested:
                     reason = "smoke" if smoke else "signal" if stop_requested else "final" if update == last else "scheduled"
                     saved = save_checkpoint(config, engine, root, update, plan, batch, mine, identities, reason, rank, world)
                 if stop_requested and update < last:

@@ -55,3 +55,13 @@ def edit_config(directory: Path, **sections) -> Path:
 
 def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def prepared(tiny) -> Path:
+    """The tiny example with the quick FAST settings, packed."""
+    from helpers import FAST, check, spds
+
+    edit_config(tiny, **FAST)
+    check(spds(["prepare", "config.json"], tiny))
+    return tiny

@@ -4,20 +4,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from spds.engine import free_port  # noqa: F401  (re-exported for the tests)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# A small, quick run of the tiny example: 6 updates of 6 records, checkpoint every 2.
+FAST = dict(soft_prompt={"length": 4, "placement": "system", "init": {"method": "random_normal", "std": 0.3}},
+            optim={"updates": 6, "effective_batch": 6, "micro_batch": 1, "learning_rate": 0.05, "warmup_updates": 1,
+                   "schedule": "cosine", "min_lr_ratio": 0.2, "seed": 5},
+            checkpoint={"every": 2, "keep_last": 10}, train={"require_smoke": False})
 
 
 def environment(**extra) -> dict:

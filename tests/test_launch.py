@@ -8,19 +8,16 @@ import pytest
 import torch
 
 from conftest import REPO, edit_config
-from helpers import check, environment, final_state, free_port, read_json, spds
-from test_train import FAST
+from helpers import FAST, check, environment, final_state, free_port, read_json, spds
 
 LAUNCH = REPO / "launch"
 
 
 @pytest.fixture
-def run_dir(tiny):
-    edit_config(tiny, **FAST)
-    check(spds(["prepare", "config.json"], tiny))
-    edit_config(tiny, output_dir="single")
-    check(spds(["train", "config.json"], tiny))
-    return tiny
+def run_dir(prepared):
+    edit_config(prepared, output_dir="single")
+    check(spds(["train", "config.json"], prepared))
+    return prepared
 
 
 def script(name: str, *args: str, cwd, timeout: int = 600, **env) -> subprocess.CompletedProcess:

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from conftest import edit_config, make_tiny
-from helpers import check, final_state, read_json, spds
+from helpers import FAST, check, final_state, read_json, spds
 from spds.contract import load_config
 from spds.data.packed import PackedStore
 from spds.export import insertion_point, load_soft_prompt, splice
 from spds.model import load_student
-from test_train import FAST
 
 
 @pytest.fixture

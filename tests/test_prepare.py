@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from conftest import REPO, edit_config, make_tiny, read_rows
-from spds.cli import main
 from spds.contract import load_config
 from spds.data.packed import PackedStore
 from spds.data.prepare import prepare
@@ -168,3 +167,23 @@ def test_schema_rule_checks_every_id(tiny):
     _break(tiny, 5, lambda r: r["input_ids"].__setitem__(2, 1.5))
     with pytest.raises(SpdsError, match=r"input_ids\[2\]: 1.5 is not of type 'integer'"):
         prepare(load_config(tiny / "config.json"))
+
+
+def test_prepare_killed_midway_leaves_no_store_and_the_next_one_completes(tiny):
+    import signal
+    import time
+
+    rows = read_rows(tiny / "candidates.jsonl")
+    process = subprocess.Popen([sys.executable, "-c", (
+        "import sys, os, signal; from spds.data import packed; original = packed.PackedWriter.add\n"
+        "def add(self, record, split):\n"
+        "    original(self, record, split)\n"
+        "    if self.records == 10: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "packed.PackedWriter.add = add\n"
+        "from spds.cli import main; main(['prepare', sys.argv[1]])"), str(tiny / "config.json")], cwd=REPO)
+    assert process.wait(timeout=120) == -signal.SIGKILL
+    assert not (tiny / "packed").exists()
+    assert [p.name for p in tiny.glob(".packed.partial-*")]  # the killed writer's leftovers
+    prepare(load_config(tiny / "config.json"))
+    assert PackedStore.open(tiny / "packed").manifest["records"] == len(rows)
+    assert not list(tiny.glob(".packed.partial-*"))

@@ -42,7 +42,6 @@ def test_learning_rate_shapes():
 
 
 def test_micro_batches_respect_count_and_token_budget():
-    from types import SimpleNamespace
 
     from spds.train import Plan
 

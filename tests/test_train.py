@@ -11,24 +11,16 @@ import pytest
 import torch
 
 from conftest import edit_config
-from helpers import check, environment, final_state, launch_command, metrics, newest_checkpoint, read_json, spds
+from helpers import FAST, check, environment, final_state, launch_command, metrics, newest_checkpoint, read_json, spds
 from spds.contract import describe_errors, load_config
 from spds.data.packed import PackedStore
 from spds.loss import make_loss
 from spds.model import Segment, SoftPromptModel, initial_prompt, load_student
 from spds.schedule import global_batch, lr_factor
 
-FAST = dict(soft_prompt={"length": 4, "placement": "system", "init": {"method": "random_normal", "std": 0.3}},
-            optim={"updates": 6, "effective_batch": 6, "micro_batch": 1, "learning_rate": 0.05, "warmup_updates": 1,
-                   "schedule": "cosine", "min_lr_ratio": 0.2, "seed": 5},
-            checkpoint={"every": 2, "keep_last": 10}, train={"require_smoke": False})
-
-
 @pytest.fixture
-def run_dir(tiny):
-    edit_config(tiny, **FAST)
-    check(spds(["prepare", "config.json"], tiny))
-    return tiny
+def run_dir(prepared):
+    return prepared
 
 
 def plain_pytorch_reference(directory, updates: int) -> tuple[torch.Tensor, list[float]]:
@@ -205,3 +197,15 @@ def test_smoke_gates_train_and_outputs_match_their_schemas(run_dir):
     edit_config(run_dir, optim={**FAST["optim"], "updates": 4, "learning_rate": 0.02})
     result = spds(["train", "config.json"], run_dir)
     assert result.returncode == 1 and "is for another config" in result.stderr
+
+
+@pytest.mark.slow
+def test_deepspeed_monitor_receives_spds_metrics(run_dir, tmp_path):
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"zero_optimization": {"stage": 0},
+                                     "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"}}))
+    edit_config(run_dir, deepspeed_config=str(ds_config), optim={**FAST["optim"], "updates": 3})
+    check(spds(["train", "config.json"], run_dir))
+    loss_csv = next((tmp_path / "csv").rglob("spds_loss.csv"))
+    values = [float(line.split(",")[1]) for line in loss_csv.read_text().splitlines()[1:]]
+    assert values == pytest.approx([m["loss"] for m in metrics(run_dir / "run")])

@@ -34,7 +34,9 @@ class PackedWriter:
     def __init__(self, target: Path):
         self.target = target
         self.partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
-        shutil.rmtree(self.partial, ignore_errors=True)
+        # Under prepare's lock every partial directory is a leftover of a killed prepare.
+        for stale in target.parent.glob(f".{target.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         self.partial.mkdir(parents=True)
         self.tokens = open(self.partial / TOKENS, "wb")
         self.index = open(self.partial / INDEX, "w")
