@@ -171,7 +171,6 @@ def test_schema_rule_checks_every_id(tiny):
 
 def test_prepare_killed_midway_leaves_no_store_and_the_next_one_completes(tiny):
     import signal
-    import time
 
     rows = read_rows(tiny / "candidates.jsonl")
     process = subprocess.Popen([sys.executable, "-c", (
