@@ -12,6 +12,7 @@ good as the context itself.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 from . import __version__
 from .contract import Config, describe_errors
 from .data.packed import PackedStore
+from .engine import init_distributed
 from .export import checkpoint_prompt, resolve_checkpoint
 from .fsio import SpdsError, atomic_path, atomic_write_json
 from .loss import make_loss
@@ -43,7 +45,10 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         raise SpdsError("no held-out records: set data.eval_fraction > 0 and run spds prepare on a fresh packed_dir")
     limit = config["eval"]["max_records"]
     held_out = held_out[:limit] if limit else held_out
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # launched with torchrun / deepspeed: share the records
+        rank, world, device = init_distributed(config)
+    else:
+        rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     student = load_student(config.model_path, config["student"]["dtype"], config["student"]["attn_implementation"], device)
     model = SoftPromptModel(student, prompt, make_loss("chunked", config["loss"]["chunk_tokens"]), False,
                             config["student"]["sdpa_backend"])
@@ -54,27 +59,50 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
 
         ids = load_tokenizer(config).encode(text, add_special_tokens=False)
         blocks["ceiling"] = student.get_input_embeddings()(torch.tensor(ids, device=device))
-    sums = {name: 0.0 for name in blocks}
-    for i in held_out:
+    names = list(blocks)
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)  # NLL per condition, then KL
+    kl = config["eval"]["kl"] and "ceiling" in blocks
+    for i in held_out[rank::world]:  # launched on several ranks: each takes every world-th record
         segment = Segment(torch.from_numpy(store.ids(int(i))).to(device), int(store.prefix_tokens[i]), int(store.insert_at[i]))
-        for name, block in blocks.items():
-            sums[name] += float(model([segment], inserted=block))
+        for k, name in enumerate(names):
+            sums[k] += model([segment], inserted=blocks[name]).double()
+        if kl:
+            sums[-1] += kl_to_context(model, segment, blocks["ceiling"], config["loss"]["chunk_tokens"])
+    if world > 1:
+        torch.distributed.all_reduce(sums)
     tokens = int(store.supervised_tokens[held_out].sum())
-    nll = {name: sums[name] / tokens for name in sums}
+    nll = {name: float(sums[k]) / tokens for k, name in enumerate(names)}
     nll.setdefault("ceiling", None)
     gap = None
     if nll["ceiling"] is not None and nll["floor"] != nll["ceiling"]:
         gap = (nll["floor"] - nll["soft"]) / (nll["floor"] - nll["ceiling"])
     result = dict(checkpoint=str(directory), update=commit["update"], records=len(held_out), supervised_tokens=tokens,
                   context_tokens=len(blocks["ceiling"]) if "ceiling" in blocks else 0, nll=nll, gap_recovered=gap,
+                  kl_to_context=float(sums[-1]) / tokens if kl else None, world_size=world,
                   spds_version=__version__, plot=None)
     out = config.output_dir
+    if rank != 0:
+        return result
     result["plot"] = plot(out / "metrics.jsonl", nll, out / "eval.png")
     problems = describe_errors(result, "eval")
     if problems:
         raise SpdsError("internal error: eval.json does not match schemas/eval.schema.json", problems)
     atomic_write_json(out / "eval.json", result)
     return result
+
+
+def kl_to_context(model: SoftPromptModel, segment: Segment, context: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Sum over response tokens of KL(student with the context || student with the soft prompt),
+    the vocabulary-sized distributions computed `chunk` rows at a time."""
+    lm_head = model.student.get_output_embeddings().weight
+    teacher_rows, _ = model.response_states([segment], inserted=context)
+    student_rows, _ = model.response_states([segment])
+    total = torch.zeros((), dtype=torch.float64, device=lm_head.device)
+    for start in range(0, len(teacher_rows), chunk):
+        teacher = torch.log_softmax((teacher_rows[start:start + chunk] @ lm_head.t()).float(), dim=-1)
+        student = torch.log_softmax((student_rows[start:start + chunk] @ lm_head.t()).float(), dim=-1)
+        total += (teacher.exp() * (teacher - student)).sum().double()
+    return total
 
 
 def plot(metrics_path: Path, nll: dict, target: Path) -> str | None:

@@ -151,8 +151,8 @@ class SoftPromptModel(nn.Module):
             output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
         return [output.last_hidden_state[i, :len(j)] for i, j in enumerate(joined)]
 
-    def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None) -> torch.Tensor:
-        """Summed cross entropy (fp32 scalar) over the supervised tokens of `segments`.
+    def response_states(self, segments: list[Segment], inserted: torch.Tensor | None = None):
+        """(hidden rows that predict the response tokens, those tokens), over all `segments`.
 
         `inserted` replaces the prompt by another block of embeddings at the same place (spds eval:
         the context's token embeddings for the ceiling, nothing for the floor)."""
@@ -163,5 +163,9 @@ class SoftPromptModel(nn.Module):
             L = len(segment.ids)
             rows.append(hidden[segment.prefix_tokens + P - 1:L + P - 1])
             targets.append(segment.ids[segment.prefix_tokens:])
-        lm_head = self.student.get_output_embeddings().weight
-        return self.loss_fn(torch.cat(rows), lm_head, torch.cat(targets))
+        return torch.cat(rows), torch.cat(targets)
+
+    def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None) -> torch.Tensor:
+        """Summed cross entropy (fp32 scalar) over the supervised tokens of `segments`."""
+        rows, targets = self.response_states(segments, inserted)
+        return self.loss_fn(rows, self.student.get_output_embeddings().weight, targets)

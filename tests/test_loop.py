@@ -51,7 +51,7 @@ def test_generate_is_deterministic_and_resumes_after_a_torn_write(loop_dir, tmp_
 @pytest.mark.slow
 def test_eval_matches_a_hand_computed_reference(tiny):
     edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2}}, student={"dtype": "float32"},
-                data={"eval_fraction": 0.3}, context={"text": make_tiny.CONTEXT})
+                data={"eval_fraction": 0.3}, context={"text": make_tiny.CONTEXT}, eval={"kl": True})
     check(spds(["prepare", "config.json"], tiny))
     check(spds(["train", "config.json"], tiny))
     result = check(spds(["eval", "config.json"], tiny))
@@ -64,11 +64,13 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     context = torch.tensor(make_tiny.chatml_tokenizer().encode(make_tiny.CONTEXT, add_special_tokens=False))
     blocks = {"floor": prompt[:0], "soft": prompt, "ceiling": student.get_input_embeddings()(context)}
     sums = dict.fromkeys(blocks, 0.0)
+    kl = 0.0
     held_out = np.flatnonzero(~store.is_train)
     with torch.no_grad():
         for i in held_out:
             ids = torch.from_numpy(store.ids(i))
             prefix, at = int(store.prefix_tokens[i]), int(store.insert_at[i])
+            response_logits = {}
             for name, block in blocks.items():
                 embeds = student.get_input_embeddings()(ids)
                 joined = torch.cat([embeds[:at], block, embeds[at:]])[None]
@@ -76,6 +78,9 @@ def test_eval_matches_a_hand_computed_reference(tiny):
                 labels[:prefix + len(block)] = -100
                 logits = student(inputs_embeds=joined).logits[0]
                 sums[name] += float(torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum"))
+                response_logits[name] = logits[:-1][labels[1:] != -100]
+            teacher = torch.log_softmax(response_logits["ceiling"], -1)
+            kl += float((teacher.exp() * (teacher - torch.log_softmax(response_logits["soft"], -1))).sum())
     tokens = int(store.supervised_tokens[held_out].sum())
     assert report["records"] == len(held_out) and report["supervised_tokens"] == tokens
     for name in blocks:
@@ -83,6 +88,14 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     floor, soft, ceiling = (report["nll"][k] for k in ("floor", "soft", "ceiling"))
     assert report["gap_recovered"] == pytest.approx((floor - soft) / (floor - ceiling))
     assert report["context_tokens"] == len(context)
+    assert report["kl_to_context"] == pytest.approx(kl / tokens, rel=1e-4) and report["kl_to_context"] > 0
+    # Launched on two ranks, eval shares the records and reports the same numbers.
+    check(spds(["eval", "config.json"], tiny, world=2, launcher="torchrun"))
+    shared = read_json(tiny / "run" / "eval.json")
+    assert shared["world_size"] == 2
+    for name in blocks:
+        assert shared["nll"][name] == pytest.approx(report["nll"][name], rel=1e-6)
+    assert shared["kl_to_context"] == pytest.approx(report["kl_to_context"], rel=1e-5)
 
 
 @pytest.mark.slow
