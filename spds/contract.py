@@ -146,7 +146,9 @@ class Config:
         fields = copy.deepcopy(self.raw)
         # Where things are written is not what is trained: a run directory may move. The packed
         # data's identity is its own digest, checked separately.
-        for key in ("$schema", "output_dir"):
+        # The backend changes how the student is laid out, not the update: a ZeRO-0 checkpoint
+        # may continue under fsdp (topology still must match).
+        for key in ("$schema", "output_dir", "backend"):
             fields.pop(key, None)
         fields["data"].pop("packed_dir", None)
         # Operational settings that never change the numbers of a run.

@@ -69,6 +69,7 @@ def deepspeed_config(config: Config, world: int) -> dict:
 
 
 def build_engine(config: Config, model: torch.nn.Module, world: int):
+    """DeepSpeed's engine (backend "deepspeed"), or spds's FSDP2 engine with the same interface."""
     import deepspeed
 
     optim = config["optim"]
@@ -76,6 +77,10 @@ def build_engine(config: Config, model: torch.nn.Module, world: int):
     optimizer = optimizer_class([model.prompt], lr=optim["learning_rate"], betas=tuple(optim["betas"]),
                                 eps=optim["eps"], weight_decay=optim["weight_decay"], foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
+    if config["backend"] == "fsdp":
+        from .fsdp import FSDPEngine
+
+        return FSDPEngine(model, optimizer, scheduler, model.prompt.device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(config, world), dist_init_required=False)
     if engine.gradient_average:

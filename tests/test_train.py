@@ -209,3 +209,31 @@ def test_deepspeed_monitor_receives_spds_metrics(run_dir, tmp_path):
     loss_csv = next((tmp_path / "csv").rglob("spds_loss.csv"))
     values = [float(line.split(",")[1]) for line in loss_csv.read_text().splitlines()[1:]]
     assert values == pytest.approx([m["loss"] for m in metrics(run_dir / "run")])
+
+
+@pytest.mark.slow
+def test_fsdp_backend_matches_zero0_and_resumes(run_dir):
+    # ZeRO-0 on 2 ranks, then the same updates with the student sharded by FSDP2.
+    edit_config(run_dir, output_dir="zero0")
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
+    edit_config(run_dir, output_dir="fsdp", backend="fsdp")
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
+    assert read_json(run_dir / "fsdp" / "run.json")["config"]["backend"] == "fsdp"
+    zero0, fsdp = final_state(run_dir / "zero0"), final_state(run_dir / "fsdp")
+    torch.testing.assert_close(fsdp["prompt"], zero0["prompt"], rtol=0, atol=2e-6)
+    for a, b in zip(metrics(run_dir / "zero0"), metrics(run_dir / "fsdp")):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    # Within the backend, a stopped-and-resumed run equals the straight one bit for bit.
+    edit_config(run_dir, output_dir="fsdp-stopped", backend="fsdp")
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun", SPDS_FAULT="sigterm-before-update-rank1:3"))
+    assert read_json(run_dir / "fsdp-stopped" / "terminal.json")["status"] == "stopped"
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
+    for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(final_state(run_dir / "fsdp-stopped")[key], fsdp[key]), key
+    # A ZeRO-0 checkpoint continues under fsdp: stop ZeRO-0 at update 3, resume with backend fsdp.
+    edit_config(run_dir, output_dir="cross", backend="deepspeed")
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun", SPDS_FAULT="sigterm-before-update-rank0:3"))
+    edit_config(run_dir, output_dir="cross", backend="fsdp")
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
+    assert read_json(run_dir / "cross" / "run.json")["start_update"] == 4
+    torch.testing.assert_close(final_state(run_dir / "cross")["prompt"], zero0["prompt"], rtol=0, atol=2e-6)
