@@ -56,9 +56,9 @@ def run(config: Config, smoke: bool) -> dict:
         if smoke and rank == 0:
             shutil.rmtree(root, ignore_errors=True)  # a smoke is isolated: never resumed, never reused
         torch.distributed.barrier()
-        start, resumed_from = 1, None
-        if not smoke and checkpoint.committed(root):
-            resumed_from = checkpoint.committed(root)[-1][1]
+        found = [] if smoke else checkpoint.committed(root)
+        start, resumed_from = 1, found[-1][1] if found else None
+        if resumed_from:
             start = checkpoint.restore(engine, resumed_from, identities, rank, world)["next_update"]
         last = 1 if smoke else optim["updates"]
         if rank == 0:
