@@ -25,11 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .contract import describe_errors
+from .contract import describe_errors, require_valid
 from .fsio import SpdsError, atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy
 
 PATTERN = re.compile(r"^update-(\d{6,})$")
 COMMIT = "commit.json"
+STATE_FILE = "mp_rank_00_model_states.pt"  # DeepSpeed's name; the fsdp backend writes the same file and keys
 
 
 def tag_for(update: int) -> str:
@@ -109,9 +110,7 @@ def save(engine, root: Path, update: int, cursor: dict, identities: dict, versio
         commit = dict(format="spds-checkpoint-v1", update=update, tag=tag, reason=reason, saved_at=time.time(),
                       world_size=world, identities=identities, versions=versions, cursor=cursor,
                       prompt_sha256=prompt_digest(engine.module.prompt), files=files)
-        problems = describe_errors(commit, "commit")
-        if problems:
-            raise SpdsError("internal error: commit record does not match schemas/commit.schema.json", problems)
+        require_valid(commit, "commit", "the commit record")
         atomic_write_json(directory / COMMIT, commit)
     dist.barrier()
     return directory

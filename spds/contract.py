@@ -94,6 +94,13 @@ def describe_errors_with(checker: jsonschema.protocols.Validator, instance: Any)
     return problems
 
 
+def require_valid(value: Any, schema_name: str, what: str) -> None:
+    """For what spds itself writes: a mismatch with its schema is a bug in spds; refuse to write it."""
+    problems = describe_errors(value, schema_name)
+    if problems:
+        raise SpdsError(f"internal error: {what} does not match schemas/{schema_name}.schema.json", problems)
+
+
 # ---------------------------------------------------------------- the config
 
 @dataclass

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .contract import Config, describe_errors
+from .contract import Config, require_valid
 from .data.packed import PackedStore
 from .engine import init_distributed
 from .export import checkpoint_prompt, resolve_checkpoint
@@ -84,9 +84,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     if rank != 0:
         return result
     result["plot"] = plot(out / "metrics.jsonl", nll, out / "eval.png")
-    problems = describe_errors(result, "eval")
-    if problems:
-        raise SpdsError("internal error: eval.json does not match schemas/eval.schema.json", problems)
+    require_valid(result, "eval", "eval.json")
     atomic_write_json(out / "eval.json", result)
     return result
 

@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .checkpoint import STATE_FILE
 from .fsio import atomic_writer
-
-STATE_FILE = "mp_rank_00_model_states.pt"  # DeepSpeed's name, so either backend reads the other's
 
 
 def decoder_layers(student) -> torch.nn.ModuleList:

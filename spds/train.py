@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .contract import REPO_ROOT, Config, describe_errors, load_config, validate_run_world
+from .contract import REPO_ROOT, Config, load_config, require_valid, validate_run_world
 from .fsio import SpdsError, append_line_durably, atomic_write_json, canonical_json, exclusive_lock, read_json, sha256_json
 from . import checkpoint, schedule
 from .data.packed import PackedStore
@@ -310,9 +310,7 @@ def launch_environment() -> dict:
 
 
 def write_validated(path: Path, value: dict, schema: str) -> None:
-    problems = describe_errors(value, schema)
-    if problems:
-        raise SpdsError(f"internal error: {path.name} does not match schemas/{schema}.schema.json", problems)
+    require_valid(value, schema, path.name)
     atomic_write_json(path, value)
 
 
@@ -326,9 +324,7 @@ def write_run_record(out, config, smoke, start, last, world, identities, smoke_w
 
 
 def record_metric(out: Path, metric: dict, last: int, saved, bar, engine) -> None:
-    problems = describe_errors(metric, "metrics")
-    if problems:
-        raise SpdsError("internal error: a metrics line does not match schemas/metrics.schema.json", problems)
+    require_valid(metric, "metrics", "a metrics line")
     append_line_durably(out / "metrics.jsonl", canonical_json(metric))
     done = metric["update"]
     atomic_write_json(out / "progress.json", dict(status="running", update=done, updates=last, loss=metric["loss"],

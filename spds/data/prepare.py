@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from ..contract import Config, describe_errors
+from ..contract import Config, require_valid
 from ..fsio import SpdsError, exclusive_lock, sha256_file, verified_copy
 from .chat import derive_scaffold, end_token_ids, tokenizer_identity
 from .packed import FORMAT, INDEX, MANIFEST, TOKENS, PackedWriter, verify_store
@@ -113,9 +113,7 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
                         max_length=writer.max_length, prompt_length=rules.prompt_length, placement=rules.placement,
                         scaffold=scaffold.to_json(), end_token_ids=inputs["end_token_ids"], counts=counts,
                         files=files, sources=source_rows, inputs=inputs)
-        problems = describe_errors(manifest, "manifest")
-        if problems:  # a bug in spds, not in the user's data: still refuse to commit it
-            raise SpdsError("internal error: manifest does not match schemas/manifest.schema.json", problems)
+        require_valid(manifest, "manifest", "the manifest")
         writer.commit(manifest)
     except BaseException:
         writer.abort()
