@@ -96,13 +96,12 @@ def save(engine, root: Path, update: int, cursor: dict, identities: dict, versio
     fault_point("kill-after-deepspeed-save", update)
     with atomic_writer(directory / rank_file(rank), "wb") as stream:
         torch.save(dict(rank=rank, world_size=world, rng=capture_rng(), cursor=cursor), stream)
+    dist.barrier()  # every rank's writes are complete; only now is the directory's content final
     if rank == 0:
-        for path in directory.iterdir():
-            if path.is_file():
-                fsync_file(path)  # DeepSpeed's own files reach the disk before the commit says so
-    dist.barrier()
-    if rank == 0:
-        files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != COMMIT}
+        paths = sorted(p for p in directory.iterdir() if p.is_file() and p.name != COMMIT)
+        for path in paths:
+            fsync_file(path)  # DeepSpeed's own files reach the disk before the commit says so
+        files = {p.name: sha256_file(p) for p in paths}
         missing = [rank_file(r) for r in range(world) if rank_file(r) not in files]
         if missing:
             raise SpdsError(f"{directory}: rank files {missing} are not visible to rank 0; checkpoints need a "
