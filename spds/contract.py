@@ -145,6 +145,12 @@ class Config:
             return beside_config
         return (REPO_ROOT / written).resolve()
 
+    @property
+    def context_text(self) -> str | None:
+        """The system prompt being distilled (context.file wins over context.text)."""
+        context = self.raw["context"]
+        return self.resolve(context["file"]).read_text() if context["file"] else context["text"]
+
     def identity(self) -> str:
         """Digest of everything that shapes the trained prompt (paths included, as resolved)."""
         return sha256_json(self.identity_fields())

@@ -89,7 +89,7 @@ def build_engine(config: Config, model: torch.nn.Module, world: int):
     return engine
 
 
-def check_precision(engine) -> None:
+def check_precision(engine, student: bool = True) -> None:
     """Asserted every update: FP32 prompt, gradient and Adam moments; a gradient-free student."""
     prompt = engine.module.prompt
     if prompt.dtype != torch.float32 or (prompt.grad is not None and prompt.grad.dtype != torch.float32):
@@ -97,7 +97,7 @@ def check_precision(engine) -> None:
     for name, moment in engine.optimizer.state.get(prompt, {}).items():
         if torch.is_tensor(moment) and moment.is_floating_point() and moment.dtype != torch.float32:
             raise SpdsError(f"optimizer state {name} is {moment.dtype}, not float32")
-    for name, parameter in engine.module.student.named_parameters():
+    for name, parameter in engine.module.student.named_parameters() if student else ():
         if parameter.requires_grad or parameter.grad is not None:
             raise SpdsError(f"frozen student parameter {name} requires or received a gradient")
 

@@ -28,13 +28,6 @@ from .loss import make_loss
 from .model import Segment, SoftPromptModel, load_student
 
 
-def context_text(config: Config) -> str | None:
-    context = config["context"]
-    if context["file"]:
-        return config.resolve(context["file"]).read_text()
-    return context["text"]
-
-
 @torch.no_grad()
 def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> dict:
     directory = resolve_checkpoint(config, checkpoint_path)
@@ -52,7 +45,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     student = load_student(config.model_path, config["student"]["dtype"], config["student"]["attn_implementation"], device)
     model = SoftPromptModel(student, prompt, make_loss("chunked", config["loss"]["chunk_tokens"]), False,
                             config["student"]["sdpa_backend"])
-    text = context_text(config)
+    text = config.context_text
     blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
     if text:
         from .data.prepare import load_tokenizer

@@ -18,7 +18,6 @@ import torch
 
 from .contract import Config
 from .data.chat import end_token_ids, render
-from .evaluate import context_text
 from .fsio import SpdsError
 
 
@@ -63,7 +62,7 @@ def generate(config: Config, log=print) -> dict:
     settings = config["generate"]
     if not settings["questions"]:
         raise SpdsError("generate.questions is not set")
-    context = context_text(config)
+    context = config.context_text
     if not context:
         raise SpdsError("context.text or context.file must hold the system prompt to distill")
     tokenizer = load_tokenizer(config)

@@ -119,9 +119,9 @@ def train_step(engine, store: PackedStore, plan: "Plan", batch, mine: list[int],
     check_precision(engine)
     learning_rate = engine.get_lr()[0]
     engine.step()
-    check_precision(engine)
+    check_precision(engine, student=False)  # the moments the step just wrote
     seconds = time.monotonic() - started
-    positions = int(store.length[batch].sum()) + len(batch) * plan.prompt_length
+    positions = int(plan.positions[batch].sum())
     metric = dict(loss=loss_sum / denominator, supervised_tokens=denominator, tokens=positions, records=len(batch),
                   grad_norm=float(grad_norm), learning_rate=learning_rate, seconds=seconds,
                   tokens_per_second=positions / seconds,
@@ -145,7 +145,8 @@ class Plan:
         self.train_records = np.flatnonzero(store.is_train)
         if not len(self.train_records):
             raise SpdsError("no training records: data.eval_fraction holds out every question")
-        self.costs = schedule.record_cost(store.length + self.prompt_length)
+        self.positions = store.length + self.prompt_length  # what one record occupies in a forward pass
+        self.costs = schedule.record_cost(self.positions)  # what balances ranks
 
     def global_batch(self, update: int, force_longest: bool = False) -> np.ndarray:
         batch = self.train_records[schedule.global_batch(self.seed, update, len(self.train_records), self.batch)]
@@ -165,7 +166,7 @@ class Plan:
         groups: list[list[int]] = []
         for index in mine:
             group = groups[-1] if groups else None
-            padded = int(self.costs[group[0]]) * (len(group) + 1) if group else 0
+            padded = int(self.positions[group[0]]) * (len(group) + 1) if group else 0  # the first is the longest
             if group and len(group) < self.micro_batch and (self.micro_batch_tokens is None or padded <= self.micro_batch_tokens):
                 group.append(index)
             else:

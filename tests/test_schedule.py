@@ -46,7 +46,7 @@ def test_micro_batches_respect_count_and_token_budget():
     from spds.train import Plan
 
     plan = Plan.__new__(Plan)
-    plan.costs = np.array([1000, 900, 300, 290, 280, 100], dtype=float)
+    plan.positions = np.array([1000, 900, 300, 290, 280, 100])
     plan.micro_batch, plan.micro_batch_tokens = 3, 1000
     assert plan.micro_batches([0, 1, 2, 3, 4, 5]) == [[0], [1], [2, 3, 4], [5]]
     plan.micro_batch_tokens = None
