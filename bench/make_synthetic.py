@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "tiny"))
 sys.path.insert(0, str(REPO / "bench"))
 import make_tiny  # noqa: E402
-from bench_gpu import qwen3_config  # noqa: E402
+import bench_gpu  # noqa: E402
 
 
 def main() -> None:
@@ -32,15 +32,9 @@ def main() -> None:
     args = parser.parse_args()
     directory = Path(args.directory)
     directory.mkdir(parents=True, exist_ok=True)
-    from transformers import Qwen3ForCausalLM
-
     tokenizer = make_tiny.chatml_tokenizer()
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(qwen3_config(args.model))
-    torch.set_default_dtype(previous)
+    bench_gpu.DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    model = bench_gpu.build_student(args.model)
     model.save_pretrained(directory / "student")
     tokenizer.save_pretrained(directory / "student")
     rng = np.random.default_rng(0)
