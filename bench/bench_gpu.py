@@ -126,13 +126,29 @@ VARIANTS = {
     "packed-auto": ({}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
     "ckpt": ({"activation_checkpointing": True}, {}),
     "nopad": ({"pad_to_multiple_of": 1}, {}),
+    # Liger's RMSNorm/SwiGLU/RoPE patch the shared student in place: run these in an invocation
+    # of their own, with --no-peft.
+    "liger": ({"sdpa_backend": BY_LENGTH, "liger_kernels": True}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
+    "liger-ckpt": ({"sdpa_backend": BY_LENGTH, "liger_kernels": True, "activation_checkpointing": True}, {}),
+    # packed, but auto checkpointing all-or-nothing per micro-batch (spds before per-layer counts).
+    "wholeckpt": ({"sdpa_backend": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
 }
+
+
+def all_or_nothing(model) -> None:
+    policy = model.checkpointing
+    model.checkpointing = lambda positions: policy.layers if policy(positions) else 0
+
+
+AFTER_BUILD = {"wholeckpt": all_or_nothing}
 
 
 def spds_config(directory: Path, records: int, variant: str):
     from spds.contract import Config, apply_defaults, describe_errors, load_schema
 
     student, optim = VARIANTS[variant]
+    if DEVICE == "cpu":  # a dry run: CPU SDPA has the math kernel only
+        student = {k: v for k, v in student.items() if k != "sdpa_backend"}
     raw = {"student": {"model_path": "random-weights", **student},
            "soft_prompt": {"length": PROMPT}, "data": {"candidates": [{"path": "synthetic"}]},
            "optim": {"effective_batch": records, "updates": 1, "learning_rate": 1e-3, **optim},
@@ -153,7 +169,13 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         config = spds_config(directory, len(lengths), variant)
         if not torch.distributed.is_initialized():
             init_distributed(config)
+        if config["student"]["liger_kernels"] and not getattr(student, "liger_applied", False):
+            from spds.model import apply_liger_kernels
+
+            apply_liger_kernels(student)
+            student.liger_applied = True
         model = build_model_from(config, student)
+        AFTER_BUILD.get(variant, lambda model: None)(model)
         engine = build_engine(config, model, 1)
         plan = Plan(store, config, 1)
         device = torch.device(DEVICE)
@@ -228,6 +250,9 @@ def main() -> None:
     parser.add_argument("--no-peft", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    liger = [v for v in args.variants.split(",") if VARIANTS[v][0].get("liger_kernels")]
+    if liger and (len(liger) < len(args.variants.split(",")) or not args.no_peft):
+        parser.error(f"{liger} patch the student in place: run them on their own, with --no-peft")
     import transformers
 
     global DEVICE

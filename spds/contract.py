@@ -159,15 +159,18 @@ class Config:
         fields = copy.deepcopy(self.raw)
         # Where things are written is not what is trained: a run directory may move. The packed
         # data's identity is its own digest, checked separately.
-        # The backend changes how the student is laid out, not the update: a ZeRO-0 checkpoint
-        # may continue under fsdp (topology still must match).
-        for key in ("$schema", "output_dir", "backend"):
+        # The backend and the DeepSpeed file (its ZeRO stage, monitors) change how the student is
+        # laid out, not the update: a ZeRO-0 checkpoint may continue under ZeRO-3 or fsdp
+        # (the topology still must match).
+        for key in ("$schema", "output_dir", "backend", "deepspeed_config"):
             fields.pop(key, None)
         fields["data"].pop("packed_dir", None)
         # Operational settings that never change the numbers of a run.
         for section, key in [("checkpoint", "keep_last"), ("checkpoint", "backup_dir"), ("checkpoint", "every"),
                              ("train", "progress_bar"), ("train", "require_smoke"), ("distributed", "timeout_minutes"),
-                             ("distributed", "master_addr"), ("distributed", "master_port"), ("data", "backup_dir")]:
+                             ("distributed", "master_addr"), ("distributed", "master_port"), ("data", "backup_dir"),
+                             # recomputing a layer reproduces its activations exactly
+                             ("student", "activation_checkpointing"), ("student", "activation_memory_gib")]:
             fields.get(section, {}).pop(key, None)
         if fields["optim"]["schedule"] == "constant" and not fields["optim"]["warmup_updates"]:
             fields["optim"].pop("updates")  # a constant-rate run may be extended and resumed
@@ -258,6 +261,10 @@ def deepspeed_config_problems(config: Config) -> list[str]:
     micro = ds_config.get("train_micro_batch_size_per_gpu") if isinstance(ds_config, dict) else None
     if micro is not None and micro != config["optim"]["micro_batch"]:
         problems.append(f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from optim.micro_batch {config['optim']['micro_batch']}")
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0) if isinstance(ds_config, dict) else 0
+    if config["backend"] == "fsdp" and stage == 3:
+        problems.append(f"backend: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the student; "
+                        "choose one (backend 'deepspeed' with stage 3, or fsdp with ds_configs/zero0.json)")
     return problems
 
 

@@ -58,18 +58,30 @@ def init_distributed(config: Config) -> tuple[int, int, torch.device]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
+def zero_stage(config: Config) -> int:
+    return read_json(config.deepspeed_config_path).get("zero_optimization", {}).get("stage", 0)
+
+
+def shards_student(config: Config) -> bool:
+    """fsdp, or DeepSpeed ZeRO-3: the student is loaded on the host and sharded onto the GPUs."""
+    return config["backend"] == "fsdp" or zero_stage(config) == 3
+
+
 def deepspeed_config(config: Config, world: int) -> dict:
     """The user's DeepSpeed file plus the keys spds owns (the schema forbids setting them there)."""
     ds = read_json(config.deepspeed_config_path)
     micro = config["optim"]["micro_batch"]
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1, train_batch_size=micro * world,
-              gradient_allreduce_op="sum", communication_data_type="fp32")
+              communication_data_type="fp32")
     ds.setdefault("zero_optimization", {"stage": 0})
+    if ds["zero_optimization"]["stage"] == 0:  # under ZeRO-3 the prompt never enters DeepSpeed's reduction
+        ds["gradient_allreduce_op"] = "sum"
     return ds
 
 
 def build_engine(config: Config, model: torch.nn.Module, world: int):
-    """DeepSpeed's engine (backend "deepspeed"), or spds's FSDP2 engine with the same interface."""
+    """DeepSpeed's ZeRO-0 engine, or (student sharded by FSDP2 or ZeRO-3) spds's ShardedEngine,
+    which offers the same interface and the same exact SUM (spds/sharded.py)."""
     import deepspeed
 
     optim = config["optim"]
@@ -77,10 +89,13 @@ def build_engine(config: Config, model: torch.nn.Module, world: int):
     optimizer = optimizer_class([model.prompt], lr=optim["learning_rate"], betas=tuple(optim["betas"]),
                                 eps=optim["eps"], weight_decay=optim["weight_decay"], foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
-    if config["backend"] == "fsdp":
-        from .fsdp import FSDPEngine
+    if shards_student(config):
+        from .sharded import FSDP2Layout, ShardedEngine, ZeRO3Layout
 
-        return FSDPEngine(model, optimizer, scheduler, model.prompt.device)
+        device = model.prompt.device
+        layout = (FSDP2Layout(model.student, device) if config["backend"] == "fsdp"
+                  else ZeRO3Layout(model.student, device, deepspeed_config(config, world)))
+        return ShardedEngine(model, optimizer, scheduler, layout)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(config, world), dist_init_required=False)
     if engine.gradient_average:

@@ -46,6 +46,23 @@ def load_student(model_path, dtype: str, attn_implementation: str, device: torch
     return student.to(device)
 
 
+def apply_liger_kernels(student: nn.Module) -> None:
+    """Liger's RMSNorm, SwiGLU and RoPE kernels in place of the student's own (its loss is spds's)."""
+    from .fsio import SpdsError
+    from .loss import liger_available
+
+    if not liger_available():
+        raise SpdsError("student.liger_kernels is true but liger-kernel is not importable or there is no CUDA device "
+                        "(pip install 'spds[gpu]', or set student.liger_kernels to false)")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    if student.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise SpdsError(f"student.liger_kernels: Liger has no kernels for model type {student.config.model_type!r}")
+    _apply_liger_kernel_to_instance(model=student, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+
+
 def initial_prompt(student: nn.Module, length: int, init: dict, seed: int, tokenizer=None) -> torch.Tensor:
     """The prompt's starting value, FP32 [length, hidden], identical on every rank for a seed."""
     embeddings = student.get_input_embeddings().weight
@@ -61,31 +78,51 @@ def initial_prompt(student: nn.Module, length: int, init: dict, seed: int, token
 
 
 # Stored activations of a bf16 decoder layer, in bytes per position per hidden unit, without
-# checkpointing (measured on H200 for Qwen3 1.7B and 8B shapes: 36-39; rounded up).
+# checkpointing (measured on H200 for Qwen3 1.7B and 8B shapes: 36-39; rounded up). A
+# checkpointed layer keeps only its bf16 input (2 bytes) and, while it is recomputed in
+# backward, one layer's full activations.
 ACTIVATION_BYTES_PER_HIDDEN = 40
+CHECKPOINTED_BYTES_PER_HIDDEN = 2
+
+
+def decoder_layers(student: nn.Module) -> nn.ModuleList:
+    layers = getattr(student.base_model, "layers", None)
+    if layers is None:
+        from .fsio import SpdsError
+
+        raise SpdsError(f"cannot find the decoder layers of {type(student).__name__} (base_model.layers)")
+    return layers
 
 
 class CheckpointPolicy:
-    """Decides per micro-batch whether to recompute layer activations in backward.
+    """Decides per micro-batch how many decoder layers recompute their activations in backward.
 
-    Checkpointing costs about a third more compute, so spds uses it only where memory needs it:
-    for "auto", when positions x layers x hidden x 40 bytes exceed the activation budget."""
+    A recomputed layer costs another forward (about half again its forward plus input-gradient
+    backward), so spds recomputes only as many layers as memory needs: for "auto", the fewest
+    whose saving brings positions x hidden x (40 bytes per plain layer, 2 per checkpointed one,
+    plus one layer's recompute) under the activation budget. True and False: all layers, none."""
 
-    def __init__(self, setting, student: nn.Module, budget_gib: float | None):
+    def __init__(self, setting, student: nn.Module, budget_gib: float | None, device: torch.device):
         self.setting = setting
         config = student.config
-        self.bytes_per_position = ACTIVATION_BYTES_PER_HIDDEN * config.num_hidden_layers * config.hidden_size
+        self.layers, self.hidden = config.num_hidden_layers, config.hidden_size
         self.budget = budget_gib * 2**30 if budget_gib else None
-        self.device = student.device
+        self.device = device
 
-    def __call__(self, positions: int) -> bool:
+    def __call__(self, positions: int) -> int:
         if self.setting in (True, False):
-            return self.setting
+            return self.layers if self.setting else 0
         if self.device.type != "cuda":
-            return False
+            return 0
         if self.budget is None:  # measured once, after the student and engine are in memory
             self.budget = 0.9 * torch.cuda.mem_get_info(self.device)[0]
-        return positions * self.bytes_per_position > self.budget
+        plain, kept = ACTIVATION_BYTES_PER_HIDDEN, CHECKPOINTED_BYTES_PER_HIDDEN
+        affordable = self.budget / (positions * self.hidden)  # bytes per position per hidden unit
+        if self.layers * plain <= affordable:
+            return 0
+        # (layers - k) * plain + k * kept + plain <= affordable
+        needed = -(-(self.layers * plain + plain - affordable) // (plain - kept))
+        return int(min(self.layers, max(1, needed)))
 
 
 def enable_checkpointing(student: nn.Module) -> None:
@@ -96,18 +133,33 @@ def enable_checkpointing(student: nn.Module) -> None:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def checkpoint_first(student: nn.Module, count: int) -> None:
+    """Recompute the first `count` decoder layers in backward, keep the others' activations.
+
+    transformers checkpoints a layer only in train mode; the frozen student has no dropout, so
+    each layer's mode is its checkpointing switch and nothing else."""
+    for index, layer in enumerate(decoder_layers(student)):
+        if layer.training != (index < count):
+            layer.train(index < count)
+
+
 class SoftPromptModel(nn.Module):
     def __init__(self, student: nn.Module, prompt: torch.Tensor, loss_fn, activation_checkpointing=False,
-                 sdpa_backend="auto", activation_memory_gib: float | None = None, pad_to_multiple_of: int | None = None):
+                 sdpa_backend="auto", activation_memory_gib: float | None = None, pad_to_multiple_of: int | None = None,
+                 device: torch.device | None = None):
         super().__init__()
+        device = device or student.device  # a student still on the host waits to be sharded onto `device`
         if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
-            pad_to_multiple_of = 256 if student.device.type == "cuda" else 1
+            pad_to_multiple_of = 256 if device.type == "cuda" else 1
         self.pad_to_multiple_of = pad_to_multiple_of
         self.student = student
-        self.prompt = nn.Parameter(prompt.to(torch.float32).to(student.device))
+        self.prompt = nn.Parameter(prompt.to(torch.float32).to(device))
         self.loss_fn = loss_fn
         self.sdpa_backend = sdpa_backend
-        self.checkpointing = CheckpointPolicy(activation_checkpointing, student, activation_memory_gib)
+        self.checkpointing = CheckpointPolicy(activation_checkpointing, student, activation_memory_gib, device)
+        # Context that makes frozen weights whole where spds reads them outside a module's forward
+        # (the lm_head weight for the fused loss); a sharded layout replaces it (spds/sharded.py).
+        self.gathered = lambda parameters: contextlib.nullcontext()
         if activation_checkpointing is not False:
             enable_checkpointing(student)
         student.eval()
@@ -122,11 +174,14 @@ class SoftPromptModel(nn.Module):
 
         return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
 
-    def joined_embeddings(self, segment: Segment, block: torch.Tensor) -> torch.Tensor:
-        embed = self.student.get_input_embeddings()
-        tokens = embed(segment.ids)
-        a = segment.insert_at
-        return torch.cat([tokens[:a], block.to(tokens.dtype), tokens[a:]], dim=0)
+    def joined_embeddings(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
+        """embed(x[:a]) ++ block ++ embed(x[a:]) for each segment; one embedding call for all."""
+        tokens = self.student.get_input_embeddings()(torch.cat([s.ids for s in segments]))
+        joined = []
+        for segment, own in zip(segments, tokens.split([len(s.ids) for s in segments])):
+            a = segment.insert_at
+            joined.append(torch.cat([own[:a], block.to(own.dtype), own[a:]], dim=0))
+        return joined
 
     def hidden_states(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
         """Final hidden states [L+P, H] of each segment, in one forward pass.
@@ -136,7 +191,7 @@ class SoftPromptModel(nn.Module):
         its outputs, and the fast causal kernels (flash, cuDNN) stay usable. The padded length is
         rounded up to pad_to_multiple_of so that the kernels see few distinct shapes (cuDNN builds
         a plan per shape)."""
-        joined = [self.joined_embeddings(s, block) for s in segments]
+        joined = self.joined_embeddings(segments, block)
         longest = max(len(j) for j in joined)
         longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         if len(joined) == 1 and longest == len(joined[0]):
@@ -144,9 +199,7 @@ class SoftPromptModel(nn.Module):
         else:
             inputs = torch.stack([nn.functional.pad(j, (0, 0, 0, longest - len(j))) for j in joined])
         positions = torch.arange(longest, device=self.prompt.device)[None].expand(len(joined), -1)
-        # transformers checkpoints layers only in train mode; the frozen student has no dropout,
-        # so the mode is the per-micro-batch checkpointing switch and nothing else.
-        self.student.train(self.checkpointing(longest * len(joined)))
+        checkpoint_first(self.student, self.checkpointing(longest * len(joined)))
         with self._attention_context(longest):
             output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
         return [output.last_hidden_state[i, :len(j)] for i, j in enumerate(joined)]
@@ -168,4 +221,6 @@ class SoftPromptModel(nn.Module):
     def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None) -> torch.Tensor:
         """Summed cross entropy (fp32 scalar) over the supervised tokens of `segments`."""
         rows, targets = self.response_states(segments, inserted)
-        return self.loss_fn(rows, self.student.get_output_embeddings().weight, targets)
+        weight = self.student.get_output_embeddings().weight
+        with self.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight
+            return self.loss_fn(rows, weight, targets)

@@ -28,9 +28,9 @@ from .contract import REPO_ROOT, Config, load_config, require_valid, validate_ru
 from .fsio import SpdsError, append_line_durably, atomic_write_json, canonical_json, exclusive_lock, read_json, sha256_json
 from . import checkpoint, schedule
 from .data.packed import PackedStore
-from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
+from .engine import all_reduce_sum, build_engine, check_precision, init_distributed, shards_student
 from .loss import make_loss
-from .model import Segment, SoftPromptModel, initial_prompt, load_student
+from .model import Segment, SoftPromptModel, apply_liger_kernels, initial_prompt, load_student
 
 
 # ---------------------------------------------------------------- the loop
@@ -195,11 +195,15 @@ class Plan:
 
 def build_model(config: Config, device: torch.device) -> SoftPromptModel:
     student_cfg = config["student"]
-    student = load_student(config.model_path, student_cfg["dtype"], student_cfg["attn_implementation"], device)
-    return build_model_from(config, student)
+    # A student to be sharded is loaded on the host; its layout puts each shard on the device.
+    host = torch.device("cpu") if shards_student(config) else device
+    student = load_student(config.model_path, student_cfg["dtype"], student_cfg["attn_implementation"], host)
+    if student_cfg["liger_kernels"]:
+        apply_liger_kernels(student)
+    return build_model_from(config, student, device)
 
 
-def build_model_from(config: Config, student) -> SoftPromptModel:
+def build_model_from(config: Config, student, device: torch.device | None = None) -> SoftPromptModel:
     student_cfg, prompt_cfg = config["student"], config["soft_prompt"]
     sdpa_backend = student_cfg["sdpa_backend"]
     if config["train"]["deterministic"] and sdpa_backend == "auto":
@@ -214,7 +218,7 @@ def build_model_from(config: Config, student) -> SoftPromptModel:
     prompt = initial_prompt(student, prompt_cfg["length"], prompt_cfg["init"], config["optim"]["seed"], tokenizer)
     loss_fn = make_loss(config["loss"]["backend"], config["loss"]["chunk_tokens"])
     return SoftPromptModel(student, prompt, loss_fn, student_cfg["activation_checkpointing"], sdpa_backend,
-                           student_cfg["activation_memory_gib"], student_cfg["pad_to_multiple_of"])
+                           student_cfg["activation_memory_gib"], student_cfg["pad_to_multiple_of"], device)
 
 
 def save_checkpoint(config, engine, root, update, plan, batch, mine, identities, reason, rank, world) -> Path:

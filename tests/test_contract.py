@@ -59,6 +59,22 @@ def test_mixed_precision_section_is_refused_with_the_reason(tiny, tmp_path):
     assert "train_batch_size: remove train_batch_size" in text
 
 
+def test_zero_stage_choices_are_checked(tiny, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    edit_config(tiny, deepspeed_config=str(ds))
+    with pytest.raises(SpdsError) as caught:
+        load_config(tiny / "config.json")
+    assert "zero_optimization.stage: spds supports ZeRO stage 0" in str(caught.value)
+    # Two ways of sharding the student at once is a choice left unmade.
+    edit_config(tiny, deepspeed_config="ds_configs/zero3.json", backend="fsdp")
+    with pytest.raises(SpdsError) as caught:
+        load_config(tiny / "config.json")
+    assert "both shard the student; choose one" in str(caught.value)
+    edit_config(tiny, backend="deepspeed")
+    load_config(tiny / "config.json")  # the shipped ZeRO-3 file passes its schema
+
+
 def test_missing_inputs_are_named(tiny):
     edit_config(tiny, student={"model_path": "nowhere"}, data={"candidates": [{"path": "missing.jsonl"}]})
     with pytest.raises(SpdsError) as caught:

@@ -88,22 +88,38 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
     tokenizer = make_tiny.chatml_tokenizer()
     segment = make_segment(tokenizer)
     results = []
-    for setting in (False, True):
+    for count in (0, 1, 2):  # none, the first of the tiny student's two layers, both
         student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
         prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=2)
-        model = SoftPromptModel(student, prompt, make_loss("chunked", 16), activation_checkpointing=setting)
+        model = SoftPromptModel(student, prompt, make_loss("chunked", 16), activation_checkpointing=count > 0)
+        model.checkpointing = lambda positions, count=count: count
+        recomputed = []  # count the layer forwards run again during backward
+        for layer in student.model.layers:
+            layer.self_attn.register_forward_pre_hook(lambda *_: recomputed.append(True))
         loss = model([segment])
-        assert model.student.training is setting  # the per-micro-batch switch really flipped
+        assert [layer.training for layer in student.model.layers] == [i < count for i in range(2)]
+        forwards = len(recomputed)
         loss.backward()
+        assert len(recomputed) - forwards == count
         results.append((loss.detach(), model.prompt.grad))
-    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)
+    for other in results[1:]:
+        torch.testing.assert_close(other, results[0], rtol=1e-6, atol=1e-7)
 
 
 def test_auto_checkpointing_policy(student):
     from spds.model import CheckpointPolicy
 
-    policy = CheckpointPolicy("auto", student, budget_gib=None)
-    assert policy(10**9) is False  # CPU: never
+    policy = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cpu"))
+    assert policy(10**9) == 0  # CPU: never
     policy.device = torch.device("cuda")  # the decision itself, without a GPU
-    policy.budget = 1000 * policy.bytes_per_position
-    assert policy(999) is False and policy(1001) is True
+    policy.layers = 36  # an 8B-deep student (with two layers, recomputing one saves nothing)
+    per_position = policy.hidden * 40 * policy.layers  # all layers' activations, one position
+    policy.budget = 1000 * per_position
+    assert policy(1000) == 0  # fits: nothing recomputed
+    assert policy(1001) == 2  # just over: the fewest layers whose saving pays for one recompute
+    partial = policy(1500)  # the fewest layers that bring the activations under the budget
+    assert 0 < partial < policy.layers
+    need = lambda k: 1500 * policy.hidden * ((policy.layers - k) * 40 + k * 2 + 40)  # noqa: E731
+    assert need(partial) <= policy.budget < need(partial - 1)
+    assert policy(100_000) == policy.layers  # beyond what checkpointing can save: all (and hope)
+    assert CheckpointPolicy(True, student, None, torch.device("cpu"))(1) == student.config.num_hidden_layers

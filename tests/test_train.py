@@ -160,6 +160,11 @@ def test_corrupted_checkpoint_and_changed_identity_are_refused(run_dir):
     result = spds(["train", "config.json"], run_dir)
     assert result.returncode == 1 and "identity changed" in result.stderr and "config" in result.stderr
     edit_config(run_dir, optim={**FAST["optim"], "updates": 4})
+    # A GPU-only setting on a machine without one says so, before any work.
+    edit_config(run_dir, student={"liger_kernels": True})
+    result = spds(["train", "config.json"], run_dir)
+    assert result.returncode == 1 and "student.liger_kernels is true but" in result.stderr
+    edit_config(run_dir, student={"liger_kernels": False})
     state = newest / "mp_rank_00_model_states.pt"
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -211,29 +216,41 @@ def test_deepspeed_monitor_receives_spds_metrics(run_dir, tmp_path):
     assert values == pytest.approx([m["loss"] for m in metrics(run_dir / "run")])
 
 
+# The sharded runs also recompute every layer in backward (checkpointing through the gather hooks).
+SHARDED = {"fsdp": dict(backend="fsdp", student={"activation_checkpointing": True}),
+           "zero3": dict(backend="deepspeed", deepspeed_config="ds_configs/zero3.json", student={"activation_checkpointing": True})}
+ZERO0 = dict(backend="deepspeed", deepspeed_config="ds_configs/zero0.json", student={"activation_checkpointing": "auto"})
+
+
 @pytest.mark.slow
-def test_fsdp_backend_matches_zero0_and_resumes(run_dir):
-    # ZeRO-0 on 2 ranks, then the same updates with the student sharded by FSDP2.
-    edit_config(run_dir, output_dir="zero0")
+@pytest.mark.parametrize("backend", sorted(SHARDED))
+def test_sharded_backend_matches_zero0_and_resumes(run_dir, backend):
+    # ZeRO-0 on 2 ranks, then the same updates with the student sharded (FSDP2 or ZeRO-3).
+    sharded = SHARDED[backend]
+    edit_config(run_dir, output_dir="zero0", **ZERO0)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
-    edit_config(run_dir, output_dir="fsdp", backend="fsdp")
+    edit_config(run_dir, output_dir=backend, **sharded)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
-    assert read_json(run_dir / "fsdp" / "run.json")["config"]["backend"] == "fsdp"
-    zero0, fsdp = final_state(run_dir / "zero0"), final_state(run_dir / "fsdp")
-    torch.testing.assert_close(fsdp["prompt"], zero0["prompt"], rtol=0, atol=2e-6)
-    for a, b in zip(metrics(run_dir / "zero0"), metrics(run_dir / "fsdp")):
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert read_json(run_dir / backend / "run.json")["config"]["backend"] == sharded["backend"]
+    zero0, state = final_state(run_dir / "zero0"), final_state(run_dir / backend)
+    assert torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt", weights_only=False)["backend"] == backend
+    # The same update as ZeRO-0, bit for bit: sharding moves the frozen weights, not the arithmetic
+    # (each rank computes its records with the whole gathered layer; the prompt gradient is the
+    # same exact SUM). On GPUs, kernels may differ: bench/RESULTS.md records the difference there.
+    for key in ("prompt", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[key], zero0[key]), key
+    assert [m["grad_norm"] for m in metrics(run_dir / backend)] == [m["grad_norm"] for m in metrics(run_dir / "zero0")]
     # Within the backend, a stopped-and-resumed run equals the straight one bit for bit.
-    edit_config(run_dir, output_dir="fsdp-stopped", backend="fsdp")
+    edit_config(run_dir, output_dir=f"{backend}-stopped", **sharded)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun", SPDS_FAULT="sigterm-before-update-rank1:3"))
-    assert read_json(run_dir / "fsdp-stopped" / "terminal.json")["status"] == "stopped"
+    assert read_json(run_dir / f"{backend}-stopped" / "terminal.json")["status"] == "stopped"
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
     for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
-        assert torch.equal(final_state(run_dir / "fsdp-stopped")[key], fsdp[key]), key
-    # A ZeRO-0 checkpoint continues under fsdp: stop ZeRO-0 at update 3, resume with backend fsdp.
-    edit_config(run_dir, output_dir="cross", backend="deepspeed")
+        assert torch.equal(final_state(run_dir / f"{backend}-stopped")[key], state[key]), key
+    # A ZeRO-0 checkpoint continues under the sharded backend: stop ZeRO-0 at update 3, resume.
+    edit_config(run_dir, output_dir="cross", **ZERO0)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun", SPDS_FAULT="sigterm-before-update-rank0:3"))
-    edit_config(run_dir, output_dir="cross", backend="fsdp")
+    edit_config(run_dir, output_dir="cross", **sharded)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
     assert read_json(run_dir / "cross" / "run.json")["start_update"] == 4
-    torch.testing.assert_close(final_state(run_dir / "cross")["prompt"], zero0["prompt"], rtol=0, atol=2e-6)
+    assert torch.equal(final_state(run_dir / "cross")["prompt"], zero0["prompt"])

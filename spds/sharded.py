@@ -1,0 +1,147 @@
+"""Students larger than one GPU: the frozen student sharded over the ranks, the FP32 prompt whole.
+
+Two ways to shard, one engine around them:
+  * backend "fsdp": each decoder layer is wrapped by PyTorch FSDP2 (fully_shard); its forward
+    all-gathers the layer's weights and frees them after. Embeddings, final norm and lm_head (a
+    few percent of a large model) stay replicated, because spds calls them directly (splicing the
+    prompt, the fused loss), outside any layer's forward.
+  * backend "deepspeed" with zero_optimization.stage 3: DeepSpeed ZeRO-3 partitions every student
+    parameter (DeepSpeedZeRoOffload, what deepspeed.initialize builds for stage 3 without an
+    optimizer) and gathers each module's weights around its forward and again for its backward.
+    spds calls the embedding module directly (its hooks gather it) and gathers the lm_head weight
+    explicitly around the fused loss, which computes its input gradient in the forward pass.
+
+The prompt is kept out of both: DeepSpeed's ZeRO-3 path averages gradients and rejects
+gradient_allreduce_op "sum"; FSDP would reduce-scatter. Here the prompt is a plain replicated
+parameter: its gradient accumulates locally over the micro-batches and allreduce_gradients()
+sums it over ranks, the same exact SUM as ZeRO-0; a torch Adam steps it on every rank alike.
+
+The engine offers the part of DeepSpeed's engine interface that spds uses (call, no_sync,
+backward, allreduce_gradients, step, get_lr, save/load_checkpoint, module, optimizer, monitor),
+so train.py and checkpoint.py run unchanged. Checkpoints use DeepSpeed's ZeRO-0 file name and keys
+(module.prompt, optimizer, lr_scheduler), so a checkpoint of any backend continues under any
+other with the same world size.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import STATE_FILE
+from .fsio import atomic_writer
+from .model import decoder_layers
+
+
+def move_unsharded(module: torch.nn.Module, device: torch.device) -> None:
+    """Move what the sharding left on the host (replicated parameters, buffers such as RoPE's
+    inverse frequencies) to the device, leaving sharded parameters alone."""
+    for sub in module.modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            sub._buffers[name] = buffer.to(device)
+        for name, parameter in sub.named_parameters(recurse=False):
+            if not hasattr(parameter, "ds_id") and parameter.device != device and not hasattr(parameter, "device_mesh"):
+                parameter.data = parameter.data.to(device)
+
+
+class FSDP2Layout:
+    """Decoder layers sharded by FSDP2; nothing to do around a forward."""
+
+    name = "fsdp"
+
+    def __init__(self, student, device: torch.device):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = None
+        if device.type == "cuda":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        for layer in decoder_layers(student):
+            fully_shard(layer, mesh=mesh)  # moves the layer's shard to the mesh's device
+        move_unsharded(student, device)
+
+    def before_forward(self) -> None:
+        pass
+
+    def gathered(self, parameters):
+        return contextlib.nullcontext()
+
+
+class ZeRO3Layout:
+    """Every student parameter partitioned by DeepSpeed ZeRO-3."""
+
+    name = "zero3"
+
+    def __init__(self, student, device: torch.device, ds_config: dict):
+        import deepspeed
+
+        # No optimizer: DeepSpeed builds only its parameter partitioner and gather hooks for the
+        # student; the prompt is not part of this module. Each parameter is moved to the device
+        # one at a time and partitioned at once, so the whole student never sits on one GPU.
+        self.engine, *_ = deepspeed.initialize(model=student, config=ds_config, dist_init_required=False)
+        move_unsharded(student, device)
+        self.coordinator = self.engine.optimizer.get_param_coordinator()
+
+    def before_forward(self) -> None:
+        # DeepSpeed resets its fetch trace when the wrapped module's forward starts; spds runs the
+        # student's parts (embeddings, decoder, loss) itself, so it marks each micro-batch here.
+        self.coordinator.reset_step()
+
+    def gathered(self, parameters):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(parameters), modifier_rank=None)
+
+
+class _NoMonitor:
+    enabled = False
+
+
+class ShardedEngine:
+    gradient_average = False
+
+    def __init__(self, model, optimizer, scheduler, layout):
+        self.module, self.optimizer, self.lr_scheduler, self.layout = model, optimizer, scheduler, layout
+        model.gathered = layout.gathered
+        self.monitor = _NoMonitor()
+        with torch.no_grad():  # every rank starts from rank 0's prompt, as DeepSpeed's engine does
+            dist.broadcast(model.prompt.data, src=0)
+
+    def __call__(self, segments):
+        self.layout.before_forward()
+        return self.module(segments)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield  # nothing is reduced during backward: the student has no trainable parameters
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def allreduce_gradients(self) -> None:
+        dist.all_reduce(self.module.prompt.grad)  # SUM: each rank's loss is already divided globally
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def save_checkpoint(self, save_dir: str, tag: str, **_) -> None:
+        if dist.get_rank() == 0:
+            state = {"module": {"prompt": self.module.prompt.detach().cpu()}, "optimizer": self.optimizer.state_dict(),
+                     "lr_scheduler": self.lr_scheduler.state_dict(), "backend": self.layout.name}
+            with atomic_writer(Path(save_dir) / tag / STATE_FILE, "wb") as stream:
+                torch.save(state, stream)
+
+    def load_checkpoint(self, load_dir: str, tag: str, **_) -> None:
+        state = torch.load(Path(load_dir) / tag / STATE_FILE, map_location="cpu", weights_only=False)
+        with torch.no_grad():
+            self.module.prompt.copy_(state["module"]["prompt"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
