@@ -25,12 +25,12 @@ PY
   echo "== $name (cap ${gib} GiB per GPU)"; local began=$SECONDS
   torchrun --nproc_per_node 2 --master_port $((29500 + RANDOM % 1000)) bench/capped.py "$gib" train "$work/config.json" \
     > "$work/$name.log" 2>&1; echo "exit $? after $((SECONDS - began)) s"
-  grep -E "Error|error:" "$work/$name.log" | grep -v Warning | tail -3
+  grep -E "^spds|Error|error:|File .*/spds/" "$work/$name.log" | grep -v Warning | tail -12
 }
 run zero3 "$cap" deepspeed ds_configs/zero3.json
 run fsdp "$cap" fsdp ds_configs/zero0.json
 run zero0-capped "$cap" deepspeed ds_configs/zero0.json
-run zero0 140 deepspeed ds_configs/zero0.json
+run zero0 139 deepspeed ds_configs/zero0.json
 python3 - "$work" <<'PY'
 import json, sys, torch
 from pathlib import Path

@@ -25,6 +25,7 @@ other with the same world size.
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 import torch
@@ -78,9 +79,11 @@ class ZeRO3Layout:
     def __init__(self, student, device: torch.device, ds_config: dict):
         import deepspeed
 
-        # No optimizer: DeepSpeed builds only its parameter partitioner and gather hooks for the
-        # student; the prompt is not part of this module. Each parameter is moved to the device
-        # one at a time and partitioned at once, so the whole student never sits on one GPU.
+        # zero.Init moves each parameter to the device and partitions it at once, so the whole
+        # student never sits on one GPU (deepspeed.initialize alone would first move the whole
+        # module to the device). No optimizer: DeepSpeed then builds only its gather hooks for
+        # the student; the prompt is not part of this module.
+        deepspeed.zero.Init(module=student, config_dict_or_path=ds_config)
         self.engine, *_ = deepspeed.initialize(model=student, config=ds_config, dist_init_required=False)
         move_unsharded(student, device)
         self.coordinator = self.engine.optimizer.get_param_coordinator()
@@ -105,6 +108,9 @@ class ShardedEngine:
 
     def __init__(self, model, optimizer, scheduler, layout):
         self.module, self.optimizer, self.lr_scheduler, self.layout = model, optimizer, scheduler, layout
+        if dist.get_rank() == 0 and model.prompt.is_cuda:
+            print(f"spds: student sharded ({layout.name}): {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+                  f"on {model.prompt.device} after sharding", file=sys.stderr, flush=True)
         model.gathered = layout.gathered
         self.monitor = _NoMonitor()
         with torch.no_grad():  # every rank starts from rank 0's prompt, as DeepSpeed's engine does
