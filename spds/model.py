@@ -112,7 +112,7 @@ class CheckpointPolicy:
     def __call__(self, positions: int) -> int:
         if self.setting in (True, False):
             return self.layers if self.setting else 0
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and self.budget is None:  # CPU: only with a budget given
             return 0
         if self.budget is None:  # measured once, after the student and engine are in memory
             self.budget = 0.9 * torch.cuda.mem_get_info(self.device)[0]
@@ -183,7 +183,8 @@ class SoftPromptModel(nn.Module):
             joined.append(torch.cat([own[:a], block.to(own.dtype), own[a:]], dim=0))
         return joined
 
-    def hidden_states(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
+    def hidden_states(self, segments: list[Segment], block: torch.Tensor,
+                      checkpoint_positions: int | None = None) -> list[torch.Tensor]:
         """Final hidden states [L+P, H] of each segment, in one forward pass.
 
         Several segments are right-padded into one batch, with no attention mask: under causal
@@ -199,12 +200,14 @@ class SoftPromptModel(nn.Module):
         else:
             inputs = torch.stack([nn.functional.pad(j, (0, 0, 0, longest - len(j))) for j in joined])
         positions = torch.arange(longest, device=self.prompt.device)[None].expand(len(joined), -1)
-        checkpoint_first(self.student, self.checkpointing(longest * len(joined)))
+        # A sharded student's ranks decide alike, from the positions the plan agreed on.
+        checkpoint_first(self.student, self.checkpointing(checkpoint_positions or longest * len(joined)))
         with self._attention_context(longest):
             output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
         return [output.last_hidden_state[i, :len(j)] for i, j in enumerate(joined)]
 
-    def response_states(self, segments: list[Segment], inserted: torch.Tensor | None = None):
+    def response_states(self, segments: list[Segment], inserted: torch.Tensor | None = None,
+                        checkpoint_positions: int | None = None):
         """(hidden rows that predict the response tokens, those tokens), over all `segments`.
 
         `inserted` replaces the prompt by another block of embeddings at the same place (spds eval:
@@ -212,15 +215,16 @@ class SoftPromptModel(nn.Module):
         block = self.prompt if inserted is None else inserted
         P = block.shape[0]
         rows, targets = [], []
-        for segment, hidden in zip(segments, self.hidden_states(segments, block)):
+        for segment, hidden in zip(segments, self.hidden_states(segments, block, checkpoint_positions)):
             L = len(segment.ids)
             rows.append(hidden[segment.prefix_tokens + P - 1:L + P - 1])
             targets.append(segment.ids[segment.prefix_tokens:])
         return torch.cat(rows), torch.cat(targets)
 
-    def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None,
+                checkpoint_positions: int | None = None) -> torch.Tensor:
         """Summed cross entropy (fp32 scalar) over the supervised tokens of `segments`."""
-        rows, targets = self.response_states(segments, inserted)
+        rows, targets = self.response_states(segments, inserted, checkpoint_positions)
         weight = self.student.get_output_embeddings().weight
         with self.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight
             return self.loss_fn(rows, weight, targets)

@@ -105,6 +105,7 @@ class _NoMonitor:
 
 class ShardedEngine:
     gradient_average = False
+    lockstep = True  # every forward gathers weights collectively: ranks run the same passes (Plan.passes)
 
     def __init__(self, model, optimizer, scheduler, layout):
         self.module, self.optimizer, self.lr_scheduler, self.layout = model, optimizer, scheduler, layout
@@ -116,9 +117,9 @@ class ShardedEngine:
         with torch.no_grad():  # every rank starts from rank 0's prompt, as DeepSpeed's engine does
             dist.broadcast(model.prompt.data, src=0)
 
-    def __call__(self, segments):
+    def __call__(self, segments, **kwargs):
         self.layout.before_forward()
-        return self.module(segments)
+        return self.module(segments, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -73,7 +73,7 @@ def run(config: Config, smoke: bool) -> dict:
                 batch = plan.global_batch(update, force_longest=smoke)
                 mine = plan.deal(batch)[rank]
                 checkpoint.fault_point(f"sigterm-before-update-rank{rank}", update)
-                metric, stop_requested = train_step(engine, store, plan, batch, mine, device, stop)
+                metric, stop_requested = train_step(engine, store, plan, batch, rank, device, stop)
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 if rank == 0:
                     record_metric(out, metric, last, saved, bar, engine)
@@ -100,17 +100,22 @@ def run(config: Config, smoke: bool) -> dict:
     return dict(status=status, update=update, output=str(out), checkpoint=str(saved) if saved else None)
 
 
-def train_step(engine, store: PackedStore, plan: "Plan", batch, mine: list[int], device, stop: "StopFlag"):
+def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, device, stop: "StopFlag"):
     """One update. The gradient is d/dprompt of (sum CE over the global batch / its supervised tokens)."""
     started = time.monotonic()
     denominator = int(store.supervised_tokens[batch].sum())
-    segments = plan.segments(mine, device)  # one host-to-device copy: no host sync in the loop below
+    dealt = plan.deal(batch)
+    segments = plan.segments(dealt[rank], device)  # one host-to-device copy: no host sync in the loop below
     local_loss = torch.zeros((), dtype=torch.float32, device=device)
     with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
-        for micro_batch in plan.micro_batches(mine):
-            loss_sum = engine([segments[i] for i in micro_batch])
-            engine.backward(loss_sum / denominator)
-            local_loss += loss_sum.detach()
+        for records, checkpoint_positions, counted in plan.passes(dealt, rank, getattr(engine, "lockstep", False)):
+            agreed = {"checkpoint_positions": checkpoint_positions} if checkpoint_positions else {}
+            loss_sum = engine([segments[i] for i in records], **agreed)
+            if counted:
+                engine.backward(loss_sum / denominator)
+                local_loss += loss_sum.detach()
+            else:  # a lockstep filler: the other ranks' collectives, an exactly zero gradient
+                engine.backward(loss_sum * 0.0)
     engine.allreduce_gradients()  # exact SUM over ranks (gradient_allreduce_op "sum")
     loss_sum, stop_votes = all_reduce_sum([local_loss, float(stop.requested)], device)
     prompt = engine.module.prompt
@@ -172,6 +177,26 @@ class Plan:
             else:
                 groups.append([index])
         return groups
+
+    def passes(self, dealt: list[list[int]], rank: int, lockstep: bool) -> list[tuple[list[int], int | None, bool]]:
+        """This rank's forward passes in one update: (records, checkpointing positions, counted).
+
+        A sharded student gathers its weights collectively in every forward, and again in every
+        layer recomputed in backward, so every rank must run the same passes with the same
+        checkpointing. In lockstep each rank runs as many passes as the busiest one; pass j
+        decides checkpointing from the largest pass j of any rank; a rank out of records runs its
+        shortest record again, not counted (zero gradient). Every rank computes this alike from
+        the deal: no communication."""
+        mine = self.micro_batches(dealt[rank])
+        if not lockstep:
+            return [(group, None, True) for group in mine]
+        every = [self.micro_batches(records) for records in dealt]
+        filler = [min(dealt[rank], key=lambda i: int(self.positions[i]))]
+        passes = []
+        for j in range(max(len(groups) for groups in every)):
+            largest = max(int(self.positions[groups[j][0]]) * len(groups[j]) for groups in every if j < len(groups))
+            passes.append((mine[j], largest, True) if j < len(mine) else (filler, largest, False))
+        return passes
 
     def segments(self, mine: list[int], device: torch.device) -> dict[int, Segment]:
         """This rank's records of one update on the device, copied in one transfer (pinned memory,

@@ -110,7 +110,7 @@ def test_auto_checkpointing_policy(student):
     from spds.model import CheckpointPolicy
 
     policy = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cpu"))
-    assert policy(10**9) == 0  # CPU: never
+    assert policy(10**9) == 0  # CPU without a budget: never
     policy.device = torch.device("cuda")  # the decision itself, without a GPU
     policy.layers = 36  # an 8B-deep student (with two layers, recomputing one saves nothing)
     per_position = policy.hidden * 40 * policy.layers  # all layers' activations, one position
