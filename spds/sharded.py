@@ -2,9 +2,9 @@
 
 Two ways to shard, one engine around them:
   * backend "fsdp": each decoder layer is wrapped by PyTorch FSDP2 (fully_shard); its forward
-    all-gathers the layer's weights and frees them after. Embeddings, final norm and lm_head (a
-    few percent of a large model) stay replicated, because spds calls them directly (splicing the
-    prompt, the fused loss), outside any layer's forward.
+    all-gathers the layer's weights and frees them after (the decoder stack is the root). The
+    embeddings, final norm and lm_head (a few percent of a large model) stay replicated, because
+    spds calls them directly (splicing the prompt, the fused loss), outside any layer's forward.
   * backend "deepspeed" with zero_optimization.stage 3: DeepSpeed ZeRO-3 partitions every student
     parameter (DeepSpeedZeRoOffload, what deepspeed.initialize builds for stage 3 without an
     optimizer) and gathers each module's weights around its forward and again for its backward.
@@ -62,6 +62,13 @@ class FSDP2Layout:
             mesh = init_device_mesh("cuda", (dist.get_world_size(),))
         for layer in decoder_layers(student):
             fully_shard(layer, mesh=mesh)  # moves the layer's shard to the mesh's device
+        # The decoder stack is FSDP's root: its forward, which spds calls once per pass, begins and
+        # ends each pass. Without a root above them every layer would be a root, and FSDP keeps a
+        # root's weights gathered from forward to backward: the whole student on every GPU. The
+        # root holds no weights itself: embeddings and final norm (also called outside its forward)
+        # are left out, replicated.
+        base = student.base_model
+        fully_shard(base, mesh=mesh, ignored_params={p for p in base.parameters() if not hasattr(p, "device_mesh")})
         move_unsharded(student, device)
 
     def before_forward(self) -> None:
