@@ -27,8 +27,8 @@ PY
     > "$work/$name.log" 2>&1; echo "exit $? after $((SECONDS - began)) s"
   grep -E "^spds|Error|error:|File .*/spds/" "$work/$name.log" | grep -v Warning | tail -12
 }
-case " ${BACKENDS:-zero3 fsdp} " in *" zero3 "*) run zero3 "$cap" deepspeed ds_configs/zero3.json;; esac
-case " ${BACKENDS:-zero3 fsdp} " in *" fsdp "*) run fsdp "$cap" fsdp ds_configs/zero0.json;; esac
+case " ${BACKENDS-zero3 fsdp} " in *" zero3 "*) run zero3 "$cap" deepspeed ds_configs/zero3.json;; esac
+case " ${BACKENDS-zero3 fsdp} " in *" fsdp "*) run fsdp "$cap" fsdp ds_configs/zero0.json;; esac
 if [ -z "${SKIP_ZERO0:-}" ]; then
   run zero0-capped "$cap" deepspeed ds_configs/zero0.json
   run zero0 139 deepspeed ds_configs/zero0.json
