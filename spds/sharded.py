@@ -16,6 +16,11 @@ gradient_allreduce_op "sum"; FSDP would reduce-scatter. Here the prompt is a pla
 parameter: its gradient accumulates locally over the micro-batches and allreduce_gradients()
 sums it over ranks, the same exact SUM as ZeRO-0; a torch Adam steps it on every rank alike.
 
+Every forward gathers weights collectively, and so does every layer recomputed in backward, so
+the ranks must run the same passes and checkpoint alike: the engine says `lockstep`, and
+Plan.passes (spds/train.py) gives every rank as many passes as the busiest, fillers that count
+nothing, and one checkpointing decision per pass.
+
 The engine offers the part of DeepSpeed's engine interface that spds uses (call, no_sync,
 backward, allreduce_gradients, step, get_lr, save/load_checkpoint, module, optimizer, monitor),
 so train.py and checkpoint.py run unchanged. Checkpoints use DeepSpeed's ZeRO-0 file name and keys
