@@ -67,6 +67,15 @@ def shards_student(config: Config) -> bool:
     return config["backend"] == "fsdp" or zero_stage(config) == 3
 
 
+def shard_student(config: Config, model, world: int) -> None:
+    """Lay the student of `model` out over the ranks (ZeRO-3 or FSDP2), on the prompt's device."""
+    from .sharded import FSDP2Layout, ZeRO3Layout
+
+    device = model.prompt.device
+    model.layout = (FSDP2Layout(model.student, device) if config["backend"] == "fsdp"
+                    else ZeRO3Layout(model.student, device, deepspeed_config(config, world)))
+
+
 def deepspeed_config(config: Config, world: int) -> dict:
     """The user's DeepSpeed file plus the keys spds owns (the schema forbids setting them there)."""
     ds = read_json(config.deepspeed_config_path)
@@ -90,12 +99,10 @@ def build_engine(config: Config, model: torch.nn.Module, world: int):
                                 eps=optim["eps"], weight_decay=optim["weight_decay"], foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
     if shards_student(config):
-        from .sharded import FSDP2Layout, ShardedEngine, ZeRO3Layout
+        from .sharded import ShardedEngine
 
-        device = model.prompt.device
-        layout = (FSDP2Layout(model.student, device) if config["backend"] == "fsdp"
-                  else ZeRO3Layout(model.student, device, deepspeed_config(config, world)))
-        return ShardedEngine(model, optimizer, scheduler, layout)
+        shard_student(config, model, world)
+        return ShardedEngine(model, optimizer, scheduler)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(config, world), dist_init_required=False)
     if engine.gradient_average:

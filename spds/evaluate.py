@@ -21,7 +21,7 @@ import torch
 from . import __version__
 from .contract import Config, require_valid
 from .data.packed import PackedStore
-from .engine import init_distributed
+from .engine import init_distributed, shard_student, shards_student
 from .export import checkpoint_prompt, resolve_checkpoint
 from .fsio import SpdsError, atomic_path, atomic_write_json
 from .loss import make_loss
@@ -38,13 +38,17 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         raise SpdsError("no held-out records: set data.eval_fraction > 0 and run spds prepare on a fresh packed_dir")
     limit = config["eval"]["max_records"]
     held_out = held_out[:limit] if limit else held_out
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # launched with torchrun / deepspeed: share the records
+    sharded = shards_student(config)  # as in training: ZeRO-3 or fsdp lays the student out over the ranks
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or sharded:  # launched with torchrun / deepspeed: share the records
         rank, world, device = init_distributed(config)
     else:
         rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    student = load_student(config.model_path, config["student"]["dtype"], config["student"]["attn_implementation"], device)
+    student = load_student(config.model_path, config["student"]["dtype"], config["student"]["attn_implementation"],
+                           torch.device("cpu") if sharded else device)
     model = SoftPromptModel(student, prompt, make_loss("chunked", config["loss"]["chunk_tokens"]), False,
-                            config["student"]["sdpa_backend"])
+                            config["student"]["sdpa_backend"], device=device)
+    if sharded:
+        shard_student(config, model, world)
     text = config.context_text
     blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
     if text:
@@ -55,12 +59,18 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     names = list(blocks)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)  # NLL per condition, then KL
     kl = config["eval"]["kl"] and "ceiling" in blocks
-    for i in held_out[rank::world]:  # launched on several ranks: each takes every world-th record
-        segment = Segment(torch.from_numpy(store.ids(int(i))).to(device), int(store.prefix_tokens[i]), int(store.insert_at[i]))
+    mine = held_out[rank::world]  # launched on several ranks: each takes every world-th record
+    # A sharded student gathers weights collectively in every forward: every rank makes as many
+    # passes as the busiest, a rank out of records repeating its last one without counting it.
+    steps = -(-len(held_out) // world) if sharded else len(mine)
+    for step in range(steps):
+        i = int(mine[min(step, len(mine) - 1)] if len(mine) else held_out[0])
+        counted = float(step < len(mine))
+        segment = Segment(torch.from_numpy(store.ids(i)).to(device), int(store.prefix_tokens[i]), int(store.insert_at[i]))
         for k, name in enumerate(names):
-            sums[k] += model([segment], inserted=blocks[name]).double()
+            sums[k] += counted * model([segment], inserted=blocks[name]).double()
         if kl:
-            sums[-1] += kl_to_context(model, segment, blocks["ceiling"], config["loss"]["chunk_tokens"])
+            sums[-1] += counted * kl_to_context(model, segment, blocks["ceiling"], config["loss"]["chunk_tokens"])
     if world > 1:
         torch.distributed.all_reduce(sums)
     tokens = int(store.supervised_tokens[held_out].sum())
@@ -89,10 +99,11 @@ def kl_to_context(model: SoftPromptModel, segment: Segment, context: torch.Tenso
     teacher_rows, _ = model.response_states([segment], inserted=context)
     student_rows, _ = model.response_states([segment])
     total = torch.zeros((), dtype=torch.float64, device=lm_head.device)
-    for start in range(0, len(teacher_rows), chunk):
-        teacher = torch.log_softmax((teacher_rows[start:start + chunk] @ lm_head.t()).float(), dim=-1)
-        student = torch.log_softmax((student_rows[start:start + chunk] @ lm_head.t()).float(), dim=-1)
-        total += (teacher.exp() * (teacher - student)).sum().double()
+    with model.layout.gathered([lm_head]):
+        for start in range(0, len(teacher_rows), chunk):
+            teacher = torch.log_softmax((teacher_rows[start:start + chunk] @ lm_head.t()).float(), dim=-1)
+            student = torch.log_softmax((student_rows[start:start + chunk] @ lm_head.t()).float(), dim=-1)
+            total += (teacher.exp() * (teacher - student)).sum().double()
     return total
 
 

@@ -143,6 +143,20 @@ def checkpoint_first(student: nn.Module, count: int) -> None:
             layer.train(index < count)
 
 
+class Replicated:
+    """The student's layout when every rank holds it whole: nothing to gather or mark. Sharded
+    layouts (spds/sharded.py) offer the same two methods."""
+
+    name = "replicated"
+
+    def before_forward(self) -> None:
+        pass
+
+    def gathered(self, parameters):
+        """A context in which `parameters` are whole (read outside their module's forward)."""
+        return contextlib.nullcontext()
+
+
 class SoftPromptModel(nn.Module):
     def __init__(self, student: nn.Module, prompt: torch.Tensor, loss_fn, activation_checkpointing=False,
                  sdpa_backend="auto", activation_memory_gib: float | None = None, pad_to_multiple_of: int | None = None,
@@ -157,9 +171,7 @@ class SoftPromptModel(nn.Module):
         self.loss_fn = loss_fn
         self.sdpa_backend = sdpa_backend
         self.checkpointing = CheckpointPolicy(activation_checkpointing, student, activation_memory_gib, device)
-        # Context that makes frozen weights whole where spds reads them outside a module's forward
-        # (the lm_head weight for the fused loss); a sharded layout replaces it (spds/sharded.py).
-        self.gathered = lambda parameters: contextlib.nullcontext()
+        self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
         if activation_checkpointing is not False:
             enable_checkpointing(student)
         student.eval()
@@ -192,6 +204,7 @@ class SoftPromptModel(nn.Module):
         its outputs, and the fast causal kernels (flash, cuDNN) stay usable. The padded length is
         rounded up to pad_to_multiple_of so that the kernels see few distinct shapes (cuDNN builds
         a plan per shape)."""
+        self.layout.before_forward()
         joined = self.joined_embeddings(segments, block)
         longest = max(len(j) for j in joined)
         longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -226,5 +239,5 @@ class SoftPromptModel(nn.Module):
         """Summed cross entropy (fp32 scalar) over the supervised tokens of `segments`."""
         rows, targets = self.response_states(segments, inserted, checkpoint_positions)
         weight = self.student.get_output_embeddings().weight
-        with self.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight
+        with self.layout.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight
             return self.loss_fn(rows, weight, targets)

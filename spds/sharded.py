@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .checkpoint import STATE_FILE
 from .fsio import atomic_writer
-from .model import decoder_layers
+from .model import Replicated, decoder_layers
 
 
 def move_unsharded(module: torch.nn.Module, device: torch.device) -> None:
@@ -52,8 +52,8 @@ def move_unsharded(module: torch.nn.Module, device: torch.device) -> None:
                 parameter.data = parameter.data.to(device)
 
 
-class FSDP2Layout:
-    """Decoder layers sharded by FSDP2; nothing to do around a forward."""
+class FSDP2Layout(Replicated):
+    """Decoder layers sharded by FSDP2; nothing to do around a forward (FSDP's hooks gather)."""
 
     name = "fsdp"
 
@@ -76,14 +76,8 @@ class FSDP2Layout:
         fully_shard(base, mesh=mesh, ignored_params={p for p in base.parameters() if not hasattr(p, "device_mesh")})
         move_unsharded(student, device)
 
-    def before_forward(self) -> None:
-        pass
 
-    def gathered(self, parameters):
-        return contextlib.nullcontext()
-
-
-class ZeRO3Layout:
+class ZeRO3Layout(Replicated):
     """Every student parameter partitioned by DeepSpeed ZeRO-3."""
 
     name = "zero3"
@@ -119,18 +113,17 @@ class ShardedEngine:
     gradient_average = False
     lockstep = True  # every forward gathers weights collectively: ranks run the same passes (Plan.passes)
 
-    def __init__(self, model, optimizer, scheduler, layout):
-        self.module, self.optimizer, self.lr_scheduler, self.layout = model, optimizer, scheduler, layout
+    def __init__(self, model, optimizer, scheduler):
+        self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
+        layout = model.layout
         if dist.get_rank() == 0 and model.prompt.is_cuda:
             print(f"spds: student sharded ({layout.name}): {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
                   f"on {model.prompt.device} after sharding", file=sys.stderr, flush=True)
-        model.gathered = layout.gathered
         self.monitor = _NoMonitor()
         with torch.no_grad():  # every rank starts from rank 0's prompt, as DeepSpeed's engine does
             dist.broadcast(model.prompt.data, src=0)
 
     def __call__(self, segments, **kwargs):
-        self.layout.before_forward()
         return self.module(segments, **kwargs)
 
     @contextlib.contextmanager
@@ -154,7 +147,7 @@ class ShardedEngine:
     def save_checkpoint(self, save_dir: str, tag: str, **_) -> None:
         if dist.get_rank() == 0:
             state = {"module": {"prompt": self.module.prompt.detach().cpu()}, "optimizer": self.optimizer.state_dict(),
-                     "lr_scheduler": self.lr_scheduler.state_dict(), "backend": self.layout.name}
+                     "lr_scheduler": self.lr_scheduler.state_dict(), "backend": self.module.layout.name}
             with atomic_writer(Path(save_dir) / tag / STATE_FILE, "wb") as stream:
                 torch.save(state, stream)
 

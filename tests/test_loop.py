@@ -96,6 +96,22 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     for name in blocks:
         assert shared["nll"][name] == pytest.approx(report["nll"][name], rel=1e-6)
     assert shared["kl_to_context"] == pytest.approx(report["kl_to_context"], rel=1e-5)
+    # With the student sharded as in training, over an odd number of records (one rank runs a
+    # filler pass to keep the collective gathers in step): the one-process numbers.
+    edit_config(tiny, eval={"kl": True, "max_records": len(held_out) - 1 + len(held_out) % 2},
+                distributed={"timeout_minutes": 2})  # ranks out of step fail soon instead of hanging
+    check(spds(["eval", "config.json"], tiny))
+    reference = read_json(tiny / "run" / "eval.json")
+    assert reference["records"] % 2 == 1
+    for sharded in (dict(backend="fsdp"), dict(deepspeed_config="ds_configs/zero3.json")):
+        edit_config(tiny, **sharded)
+        check(spds(["eval", "config.json"], tiny, world=2, launcher="torchrun"))
+        result = read_json(tiny / "run" / "eval.json")
+        assert result["records"] == reference["records"]
+        for name in blocks:
+            assert result["nll"][name] == pytest.approx(reference["nll"][name], rel=1e-6), (sharded, name)
+        assert result["kl_to_context"] == pytest.approx(reference["kl_to_context"], rel=1e-5)
+        edit_config(tiny, backend="deepspeed", deepspeed_config="ds_configs/zero0.json")
 
 
 @pytest.mark.slow
