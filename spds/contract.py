@@ -146,6 +146,11 @@ class Config:
         return (REPO_ROOT / written).resolve()
 
     @property
+    def shards_student(self) -> bool:
+        """fsdp, or DeepSpeed ZeRO-3: the student is loaded on the host and sharded onto the GPUs."""
+        return self.raw["backend"] == "fsdp" or zero_stage(read_json(self.deepspeed_config_path)) == 3
+
+    @property
     def context_text(self) -> str | None:
         """The system prompt being distilled (context.file wins over context.text)."""
         context = self.raw["context"]
@@ -251,6 +256,10 @@ def pin_problems(config: Config) -> list[str]:
     return problems
 
 
+def zero_stage(ds_config) -> int:
+    return ds_config.get("zero_optimization", {}).get("stage", 0) if isinstance(ds_config, dict) else 0
+
+
 def deepspeed_config_problems(config: Config) -> list[str]:
     path = config.deepspeed_config_path
     try:
@@ -261,8 +270,7 @@ def deepspeed_config_problems(config: Config) -> list[str]:
     micro = ds_config.get("train_micro_batch_size_per_gpu") if isinstance(ds_config, dict) else None
     if micro is not None and micro != config["optim"]["micro_batch"]:
         problems.append(f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from optim.micro_batch {config['optim']['micro_batch']}")
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0) if isinstance(ds_config, dict) else 0
-    if config["backend"] == "fsdp" and stage == 3:
+    if config["backend"] == "fsdp" and zero_stage(ds_config) == 3:
         problems.append(f"backend: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the student; "
                         "choose one (backend 'deepspeed' with stage 3, or fsdp with ds_configs/zero0.json)")
     return problems

@@ -58,15 +58,6 @@ def init_distributed(config: Config) -> tuple[int, int, torch.device]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
-def zero_stage(config: Config) -> int:
-    return read_json(config.deepspeed_config_path).get("zero_optimization", {}).get("stage", 0)
-
-
-def shards_student(config: Config) -> bool:
-    """fsdp, or DeepSpeed ZeRO-3: the student is loaded on the host and sharded onto the GPUs."""
-    return config["backend"] == "fsdp" or zero_stage(config) == 3
-
-
 def shard_student(config: Config, model, world: int) -> None:
     """Lay the student of `model` out over the ranks (ZeRO-3 or FSDP2), on the prompt's device."""
     from .sharded import FSDP2Layout, ZeRO3Layout
@@ -98,7 +89,7 @@ def build_engine(config: Config, model: torch.nn.Module, world: int):
     optimizer = optimizer_class([model.prompt], lr=optim["learning_rate"], betas=tuple(optim["betas"]),
                                 eps=optim["eps"], weight_decay=optim["weight_decay"], foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
-    if shards_student(config):
+    if config.shards_student:
         from .sharded import ShardedEngine
 
         shard_student(config, model, world)

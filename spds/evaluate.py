@@ -21,7 +21,7 @@ import torch
 from . import __version__
 from .contract import Config, require_valid
 from .data.packed import PackedStore
-from .engine import init_distributed, shard_student, shards_student
+from .engine import init_distributed, shard_student
 from .export import checkpoint_prompt, resolve_checkpoint
 from .fsio import SpdsError, atomic_path, atomic_write_json
 from .loss import make_loss
@@ -38,7 +38,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         raise SpdsError("no held-out records: set data.eval_fraction > 0 and run spds prepare on a fresh packed_dir")
     limit = config["eval"]["max_records"]
     held_out = held_out[:limit] if limit else held_out
-    sharded = shards_student(config)  # as in training: ZeRO-3 or fsdp lays the student out over the ranks
+    sharded = config.shards_student  # as in training: ZeRO-3 or fsdp lays the student out over the ranks
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 or sharded:  # launched with torchrun / deepspeed: share the records
         rank, world, device = init_distributed(config)
     else:

@@ -28,7 +28,7 @@ from .contract import REPO_ROOT, Config, load_config, require_valid, validate_ru
 from .fsio import SpdsError, append_line_durably, atomic_write_json, canonical_json, exclusive_lock, read_json, sha256_json
 from . import checkpoint, schedule
 from .data.packed import PackedStore
-from .engine import all_reduce_sum, build_engine, check_precision, init_distributed, shards_student
+from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
 from .loss import make_loss
 from .model import Segment, SoftPromptModel, apply_liger_kernels, initial_prompt, load_student
 
@@ -221,7 +221,7 @@ class Plan:
 def build_model(config: Config, device: torch.device) -> SoftPromptModel:
     student_cfg = config["student"]
     # A student to be sharded is loaded on the host; its layout puts each shard on the device.
-    host = torch.device("cpu") if shards_student(config) else device
+    host = torch.device("cpu") if config.shards_student else device
     student = load_student(config.model_path, student_cfg["dtype"], student_cfg["attn_implementation"], host)
     if student_cfg["liger_kernels"]:
         apply_liger_kernels(student)
