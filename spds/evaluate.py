@@ -62,7 +62,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     mine = held_out[rank::world]  # launched on several ranks: each takes every world-th record
     # A sharded student gathers weights collectively in every forward: every rank makes as many
     # passes as the busiest, a rank out of records repeating its last one without counting it.
-    steps = -(-len(held_out) // world) if sharded else len(mine)
+    steps = -(-len(held_out) // world) if model.layout.lockstep else len(mine)
     for step in range(steps):
         i = int(mine[min(step, len(mine) - 1)] if len(mine) else held_out[0])
         counted = float(step < len(mine))

@@ -148,6 +148,7 @@ class Replicated:
     layouts (spds/sharded.py) offer the same two methods."""
 
     name = "replicated"
+    lockstep = False  # no collective inside a forward: ranks may run different passes
 
     def before_forward(self) -> None:
         pass

@@ -17,7 +17,7 @@ parameter: its gradient accumulates locally over the micro-batches and allreduce
 sums it over ranks, the same exact SUM as ZeRO-0; a torch Adam steps it on every rank alike.
 
 Every forward gathers weights collectively, and so does every layer recomputed in backward, so
-the ranks must run the same passes and checkpoint alike: the engine says `lockstep`, and
+the ranks must run the same passes and checkpoint alike: the layout says `lockstep`, and
 Plan.passes (spds/train.py) gives every rank as many passes as the busiest, fillers that count
 nothing, and one checkpointing decision per pass.
 
@@ -56,6 +56,7 @@ class FSDP2Layout(Replicated):
     """Decoder layers sharded by FSDP2; nothing to do around a forward (FSDP's hooks gather)."""
 
     name = "fsdp"
+    lockstep = True
 
     def __init__(self, student, device: torch.device):
         from torch.distributed.fsdp import fully_shard
@@ -81,6 +82,7 @@ class ZeRO3Layout(Replicated):
     """Every student parameter partitioned by DeepSpeed ZeRO-3."""
 
     name = "zero3"
+    lockstep = True
 
     def __init__(self, student, device: torch.device, ds_config: dict):
         import deepspeed
@@ -111,7 +113,6 @@ class _NoMonitor:
 
 class ShardedEngine:
     gradient_average = False
-    lockstep = True  # every forward gathers weights collectively: ranks run the same passes (Plan.passes)
 
     def __init__(self, model, optimizer, scheduler):
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler

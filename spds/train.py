@@ -108,7 +108,7 @@ def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, devic
     segments = plan.segments(dealt[rank], device)  # one host-to-device copy: no host sync in the loop below
     local_loss = torch.zeros((), dtype=torch.float32, device=device)
     with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
-        for records, checkpoint_positions, counted in plan.passes(dealt, rank, getattr(engine, "lockstep", False)):
+        for records, checkpoint_positions, counted in plan.passes(dealt, rank, engine.module.layout.lockstep):
             agreed = {"checkpoint_positions": checkpoint_positions} if checkpoint_positions else {}
             loss_sum = engine([segments[i] for i in records], **agreed)
             if counted:
@@ -187,10 +187,10 @@ class Plan:
         decides checkpointing from the largest pass j of any rank; a rank out of records runs its
         shortest record again, not counted (zero gradient). Every rank computes this alike from
         the deal: no communication."""
-        mine = self.micro_batches(dealt[rank])
         if not lockstep:
-            return [(group, None, True) for group in mine]
+            return [(group, None, True) for group in self.micro_batches(dealt[rank])]
         every = [self.micro_batches(records) for records in dealt]
+        mine = every[rank]
         filler = [min(dealt[rank], key=lambda i: int(self.positions[i]))]
         passes = []
         for j in range(max(len(groups) for groups in every)):
