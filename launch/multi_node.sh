@@ -5,6 +5,8 @@
 #   launch/multi_node.sh CONFIG HOSTFILE --no-ssh --node-rank R --master-addr ADDR [--port PORT]
 #       clusters without ssh: run once on every node, R = that node's line in the hostfile (0-based).
 # Environment for the other nodes goes through a .deepspeed_env file written next to the config.
+# SIGTERM/SIGINT to this script (on the first node, or on any node with --no-ssh) stop every rank
+# of every node at the same update boundary (common.sh).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 [ $# -ge 2 ] || die "usage: $0 CONFIG HOSTFILE [--no-ssh --node-rank R] [--master-addr ADDR] [--port PORT] [--verb train|smoke]"
@@ -30,4 +32,4 @@ if [ "$no_ssh" = 1 ]; then
   [ -n "$addr" ] || die "--no-ssh needs --master-addr (the address of the hostfile's first node)"
   args+=(--no_ssh --node_rank "$node_rank")
 fi
-exec "$SPDS_DEEPSPEED" "${args[@]}" --module spds.cli "$verb" "$config"
+run_launcher "$config" "$SPDS_DEEPSPEED" "${args[@]}" --module spds.cli "$verb" "$config"

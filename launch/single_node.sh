@@ -2,7 +2,7 @@
 # One node, N processes through the deepspeed launcher.
 #   launch/single_node.sh CONFIG [--gpus N] [--verb train|smoke] [--port PORT]
 # N defaults to the number of visible GPUs. The config is validated first; nothing is launched
-# if it fails.
+# if it fails. SIGTERM/SIGINT to this script stop every rank at an update boundary (common.sh).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 [ $# -ge 1 ] || die "usage: $0 CONFIG [--gpus N] [--verb train|smoke] [--port PORT]"
@@ -19,4 +19,4 @@ done
 [ -n "$gpus" ] || gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
 [ "$gpus" -ge 1 ] 2>/dev/null || die "no GPU found: pass --gpus N (with DS_ACCELERATOR=cpu for CPU processes)"
 spds_validate "$config"
-exec "$SPDS_DEEPSPEED" --num_gpus "$gpus" --master_port "$port" --module spds.cli "$verb" "$config"
+run_launcher "$config" "$SPDS_DEEPSPEED" --num_gpus "$gpus" --master_port "$port" --module spds.cli "$verb" "$config"

@@ -49,6 +49,16 @@ def cmd_train(args) -> int:
     return train_main(args.config, smoke=args.verb == "smoke")
 
 
+def cmd_stop(args) -> int:
+    from .contract import load_config
+    from .stop import request
+
+    config = load_config(args.config, check_pins=False, require_candidates=False)  # a stop must always go through
+    path = request(config.output_dir, args.why)
+    print(f"spds stop: requested in {path}; the ranks stop after the update in flight, with a checkpoint")
+    return 0
+
+
 def cmd_generate(args) -> int:
     from .contract import load_config
     from .generate import generate
@@ -102,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = verbs.add_parser(verb, help=text)
         p.add_argument("config")
         p.set_defaults(run=cmd_train)
+    p = verbs.add_parser("stop", help="ask a running train or smoke to stop at the next update boundary")
+    p.add_argument("config")
+    p.add_argument("--why", default="spds stop", help=argparse.SUPPRESS)
+    p.set_defaults(run=cmd_stop)
     p = verbs.add_parser("generate", help="the teacher answers the questions with the context: candidate rows")
     p.add_argument("config")
     p.set_defaults(run=cmd_generate)
@@ -119,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verb in ("train", "smoke"):
+        # Before torch is imported (seconds): from here on SIGTERM/SIGINT ask for a stop at an
+        # update boundary instead of killing the process (spds/stop.py).
+        from .stop import StopRequest
+
+        StopRequest.install()
     try:
         return args.run(args)
     except SpdsError as error:

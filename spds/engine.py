@@ -10,17 +10,23 @@ What DeepSpeed is asked to do, and why (each verified on deepspeed 0.19.8, CPU/g
     global supervised-token count, so the sum is the gradient of the global mean. (Multiplying the
     loss by the world size instead is not exact with a bf16 backbone.)
   * a torch Adam/AdamW over the prompt only, handed to deepspeed.initialize: no op builds.
+  * every key that changes the numbers is set here, never left to a default: DeepSpeed 0.19.8
+    defaults gradient_clipping to 1.0 and would clip every prompt gradient after spds's own
+    clipping. After initialize, `check_engine_numerics` asks the engine what it will do and
+    refuses to train if any answer differs, so a future default cannot change the update silently.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import socket
+import sys
+from pathlib import Path
 
 import torch
 
 from .contract import Config
-from .fsio import SpdsError, read_json
+from .fsio import SpdsError, exclusive_lock, read_json
 from .schedule import lr_factor
 
 
@@ -36,10 +42,40 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def load_cpu_comm_op() -> None:
+    """Build or load DeepSpeed's CPU shared-memory comm op so that an interrupted build cannot
+    hang a later start.
+
+    DeepSpeed JIT-builds this op in deepspeed.init_distributed under torch's FileBaton: a `lock`
+    file in the extensions directory, created on entry and removed on exit. A process killed in
+    between leaves the file, and every later build of the op waits on it forever, silently. spds
+    loads the op first, itself, under an flock that the kernel releases when its holder dies: a
+    `lock` found while holding the flock was left by a dead build (no spds process is building),
+    so it is removed, with a message. DeepSpeed then finds the op already loaded."""
+    from deepspeed.accelerator import get_accelerator
+    import deepspeed.ops
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_directory = Path(_get_build_directory(builder.name, verbose=False))
+    with exclusive_lock(build_directory.parent / f".{builder.name}.spds-build.lock", wait=True):
+        baton = build_directory / "lock"
+        if baton.exists():
+            print(f"spds: removing {baton}, left by an interrupted build of DeepSpeed's {builder.name} op "
+                  "(it would make every later start wait forever)", file=sys.stderr, flush=True)
+            baton.unlink(missing_ok=True)
+        builder.load(verbose=False)
+
+
 def init_distributed(config: Config) -> tuple[int, int, torch.device]:
     """Join (or, without a launcher, create) the process group; return (rank, world, device)."""
     ensure_accelerator_env()
     import deepspeed
+
+    load_cpu_comm_op()
 
     settings = config["distributed"]
     if "RANK" not in os.environ:  # one plain process: a one-rank group of its own
@@ -67,16 +103,39 @@ def shard_student(config: Config, model, world: int) -> None:
                     else ZeRO3Layout(model.student, device, deepspeed_config(config, world)))
 
 
+# The keys of a DeepSpeed config that change the update, as spds sets them (the ds_config schema
+# forbids them in the user's file). Clipping is optim.max_grad_norm, applied by spds after the
+# exact SUM; DeepSpeed must not clip again.
+NUMERIC_KEYS = dict(gradient_accumulation_steps=1, gradient_clipping=0.0, prescale_gradients=False,
+                    gradient_predivide_factor=1.0, communication_data_type="fp32")
+
+
 def deepspeed_config(config: Config, world: int) -> dict:
     """The user's DeepSpeed file plus the keys spds owns (the schema forbids setting them there)."""
     ds = read_json(config.deepspeed_config_path)
     micro = config["optim"]["micro_batch"]
-    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1, train_batch_size=micro * world,
-              communication_data_type="fp32")
+    ds.update(NUMERIC_KEYS, train_micro_batch_size_per_gpu=micro, train_batch_size=micro * world)
     ds.setdefault("zero_optimization", {"stage": 0})
     if ds["zero_optimization"]["stage"] == 0:  # under ZeRO-3 the prompt never enters DeepSpeed's reduction
         ds["gradient_allreduce_op"] = "sum"
     return ds
+
+
+def check_engine_numerics(engine) -> None:
+    """Ask the built engine what it will do to the prompt gradient; refuse anything but the exact SUM."""
+    answers = {"gradient_clipping()": (engine.gradient_clipping(), 0.0),
+               "gradient_accumulation_steps()": (engine.gradient_accumulation_steps(), 1),
+               "gradient_average": (engine.gradient_average, False),
+               "postscale_gradients()": (engine.postscale_gradients(), True),
+               "gradient_predivide_factor()": (engine.gradient_predivide_factor(), 1.0),
+               "communication_data_type": (engine.communication_data_type, torch.float32),
+               "bfloat16_enabled()": (engine.bfloat16_enabled(), False),
+               "fp16_enabled()": (engine.fp16_enabled(), False)}
+    wrong = [f"engine.{name} is {actual!r}, spds needs {expected!r}" for name, (actual, expected) in answers.items()
+             if actual != expected]
+    if wrong:
+        raise SpdsError("DeepSpeed would not apply the exact update spds defines (a changed default in "
+                        f"deepspeed {getattr(__import__('deepspeed'), '__version__', '?')}?)", wrong)
 
 
 def build_engine(config: Config, model: torch.nn.Module, world: int):
@@ -96,9 +155,7 @@ def build_engine(config: Config, model: torch.nn.Module, world: int):
         return ShardedEngine(model, optimizer, scheduler)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(config, world), dist_init_required=False)
-    if engine.gradient_average:
-        raise SpdsError("DeepSpeed would average gradients over ranks; spds needs gradient_allreduce_op 'sum' "
-                        "(deepspeed >= 0.19.6)")
+    check_engine_numerics(engine)
     return engine
 
 

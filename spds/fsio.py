@@ -125,13 +125,14 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """Hold an exclusive, non-blocking flock; a second holder gets a clear error, not a wait."""
+def exclusive_lock(path: str | os.PathLike, what: str = "", wait: bool = False) -> Iterator[None]:
+    """Hold an exclusive flock (released by the kernel if the holder dies, so it never goes
+    stale). Without `wait`, a second holder gets a clear error naming `what`, not a wait."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             raise SpdsError(f"{what} is already running (lock held on {path})") from None
         try:

@@ -33,7 +33,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_output.to(grad_hidden.dtype), None, None, None
+        # spds backpropagates the plain sum (grad_output 1: exact). Any other scale is applied in
+        # fp32 and the product rounded once: a scale rounded to bf16 first would bias every
+        # gradient by bf16(s)/s (0.9985 .. 1.0027 for s = 1/N).
+        return (grad_hidden.float() * grad_output.float()).to(grad_hidden.dtype), None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

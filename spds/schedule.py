@@ -1,9 +1,12 @@
 """Which records each update trains on, which rank gets which, and the learning-rate shape.
 
-Update u's global batch is a pure function of (seed, u, number of training records): the
-records are read as one endless stream of per-epoch seeded permutations, and update u takes
-the stream's positions [(u-1)·B, u·B). No world size, resume or rank count enters, so a run
-on 1 GPU and on 64 GPUs sees the same batches, and a resumed run continues where it stopped.
+Update u's global batch is a pure function of (seed, u, number of training records N):
+each epoch is a seeded permutation of the N records cut into floor(N/B) batches of B; the last
+N mod B records of each permutation wait for a later epoch (a different, random remainder each
+time). So a record never appears twice in one update (an update whose batch ran across an epoch
+boundary could hold one record twice, counting it double), and once per epoch at most. No world
+size, resume or rank count enters, so a run on 1 GPU and on 64 GPUs sees the same batches, and
+a resumed run continues where it stopped.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import numpy as np
 
 from .fsio import SpdsError, sha256_json
 
-RECIPE = "spds-epoch-permutation-v1"  # recorded in every checkpoint's data cursor
+RECIPE = "spds-epoch-permutation-v2"  # in every checkpoint cursor; v2: whole batches per epoch
 
 
 @lru_cache(maxsize=4)
@@ -27,10 +30,8 @@ def global_batch(seed: int, update: int, size: int, batch: int) -> np.ndarray:
     """Positions (0..size-1 into the training records) of update `update` (1-based)."""
     if batch > size:
         raise SpdsError(f"optim.effective_batch {batch} exceeds the {size} training records: an update would repeat records")
-    start = (update - 1) * batch
-    positions = np.arange(start, start + batch)
-    epochs, offsets = np.divmod(positions, size)
-    return np.array([epoch_permutation(seed, int(e), size)[o] for e, o in zip(epochs, offsets)], dtype=np.int64)
+    epoch, index = divmod(update - 1, size // batch)
+    return epoch_permutation(seed, epoch, size)[index * batch:(index + 1) * batch].astype(np.int64)
 
 
 def batch_digest(indices) -> str:

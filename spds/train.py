@@ -11,11 +11,12 @@ terminal.json and commit records.
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import math
 import os
 import platform
 import random
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -25,83 +26,100 @@ import numpy as np
 import torch
 
 from .contract import REPO_ROOT, Config, load_config, require_valid, validate_run_world
-from .fsio import SpdsError, append_line_durably, atomic_write_json, canonical_json, exclusive_lock, read_json, sha256_json
+from .fsio import (SpdsError, append_line_durably, atomic_write_json, atomic_writer, canonical_json, exclusive_lock,
+                   read_json, sha256_json)
 from . import checkpoint, schedule
+from . import stop as stop_module
 from .data.packed import PackedStore
 from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
 from .loss import make_loss
 from .model import Segment, SoftPromptModel, apply_liger_kernels, initial_prompt, load_student
+from .stop import StopRequest
 
 
 # ---------------------------------------------------------------- the loop
 
 def run(config: Config, smoke: bool) -> dict:
+    stop = StopRequest.install()  # spds.cli installed it first thing; a library caller gets it here
     if config["train"]["deterministic"]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
         torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world, device = init_distributed(config)
-    validate_run_world(config, world)
     out = config.output_dir / "smoke" if smoke else config.output_dir
+    requests = config.output_dir if rank == 0 else None  # rank 0 reads stop requests for everyone
     with rank_zero_lock(out, rank):  # before anything touches the run directory
-        optim = config["optim"]
-        store = PackedStore.open(config.packed_dir)
-        plan = Plan(store, config, world)
-        identities = run_identities(config, store, world)
-        smoke_waived = False if smoke else check_smoke_evidence(config, identities)
-        seed_everything(optim["seed"])
-        model = build_model(config, device)
-        engine = build_engine(config, model, world)
-
-        root = out / "checkpoints"
-        if smoke and rank == 0:
-            shutil.rmtree(root, ignore_errors=True)  # a smoke is isolated: never resumed, never reused
-        torch.distributed.barrier()
-        found = [] if smoke else checkpoint.committed(root)
-        start, resumed_from = 1, found[-1][1] if found else None
-        if resumed_from:
-            start = checkpoint.restore(engine, resumed_from, identities, rank, world)["next_update"]
-        last = 1 if smoke else optim["updates"]
         if rank == 0:
-            write_run_record(out, config, smoke, start, last, world, identities, smoke_waived, resumed_from, model)
-
-        stop = StopFlag()
-        began, saved, metric = time.monotonic(), None, None
-        status, update = "complete", start - 1
-        bar = progress_bar(config, rank, start, last)
+            (out / "terminal.json").unlink(missing_ok=True)  # a previous run's status would lie from now on
+            stop.clear_stale(config.output_dir)
+        optim = config["optim"]
+        completed, checkpoint_dir = 0, None  # what terminal.json reports, whatever happens below
         try:
+            validate_run_world(config, world)
+            stopping = stop_agreed(stop, requests, device)  # asked during start-up: load nothing
+            store = PackedStore.open(config.packed_dir)
+            plan = Plan(store, config, world)
+            identities = run_identities(config, store, world)
+            smoke_waived = False if smoke else check_smoke_evidence(config, identities)
+            seed_everything(optim["seed"])
+            model = None if stopping else build_model(config, device)
+            engine = None if stopping else build_engine(config, model, world)
+            root = out / "checkpoints"
+            if smoke and rank == 0:
+                shutil.rmtree(root, ignore_errors=True)  # a smoke is isolated: never resumed, never reused
+            torch.distributed.barrier()
+            found = [] if smoke else checkpoint.committed(root)
+            start, checkpoint_dir = 1, found[-1][1] if found else None
+            completed = found[-1][0] if found else 0  # the resume point, should the restore be refused
+            if checkpoint_dir and engine is not None:
+                start = checkpoint.restore(engine, checkpoint_dir, identities, rank, world)["next_update"]
+            elif checkpoint_dir:
+                start = checkpoint.verify(checkpoint_dir)["cursor"]["next_update"]
+            completed, last = start - 1, 1 if smoke else optim["updates"]
+            if rank == 0:
+                keep_metrics_before(out / "metrics.jsonl", start)  # updates redone after a crash appear once
+                if not stopping:
+                    write_run_record(out, config, smoke, start, last, world, identities, smoke_waived, checkpoint_dir,
+                                     model)
+            stopping = stopping or stop_agreed(stop, requests, device)
+            began, metric, bar = time.monotonic(), None, progress_bar(config, rank, start, last)
             for update in range(start, last + 1):
+                if stopping:
+                    break
                 batch = plan.global_batch(update, force_longest=smoke)
-                mine = plan.deal(batch)[rank]
                 checkpoint.fault_point(f"sigterm-before-update-rank{rank}", update)
-                metric, stop_requested = train_step(engine, store, plan, batch, rank, device, stop)
+                metric, stopping = train_step(engine, store, plan, batch, rank, device, stop, requests, update)
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 if rank == 0:
-                    record_metric(out, metric, last, saved, bar, engine)
-                if update % config["checkpoint"]["every"] == 0 or update == last or stop_requested:
-                    reason = "smoke" if smoke else "signal" if stop_requested else "final" if update == last else "scheduled"
-                    saved = save_checkpoint(config, engine, root, update, plan, batch, mine, identities, reason, rank, world)
-                if stop_requested and update < last:
-                    status = "stopped"
-                    break
-            if smoke:
-                verify_restore(engine, saved, identities, rank, world)
-                if rank == 0:
-                    write_smoke_evidence(out, identities, world, plan, metric, saved)
-        except BaseException as error:
-            if rank == 0:
-                write_terminal(out, "failed", update - 1, saved, f"{type(error).__name__}: {error}")
-            raise
-        finally:
+                    record_metric(out, metric, last, checkpoint_dir, bar, engine)
+                completed = update
+                if update % config["checkpoint"]["every"] == 0 or update == last or stopping:
+                    reason = "smoke" if smoke else "signal" if stopping else "final" if update == last else "scheduled"
+                    checkpoint_dir = save_checkpoint(config, engine, root, update, plan, batch, identities, reason,
+                                                     rank, world)
             if bar is not None:
                 bar.close()
+            if smoke:
+                verify_restore(engine, checkpoint_dir, identities, rank, world)
+                if rank == 0:
+                    write_smoke_evidence(out, identities, world, plan, metric, checkpoint_dir)
+        except BaseException as error:
+            if rank == 0:
+                write_terminal(out, "failed", completed, checkpoint_dir, f"{type(error).__name__}: {error}")
+            raise
+        status = "stopped" if completed < last else "complete"
         if rank == 0:
-            write_terminal(out, status, update, saved, "stopped by signal at an update boundary" if status == "stopped" else None)
+            write_terminal(out, status, completed, checkpoint_dir, stop.reason(requests) if status == "stopped" else None)
+            stop_module.clear(config.output_dir)  # the request is answered: it must not stop the next launch
     torch.distributed.barrier()
-    return dict(status=status, update=update, output=str(out), checkpoint=str(saved) if saved else None)
+    return dict(status=status, update=completed, output=str(out), checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
 
 
-def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, device, stop: "StopFlag"):
-    """One update. The gradient is d/dprompt of (sum CE over the global batch / its supervised tokens)."""
+def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, device, stop: StopRequest,
+               requests: Path | None, update: int):
+    """One update: d/dprompt of (sum CE over the global batch) / (its supervised tokens).
+
+    Every backward is of a plain sum (no scale enters the bf16 student); the one normalisation is
+    the fp32 division of the summed prompt gradient by the global supervised-token count."""
     started = time.monotonic()
     denominator = int(store.supervised_tokens[batch].sum())
     dealt = plan.deal(batch)
@@ -112,15 +130,20 @@ def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, devic
             agreed = {"checkpoint_positions": checkpoint_positions} if checkpoint_positions else {}
             loss_sum = engine([segments[i] for i in records], **agreed)
             if counted:
-                engine.backward(loss_sum / denominator)
+                engine.backward(loss_sum)
                 local_loss += loss_sum.detach()
             else:  # a lockstep filler: the other ranks' collectives, an exactly zero gradient
                 engine.backward(loss_sum * 0.0)
     engine.allreduce_gradients()  # exact SUM over ranks (gradient_allreduce_op "sum")
-    loss_sum, stop_votes = all_reduce_sum([local_loss, float(stop.requested)], device)
+    loss_sum, stop_votes = all_reduce_sum([local_loss, stop.vote(requests)], device)
     prompt = engine.module.prompt
+    prompt.grad.div_(denominator)  # fp32, once, identical on every rank
     max_norm = plan.max_grad_norm
-    grad_norm = torch.nn.utils.clip_grad_norm_([prompt], max_norm if max_norm else float("inf"))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_([prompt], max_norm if max_norm else float("inf")))
+    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        raise SpdsError(f"update {update}: the loss ({loss_sum / denominator}) or the prompt gradient norm ({grad_norm}) "
+                        "is not finite; nothing was applied, and the last committed checkpoint is the resume point "
+                        "(lower optim.learning_rate or set optim.max_grad_norm)")
     check_precision(engine)
     learning_rate = engine.get_lr()[0]
     engine.step()
@@ -128,11 +151,17 @@ def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, devic
     seconds = time.monotonic() - started
     positions = int(plan.positions[batch].sum())
     metric = dict(loss=loss_sum / denominator, supervised_tokens=denominator, tokens=positions, records=len(batch),
-                  grad_norm=float(grad_norm), learning_rate=learning_rate, seconds=seconds,
+                  grad_norm=grad_norm, learning_rate=learning_rate, seconds=seconds,
                   tokens_per_second=positions / seconds,
                   peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0,
                   global_batch_sha256=schedule.batch_digest(batch))
     return metric, stop_votes > 0
+
+
+def stop_agreed(stop: StopRequest, requests: Path | None, device) -> bool:
+    """Collective: has any rank been asked to stop? (Between updates, train_step's sum says it.)"""
+    (votes,) = all_reduce_sum([stop.vote(requests)], device)
+    return votes > 0
 
 
 # ---------------------------------------------------------------- the pieces the loop calls
@@ -246,9 +275,9 @@ def build_model_from(config: Config, student, device: torch.device | None = None
                            student_cfg["activation_memory_gib"], student_cfg["pad_to_multiple_of"], device)
 
 
-def save_checkpoint(config, engine, root, update, plan, batch, mine, identities, reason, rank, world) -> Path:
-    directory = checkpoint.save(engine, root, update, plan.cursor(update, batch, mine), identities, library_versions(),
-                                reason, rank, world)
+def save_checkpoint(config, engine, root, update, plan, batch, identities, reason, rank, world) -> Path:
+    cursor = plan.cursor(update, batch, plan.deal(batch)[rank])
+    directory = checkpoint.save(engine, root, update, cursor, identities, library_versions(), reason, rank, world)
     if rank == 0:
         if config["checkpoint"]["backup_dir"] and reason != "smoke":
             checkpoint.backup(directory, config.resolve(config["checkpoint"]["backup_dir"]))
@@ -271,18 +300,6 @@ def verify_restore(engine, directory: Path, identities: dict, rank: int, world: 
     for key, value in before.items():
         if not torch.equal(value, after[key]):
             raise SpdsError(f"smoke: restoring {directory} did not reproduce {key} bit for bit")
-
-
-class StopFlag:
-    """SIGTERM/SIGINT only raise a flag; the ranks agree on it at the next update boundary."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
 
 
 # ---------------------------------------------------------------- identities and records
@@ -351,6 +368,23 @@ def write_run_record(out, config, smoke, start, last, world, identities, smoke_w
         launch=launch_environment(), smoke_waived=smoke_waived, resumed_from=str(resumed_from) if resumed_from else None,
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         loss_backend=model.loss_fn.backend), "run")
+
+
+def keep_metrics_before(path: Path, start: int) -> None:
+    """Keep the metrics of updates before `start` (atomically): a run that resumes redoes the
+    updates after its checkpoint, and each must appear once. A torn last line goes too."""
+    if not path.exists():
+        return
+    kept, lines = [], path.read_text().splitlines()
+    for line in lines:
+        try:
+            if json.loads(line)["update"] < start:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if kept != lines:
+        with atomic_writer(path) as stream:
+            stream.write("".join(line + "\n" for line in kept))
 
 
 def record_metric(out: Path, metric: dict, last: int, saved, bar, engine) -> None:

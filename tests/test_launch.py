@@ -2,13 +2,15 @@
 and contracts that stop a bad launch before any process starts."""
 from __future__ import annotations
 
+import signal
 import subprocess
+import time
 
 import pytest
 import torch
 
 from conftest import REPO, edit_config
-from helpers import FAST, check, environment, final_state, free_port, read_json, spds
+from helpers import FAST, check, environment, final_state, free_port, launch_command, metrics, read_json, spds
 
 LAUNCH = REPO / "launch"
 
@@ -77,3 +79,125 @@ def test_world_size_contract_is_checked_at_launch(run_dir):
     result = spds(["train", "config.json"], run_dir, world=2, launcher="torchrun")
     assert result.returncode != 0
     assert "data_parallel_size is 4 but this launch has world size 2" in result.stdout + result.stderr
+
+
+def _wait_for_metrics(path, lines: int, process, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            return
+        assert process.poll() is None, f"the launch ended early: {process.communicate()[0][-3000:]}"
+        time.sleep(0.02)
+    raise AssertionError(f"no {lines} metrics lines in {path} within {timeout} s")
+
+
+LONG = dict(optim={**FAST["optim"], "updates": 30, "schedule": "constant", "warmup_updates": 0},
+            checkpoint={"every": 1000, "keep_last": 2}, data_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_alone_stops_every_rank_at_a_boundary_and_resumes_bit_exactly(run_dir):
+    """What a container runtime or `kill PID` does: SIGTERM to the launching process only, never to
+    the ranks. Through spds's launch script (the deepspeed launcher, 2 processes) and torchrun."""
+    edit_config(run_dir, output_dir="straight", **LONG)
+    check(script("single_node.sh", "config.json", "--gpus", "2", "--port", str(free_port()), cwd=run_dir))
+    straight = final_state(run_dir / "straight")
+    launches = {
+        "via-script": ["bash", str(LAUNCH / "single_node.sh"), "config.json", "--gpus", "2", "--port", str(free_port())],
+        "via-torchrun": launch_command(["train", "config.json"], world=2, launcher="torchrun"),
+    }
+    for name, command in launches.items():
+        edit_config(run_dir, output_dir=name, **LONG)
+        process = subprocess.Popen(command, cwd=run_dir, env=environment(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        _wait_for_metrics(run_dir / name / "metrics.jsonl", 2, process)
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=180)[0]
+        # torchrun forwards the signal to the ranks, waits for them, then exits 1 whatever they did
+        # (its SignalException); spds's launch script exits with the launcher's status: 0.
+        assert process.returncode == (1 if name == "via-torchrun" else 0), output[-4000:]
+        terminal = read_json(run_dir / name / "terminal.json")
+        assert terminal["status"] == "stopped" and 2 <= terminal["update"] < 30, (name, terminal)
+        commit = read_json(run_dir / name / "checkpoints" / f"update-{terminal['update']:06d}" / "commit.json")
+        assert commit["reason"] == "signal" and commit["world_size"] == 2
+        assert not _spds_ranks_running(run_dir), f"{name}: ranks outlived their launcher"
+        assert not (run_dir / name / "stop-request.json").exists()  # answered: it cannot stop the next launch
+        check(subprocess.run(command, cwd=run_dir, env=environment(), capture_output=True, text=True, timeout=300))
+        assert read_json(run_dir / name / "terminal.json")["status"] == "complete"
+        assert [m["update"] for m in metrics(run_dir / name)] == list(range(1, 31))
+        state = final_state(run_dir / name)
+        for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[key], straight[key]), (name, key)
+
+
+def _spds_ranks_running(run_dir) -> bool:
+    import psutil
+
+    for process in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            if "spds.cli" in " ".join(process.info["cmdline"] or []) and process.info["cwd"] == str(run_dir):
+                return True
+        except psutil.Error:
+            pass
+    return False
+
+
+STAND_IN_SSH = """#!/usr/bin/env bash
+# ssh stand-in: the "remote" command runs on this machine, in a clean environment (as sshd gives
+# one), so only what the deepspeed launcher exports in the command itself reaches the ranks.
+while [ $# -gt 0 ]; do case "$1" in -o|-p|-l|-i) shift 2;; -*) shift;; *) break;; esac; done
+host=$1; shift
+echo "$host" >> "$(dirname "$0")/ssh.log"
+exec env -i HOME="$HOME" PATH="$PATH" bash -c "$*"
+"""
+STAND_IN_PDSH = """#!/usr/bin/env bash
+# pdsh stand-in: -w host,host ... CMD: run CMD on every host through ssh, %n = the host's index.
+hosts=""
+while [ $# -gt 0 ]; do case "$1" in -w) hosts=$2; shift 2;; -f|-R|-l|-u) shift 2;; -*) shift;; *) break;; esac; done
+command="$*"; index=0; pids=()
+IFS=, read -ra list <<< "$hosts"
+for host in "${list[@]}"; do
+  ssh "$host" "${command//%n/$index}" & pids+=($!)
+  index=$((index + 1))
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+@pytest.mark.slow
+def test_hostfile_launch_over_ssh_and_pdsh_stops_both_nodes_on_one_sigterm(run_dir, tmp_path):
+    """The ssh/pdsh path of launch/multi_node.sh: the real deepspeed launcher builds its real remote
+    command; stand-in ssh and pdsh executables run it on two "nodes" of this machine. A SIGTERM to
+    the first node's launch script stops both nodes at the same update boundary."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in [("ssh", STAND_IN_SSH), ("pdsh", STAND_IN_PDSH)]:
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    edit_config(run_dir, output_dir="torchrun", **LONG)
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
+    edit_config(run_dir, output_dir="pdsh", **LONG)
+    env = environment(PATH=f"{bin_dir}:{environment()['PATH']}")
+    command = ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile), "--master-addr", "127.0.0.1",
+               "--port", str(free_port())]
+    process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_metrics(run_dir / "pdsh" / "metrics.jsonl", 2, process)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=180)[0]
+    assert process.returncode == 0, output[-4000:]
+    assert "pdsh -S -f 1024 -w node-a,node-b" in output  # the launcher's real remote command
+    assert sorted(set((bin_dir / "ssh.log").read_text().split())) == ["node-a", "node-b"]
+    terminal = read_json(run_dir / "pdsh" / "terminal.json")
+    assert terminal["status"] == "stopped" and 2 <= terminal["update"] < 30
+    assert read_json(run_dir / "pdsh" / "run.json")["world_size"] == 2
+    assert not _spds_ranks_running(run_dir)
+    check(subprocess.run(command[:-1] + [str(free_port())], cwd=run_dir, env=env, capture_output=True, text=True,
+                         timeout=300))
+    assert read_json(run_dir / "pdsh" / "terminal.json")["status"] == "complete"
+    state, straight = final_state(run_dir / "pdsh"), final_state(run_dir / "torchrun")
+    for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(state[key], straight[key]), key

@@ -31,3 +31,20 @@ def test_weight_gets_no_gradient_and_auto_backend_on_cpu():
     weight = torch.randn(11, 8, requires_grad=False)
     loss_fn(hidden, weight, torch.arange(5)).backward()
     assert weight.grad is None and hidden.grad is not None
+
+
+def test_a_backward_scale_is_applied_in_fp32_not_rounded_to_bf16_first():
+    """1/N rounded to bf16 before it multiplies the gradient scales every update by bf16(1/N)*N
+    (0.9985 .. 1.0027): the scale must reach the bf16 gradient as one fp32 product, rounded once."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(29, 16, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(41, 16, generator=generator).to(torch.bfloat16)
+    targets = torch.randint(0, 41, (29,), generator=generator)
+    n = 1020  # bf16(1/1020) * 1020 = 1.0039: a 0.4% bias on every element, if rounded first
+    unscaled = hidden.clone().requires_grad_()
+    chunked_linear_cross_entropy(unscaled, weight, targets, 8).backward()
+    scaled = hidden.clone().requires_grad_()
+    (chunked_linear_cross_entropy(scaled, weight, targets, 8) / n).backward()
+    expected = (unscaled.grad.float() / n).to(torch.bfloat16)  # plain torch: one fp32 product, one rounding
+    assert torch.equal(scaled.grad, expected)
+    assert not torch.equal(scaled.grad, unscaled.grad * torch.tensor(1 / n).to(torch.bfloat16))

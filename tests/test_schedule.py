@@ -8,12 +8,20 @@ from spds.fsio import SpdsError
 from spds.schedule import deal_to_ranks, global_batch, lr_factor
 
 
-def test_batches_are_pure_and_cover_each_epoch_once():
-    size, batch = 10, 4
-    stream = np.concatenate([global_batch(7, u, size, batch) for u in range(1, 6)])  # 20 positions = 2 epochs
-    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
+def test_batches_are_pure_whole_per_epoch_and_never_repeat_a_record():
+    size, batch = 10, 4  # two batches per epoch; two records of each permutation wait
+    epochs = [np.concatenate([global_batch(7, u, size, batch) for u in (2 * e + 1, 2 * e + 2)]) for e in range(3)]
+    for e, seen in enumerate(epochs):
+        permutation = np.random.Generator(np.random.PCG64(np.random.SeedSequence([7, e]))).permutation(size)
+        assert list(seen) == list(permutation[:8])  # the documented recipe, recomputed here
+        assert len(set(seen.tolist())) == 8
     assert np.array_equal(global_batch(7, 3, size, batch), global_batch(7, 3, size, batch))
     assert not np.array_equal(global_batch(7, 1, size, batch), global_batch(8, 1, size, batch))
+    # The case seen in a real run (48 records, batches of 5): update 154 crossed an epoch boundary
+    # and held record 29 twice. No update may hold a record twice.
+    for update in range(1, 400):
+        chosen = global_batch(0, update, 48, 5)
+        assert len(set(chosen.tolist())) == 5, update
     with pytest.raises(SpdsError, match="exceeds the 10 training records"):
         global_batch(7, 1, size, 11)
 

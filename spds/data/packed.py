@@ -6,8 +6,10 @@
 
 The writer builds everything in a hidden sibling directory, fsyncs each file, writes the
 manifest last and renames the directory into place: at any instant the store either does not
-exist or is complete. The reader memory-maps the tokens and keeps the numeric columns of the
-index in numpy arrays (a million records cost tens of megabytes, not a million objects).
+exist or is complete. The reader keeps the numeric columns of the index in numpy arrays (a
+million records cost tens of megabytes, not a million objects) and reads each record's tokens
+with pread: a tokens file truncated under a running job is then a clear error naming the file,
+where a memory mapping would kill the process with SIGBUS and leave no terminal status.
 """
 from __future__ import annotations
 
@@ -94,10 +96,10 @@ def verify_store(directory: Path) -> dict:
 
 @dataclass
 class PackedStore:
-    """Read side: memmapped tokens and numpy index columns."""
+    """Read side: numpy index columns; tokens read per record from an open file."""
     directory: Path
     manifest: dict
-    tokens: np.memmap
+    tokens_file: object  # an open binary file (its descriptor is read with os.pread)
     offset: np.ndarray
     length: np.ndarray
     prefix_tokens: np.ndarray
@@ -118,15 +120,19 @@ class PackedStore:
                 for key, column in columns.items():
                     column[i] = entry[key]
                 is_train[i] = entry["split"] == "train"
-        tokens = np.memmap(directory / TOKENS, dtype="<u4", mode="r") if manifest["tokens"] else np.zeros(0, "<u4")
-        return cls(directory=directory, manifest=manifest, tokens=tokens, is_train=is_train, **columns)
+        tokens_file = open(directory / TOKENS, "rb")
+        return cls(directory=directory, manifest=manifest, tokens_file=tokens_file, is_train=is_train, **columns)
 
     def __len__(self) -> int:
         return len(self.offset)
 
     def ids(self, i: int) -> np.ndarray:
-        start = int(self.offset[i])
-        return np.asarray(self.tokens[start:start + int(self.length[i])], dtype=np.int64)
+        size = 4 * int(self.length[i])
+        data = os.pread(self.tokens_file.fileno(), size, 4 * int(self.offset[i]))
+        if len(data) != size:
+            raise SpdsError(f"{self.directory / TOKENS}: record {i} ends past the end of the file (the file was "
+                            "truncated or replaced after spds prepare wrote it); run spds prepare again")
+        return np.frombuffer(data, dtype="<u4").astype(np.int64)
 
     def entries(self):
         """Stream the full index lines (identity fields included)."""
