@@ -25,7 +25,7 @@ from pathlib import Path
 work = Path(sys.argv[1])
 def state(name):
     d = sorted(p for p in (work / name / "checkpoints").glob("update-*") if (p / "commit.json").exists())[-1]
-    s = torch.load(d / "mp_rank_00_model_states.pt", weights_only=False)
+    s = torch.load(d / "mp_rank_00_model_states.pt", weights_only=True)
     return d.name, s["module"]["prompt"].float(), s["optimizer"]["state"][0]["exp_avg"]
 a, b, c = state("run-a"), state("run-b"), state("run-c")
 print("checkpoints", a[0], b[0], c[0])

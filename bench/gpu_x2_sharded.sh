@@ -45,7 +45,7 @@ for name in ("zero0", "zero3", "fsdp", "zero0-capped"):
     lines = [json.loads(l) for l in open(metrics)]
     steady = lines[1:] or lines  # the first update builds kernels and plans
     d = sorted(p for p in (work / name / "checkpoints").glob("update-*") if (p / "commit.json").exists())[-1]
-    prompts[name] = torch.load(d / "mp_rank_00_model_states.pt", weights_only=False)["module"]["prompt"].float()
+    prompts[name] = torch.load(d / "mp_rank_00_model_states.pt", weights_only=True)["module"]["prompt"].float()
     print(f"{name}: updates {len(lines)}  tokens/s per GPU (updates 2.., global tokens / time / 2) "
           f"{sum(m['tokens'] for m in steady) / sum(m['seconds'] for m in steady) / 2:,.0f}  "
           f"peak GiB (rank 0) {max(m['peak_memory_bytes'] for m in lines) / 2**30:.1f}  last loss {lines[-1]['loss']:.5f}")

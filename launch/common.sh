@@ -25,25 +25,72 @@ spds_validate() {
   "$SPDS_PYTHON" -m spds.cli validate "$1" || die "spds validate refused $1: nothing was launched"
 }
 
-# Variables the ranks on other nodes must see. The deepspeed launcher reads KEY=VALUE lines from
-# the file named by DS_ENV_FILE and crashes on a blank line or a comment, so write exactly that.
-SPDS_ENV_PREFIXES=${SPDS_ENV_PREFIXES:-"PYTHONPATH DS_ACCELERATOR NCCL_ HF_ TRANSFORMERS_ TOKENIZERS_ OMP_NUM_THREADS CUDA_DEVICE_MAX_CONNECTIONS TORCH_ SPDS_"}
-write_deepspeed_env() {
-  local file=$1 tmp name prefix
-  tmp=$(mktemp "$file.XXXXXX")
+# Values that may travel on a command line to a remote shell: the deepspeed launcher's pdsh
+# runner writes `export K=V;` into the command it sends (wrapping V in double quotes, inside
+# which $(...) and backquotes still run). Anything else is refused, naming the variable.
+spds_safe() { [[ "$1" =~ ^[A-Za-z0-9_@%+=:,./-]*$ ]]; }
+spds_require_safe() {  # NAME VALUE WHAT
+  spds_safe "$2" || die "$1 ($3) holds characters a remote shell would interpret: $(printf %q "$2")"
+}
+
+# Variables the ranks on other nodes must see. They never travel on a command line (visible in
+# `ps` on every node, and interpreted by the remote shell): they go into a file readable by the
+# user only, beside the config (a file system every node shares), and the ranks load it first
+# thing (spds.cli: SPDS_ENV_FILE). Only the file's path and PYTHONPATH (needed before Python
+# starts) go through .deepspeed_env, the KEY=VALUE file the deepspeed launcher reads (it crashes
+# on blank lines and comments: none are written).
+SPDS_ENV_PREFIXES=${SPDS_ENV_PREFIXES:-"DS_ACCELERATOR NCCL_ HF_ TRANSFORMERS_ TOKENIZERS_ OMP_NUM_THREADS CUDA_DEVICE_MAX_CONNECTIONS TORCH_ SPDS_"}
+write_deepspeed_env() {  # FILE [--remote]: with --remote its values go through a remote shell
+  local file=$1 remote=${2:-} directory env_file tmp name prefix
+  directory=$(dirname "$file"); env_file="$directory/.spds-env"
+  [ -z "$remote" ] || spds_require_safe SPDS_ENV_FILE "$env_file" "the directory of the config"
+  tmp=$(umask 077 && mktemp "$env_file.XXXXXX")
   while IFS= read -r name; do
     for prefix in $SPDS_ENV_PREFIXES; do
       case "$name" in
-        "$prefix"*)
-          local value=${!name}
-          case "$value" in *$'\n'*) die "environment variable $name holds a newline; the deepspeed launcher cannot pass it";; esac
-          [ -n "$value" ] && printf '%s=%s\n' "$name" "$value" >> "$tmp"
-          break;;
+        "$prefix"*) printf '%s=%s\0' "$name" "${!name}" >> "$tmp"; break;;
       esac
     done
   done < <(compgen -e | sort)
+  mv "$tmp" "$env_file"
+  tmp=$(mktemp "$file.XXXXXX")
+  printf 'SPDS_ENV_FILE=%s\n' "$env_file" >> "$tmp"
+  if [ -n "${PYTHONPATH:-}" ]; then
+    [ -z "$remote" ] || spds_require_safe PYTHONPATH "$PYTHONPATH" "sent to every node on the launcher's command line"
+    printf 'PYTHONPATH=%s\n' "$PYTHONPATH" >> "$tmp"
+  fi
   mv "$tmp" "$file"
   export DS_ENV_FILE="$file"
+}
+
+# The deepspeed launcher also sends, unquoted but for its double quotes, every variable of its
+# own environment whose name starts with one of these: refuse a value a remote shell would run.
+spds_check_launcher_exports() {
+  local name
+  while IFS= read -r name; do
+    case "$name" in
+      PYTHON*|MLFLOW*|MV2*|UCX*) spds_require_safe "$name" "${!name}" "the deepspeed launcher exports it to every node";;
+    esac
+  done < <(compgen -e)
+}
+
+# A hostfile line is "HOSTNAME slots=N" (blank lines and # comments allowed). A hostname reaches
+# ssh as an argument: one starting with "-" would be an ssh option (-oProxyCommand=...).
+spds_check_hostfile() {
+  local hostfile=$1 line number=0
+  [ -f "$hostfile" ] || die "hostfile $hostfile not found"
+  while IFS= read -r line || [ -n "$line" ]; do
+    number=$((number + 1))
+    line=${line%%#*}
+    [[ "$line" =~ ^[[:space:]]*$ ]] && continue
+    [[ "$line" =~ ^[[:space:]]*[A-Za-z0-9][A-Za-z0-9._-]*[[:space:]]+slots=[0-9]+[[:space:]]*$ ]] ||
+      die "$hostfile:$number: not \"HOSTNAME slots=N\" with a hostname of letters, digits, '.', '_' and '-' (not starting with '-'): $(printf %q "$line")"
+  done < "$hostfile"
+}
+
+spds_check_number() { [[ "$2" =~ ^[0-9]+$ ]] || die "$1 must be a whole number, not $(printf %q "$2")"; }
+spds_check_host() {
+  [[ "$2" =~ ^[A-Za-z0-9][A-Za-z0-9._:-]*$ ]] || die "$1 must be a hostname or address, not $(printf %q "$2")"
 }
 
 # A stop request older than this moment is stale (spds/stop.py); exported before anything is

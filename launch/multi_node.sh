@@ -22,9 +22,14 @@ while [ $# -gt 0 ]; do
     *) die "unknown option $1";;
   esac
 done
-[ -f "$hostfile" ] || die "hostfile $hostfile not found"
+case "$verb" in train|smoke) ;; *) die "--verb must be train or smoke";; esac
+spds_check_number --port "$port"
+[ -z "$addr" ] || spds_check_host --master-addr "$addr"
+[ -z "$node_rank" ] || spds_check_number --node-rank "$node_rank"
+spds_check_hostfile "$hostfile"
+[ "$no_ssh" = 1 ] || spds_check_launcher_exports
 spds_validate "$config"
-write_deepspeed_env "$(cd "$(dirname "$config")" && pwd)/.deepspeed_env"
+write_deepspeed_env "$(cd "$(dirname "$config")" && pwd)/.deepspeed_env" "$([ "$no_ssh" = 1 ] || echo --remote)"
 args=(--hostfile "$hostfile" --master_port "$port")
 [ -n "$addr" ] && args+=(--master_addr "$addr")
 if [ "$no_ssh" = 1 ]; then

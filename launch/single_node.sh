@@ -18,5 +18,8 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$gpus" ] || gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
 [ "$gpus" -ge 1 ] 2>/dev/null || die "no GPU found: pass --gpus N (with DS_ACCELERATOR=cpu for CPU processes)"
+case "$verb" in train|smoke) ;; *) die "--verb must be train or smoke";; esac
+spds_check_number --port "$port"
+spds_check_number --gpus "$gpus"
 spds_validate "$config"
 run_launcher "$config" "$SPDS_DEEPSPEED" --num_gpus "$gpus" --master_port "$port" --module spds.cli "$verb" "$config"

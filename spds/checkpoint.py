@@ -10,9 +10,17 @@ A checkpoint directory  <output>/checkpoints/update-NNNNNN/  holds
 
 DeepSpeed writes without fsync or rename, so a directory without a valid commit.json (a save
 killed half-way) does not exist for resume; the previous committed one is used.
+
+Nothing spds reads from a checkpoint can run code. Checkpoint directories are shared across
+nodes and users, and the sha256 list in commit.json lives in the same directory, so it cannot
+vouch for a planted file. Every .pt file is loaded with torch.load(weights_only=True) (tensors
+and plain Python values only; a pickle that would call anything is refused), and spds applies
+DeepSpeed's saved state to the engine itself instead of calling engine.load_checkpoint, which
+unpickles freely.
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -92,7 +100,18 @@ def save(engine, root: Path, update: int, cursor: dict, identities: dict, versio
         shutil.rmtree(directory, ignore_errors=True)  # a stale, uncommitted save of the same update
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tag, exclude_frozen_parameters=True, save_latest=False)
+    try:
+        engine.save_checkpoint(str(root), tag=tag, exclude_frozen_parameters=True, save_latest=False)
+    except OSError as error:
+        from .fsio import write_failure
+
+        raise write_failure(directory / STATE_FILE, error) from None
+    except RuntimeError as error:  # torch.save reports a failed write as "file write failed"
+        if "write" not in str(error):
+            raise
+        from .fsio import write_failure
+
+        raise write_failure(directory / STATE_FILE, OSError(errno.EIO, str(error).splitlines()[0])) from None
     fault_point("kill-after-deepspeed-save", update)
     with atomic_writer(directory / rank_file(rank), "wb") as stream:
         torch.save(dict(rank=rank, world_size=world, rng=capture_rng(), cursor=cursor), stream)
@@ -149,20 +168,53 @@ def identity_changes(saved: dict, current: dict) -> list[str]:
             for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
 
 
+def load_state(path: Path) -> dict:
+    """A checkpoint file's contents: tensors and plain values only, never code."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise SpdsError(f"{path}: refused: it holds objects other than tensors and plain values, and spds never runs "
+                        f"code from a checkpoint (a planted or foreign file?): {str(error).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        raise SpdsError(f"{path}: not a readable checkpoint file: {error}") from None
+    if not isinstance(state, dict):
+        raise SpdsError(f"{path}: not a checkpoint file (no state dictionary)")
+    return state
+
+
+def load_engine_state(engine, directory: Path) -> None:
+    """The prompt, optimizer and LR schedule DeepSpeed saved (ZeRO-0; the sharded engine writes the
+    same file and keys), applied as DeepSpeed's own load would, without unpickling code."""
+    path = directory / STATE_FILE
+    state = load_state(path)
+    try:
+        prompt = state["module"]["prompt"]
+        with torch.no_grad():
+            engine.module.prompt.copy_(prompt)
+        engine.optimizer.load_state_dict(state["optimizer"])
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise SpdsError(f"{path}: does not hold this run's prompt, optimizer and schedule state: {error!r}") from None
+    for counter in ("global_steps", "global_samples", "skipped_steps"):  # DeepSpeed's own step counters
+        if counter in state and hasattr(engine, counter):
+            setattr(engine, counter, state[counter])
+
+
 def restore(engine, directory: Path, identities: dict, rank: int, world: int) -> dict:
     """Load a verified checkpoint into the engine and this rank's RNG; return the cursor."""
     commit = verify(directory)
     changes = identity_changes(commit["identities"], identities)
     if changes:
         raise SpdsError(f"cannot resume from {directory}: the run's identity changed", changes)
-    engine.load_checkpoint(str(directory.parent), tag=directory.name, load_module_strict=False,
-                           load_optimizer_states=True, load_lr_scheduler_states=True)
-    # load_module_strict=False would silently skip a missing prompt: prove it was loaded.
+    load_engine_state(engine, directory)
     if prompt_digest(engine.module.prompt) != commit["prompt_sha256"]:
-        raise SpdsError(f"{directory}: the soft prompt was not restored by DeepSpeed's load_checkpoint")
-    state = torch.load(directory / rank_file(rank), weights_only=False)
-    if state["rank"] != rank or state["world_size"] != world:
-        raise SpdsError(f"{directory / rank_file(rank)} belongs to rank {state['rank']} of {state['world_size']}")
+        raise SpdsError(f"{directory}: the restored soft prompt does not match the one its commit record names")
+    path = directory / rank_file(rank)
+    state = load_state(path)
+    if state.get("rank") != rank or state.get("world_size") != world:
+        raise SpdsError(f"{path} belongs to rank {state.get('rank')} of {state.get('world_size')}")
     restore_rng(state["rng"])
     return state["cursor"]
 

@@ -131,6 +131,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ENV_PREFIXES = ("DS_ACCELERATOR", "NCCL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_NUM_THREADS",
+                "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_", "SPDS_")  # as launch/common.sh writes them
+
+
+def load_launch_environment() -> None:
+    """Variables a launch script passed to this node's ranks in a file readable by its user only
+    (launch/common.sh), not on a command line that a remote shell would interpret."""
+    import os
+    import stat
+
+    path = os.environ.get("SPDS_ENV_FILE")
+    if not path:
+        return
+    try:
+        info = os.stat(path)
+        data = open(path, "rb").read()
+    except OSError as error:
+        raise SpdsError(f"SPDS_ENV_FILE {path}: {error.strerror}") from None
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SpdsError(f"SPDS_ENV_FILE {path}: refused: it must belong to this user and be writable by no one else")
+    for entry in data.split(b"\0"):
+        key, _, value = entry.decode("utf-8", "surrogateescape").partition("=")
+        if key.startswith(ENV_PREFIXES) and key.replace("_", "").isalnum():
+            os.environ[key] = value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verb in ("train", "smoke"):
@@ -140,9 +166,14 @@ def main(argv: list[str] | None = None) -> int:
 
         StopRequest.install()
     try:
+        load_launch_environment()  # before torch, NCCL or transformers read any of it
         return args.run(args)
     except SpdsError as error:
         print(f"spds {args.verb}: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # what no spds layer turned into a message: still no traceback
+        where = f" {error.filename}" if error.filename else ""
+        print(f"spds {args.verb}:{where} {error.strerror or error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"spds {args.verb}: interrupted", file=sys.stderr)

@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 
-from .fsio import SpdsError, atomic_write_json, read_json, sha256_json, sha256_path
+from .fsio import SpdsError, atomic_write_json, read_bytes, read_json, sha256_json, sha256_path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_ROOT.parent
@@ -29,11 +29,22 @@ def load_schema(name: str) -> dict:
     return json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
 
 
+def _is_integer(checker, instance) -> bool:
+    # JSON Schema counts 30.0 as an integer; Python code downstream (range, slicing) does not.
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+# Draft 2020-12 with one change: "integer" means a number written without a fraction or exponent.
+StrictValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+
+
 @lru_cache(maxsize=None)
 def validator(name: str) -> jsonschema.protocols.Validator:
     schema = load_schema(name)
     jsonschema.Draft202012Validator.check_schema(schema)
-    return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    return StrictValidator(schema, format_checker=jsonschema.FormatChecker())
 
 
 # ---------------------------------------------------------------- defaults and errors
@@ -183,16 +194,84 @@ class Config:
 
 
 def parse_config_file(path: Path) -> dict:
-    if path.suffix in (".yaml", ".yml"):
-        import yaml  # a transformers dependency
+    """JSON or YAML (by suffix), strictly: UTF-8, no key twice, no NaN or infinity."""
+    if path.suffix not in (".yaml", ".yml"):
+        return read_json(path)
+    import yaml  # a transformers dependency
 
-        try:
-            return yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise SpdsError(f"{path}: file not found") from None
-        except yaml.YAMLError as error:
-            raise SpdsError(f"{path}: invalid YAML: {error}") from None
-    return read_json(path)
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            for index, key in enumerate(keys):
+                if key in keys[:index]:
+                    raise SpdsError(f"{path}:{node.value[index][0].start_mark.line + 1}: rule 'unique keys': key {key!r} "
+                                    "appears twice in one mapping (which one was meant?)")
+            return super().construct_mapping(node, deep=deep)
+
+    data = read_bytes(path)
+    try:
+        value = yaml.load(data.decode("utf-8"), Loader=StrictLoader)
+    except UnicodeDecodeError as error:
+        raise SpdsError(f"{path}: rule 'UTF-8 text': byte {error.start} is not UTF-8") from None
+    except yaml.YAMLError as error:
+        raise SpdsError(f"{path}: invalid YAML: {error}") from None
+    for where, number in _floats(value):
+        if number != number or number in (float("inf"), float("-inf")):
+            raise SpdsError(f"{path}: {where}: rule 'finite number': {number} is not a finite number")
+    return value
+
+
+def _floats(value, where: str = "(top level)"):
+    if isinstance(value, float):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _floats(item, f"{where}.{key}" if where != "(top level)" else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _floats(item, f"{where}[{index}]")
+
+
+def pins_path(config_path: Path) -> Path:
+    """`spds pin` writes its digests here, beside the config, and leaves the user's file alone."""
+    return config_path.with_name(config_path.name + ".pins.json")
+
+
+PINS_FORMAT = "spds-pins-v1"
+
+
+def _pin_slot(raw: dict, key: str) -> tuple[dict, str] | None:
+    """The (object, field) a pin key such as data.candidates[2].sha256 names in a config."""
+    section, field = key.rsplit(".", 1)
+    if "[" in section:
+        name, index = section[:-1].split("[")
+        candidates = raw.get(name.split(".")[0], {}).get(name.split(".")[1]) if "." in name else None
+        index = int(index)
+        if not isinstance(candidates, list) or index >= len(candidates) or not isinstance(candidates[index], dict):
+            return None
+        return candidates[index], field
+    return raw.setdefault(section, {}) if isinstance(raw.get(section, {}), dict) else None, field
+
+
+def merge_pins(path: Path, raw: dict) -> list[str]:
+    """Fold the pins file into the config; a digest pinned twice, differently, is a problem."""
+    lock = pins_path(path)
+    if not lock.exists():
+        return []
+    pins = read_json(lock)
+    if not isinstance(pins, dict) or pins.get("format") != PINS_FORMAT or not isinstance(pins.get("pins"), dict):
+        return [f"{lock}: not an spds pins file (format {PINS_FORMAT}); remove it and run spds pin again"]
+    problems = []
+    for key, digest in pins["pins"].items():
+        slot = _pin_slot(raw, key)
+        if slot is None or slot[0] is None:
+            problems.append(f"{lock}: pin {key} names nothing in {path.name}; run spds pin again")
+            continue
+        target, field = slot
+        if target.get(field) not in (None, digest):
+            problems.append(f"{key}: pinned as {target[field]} in {path.name} but as {digest} in {lock.name}")
+        target[field] = digest
+    return problems
 
 
 def load_config(path: str | Path, check_pins: bool = True, require_candidates: bool = True) -> Config:
@@ -201,6 +280,9 @@ def load_config(path: str | Path, check_pins: bool = True, require_candidates: b
     raw = parse_config_file(path)
     if not isinstance(raw, dict):
         raise SpdsError(f"{path}: a config must be a JSON object")
+    pin_conflicts = merge_pins(path, raw)
+    if pin_conflicts:
+        raise SpdsError(f"{path}: its pins do not hold together", pin_conflicts)
     apply_defaults(raw, load_schema("config"))
     problems = describe_errors(raw, "config")
     if problems:
@@ -227,15 +309,55 @@ def pinned_inputs(config: Config) -> list[tuple[str, Path, str | None]]:
     return inputs
 
 
-def input_problems(config: Config, require_candidates: bool = True) -> list[str]:
+def model_directory_problems(key: str, path: Path, needs: tuple[str, ...]) -> list[str]:
+    if not path.is_dir():
+        return [f"{key}: {path} is not a directory"]
+    names = {p.name for p in path.iterdir()}
+    if not any(name in names for name in needs):
+        return [f"{key}: {path} holds none of {', '.join(needs)} (an empty or unfinished download?)"]
+    if needs[0] == "config.json" and not any(n.endswith((".safetensors", ".bin")) for n in names):
+        return [f"{key}: {path} holds no weights (*.safetensors or *.bin)"]
+    return []
+
+
+def _inside(path: Path, other: Path) -> bool:
+    return path == other or other in path.parents
+
+
+def output_problems(config: Config) -> list[str]:
+    """Where spds writes must not be where it reads from: a run directory equal to (or inside) the
+    model would write checkpoints into the pinned model, and "/" would be swept by prepare."""
     problems = []
-    if not config.model_path.is_dir():
-        problems.append(f"student.model_path: {config.model_path} is not a directory")
-    if not config.tokenizer_path.is_dir():
-        problems.append(f"student.tokenizer_path: {config.tokenizer_path} is not a directory")
+    inputs = [("student.model_path", config.model_path), ("student.tokenizer_path", config.tokenizer_path)]
+    for key, path in (("output_dir", config.output_dir), ("data.packed_dir", config.packed_dir)):
+        if path == Path(path.anchor):
+            problems.append(f"{key}: {path} is a file-system root; name a directory of its own")
+            continue
+        for input_key, input_path in inputs:
+            if _inside(path, input_path) or _inside(input_path, path):
+                problems.append(f"{key}: {path} overlaps {input_key} {input_path}; spds would write into its own input")
+        for i, candidate in enumerate(config.candidate_paths):
+            if _inside(candidate, path) and key == "data.packed_dir":
+                problems.append(f"{key}: {path} holds data.candidates[{i}].path {candidate}; prepare replaces that directory")
+    if _inside(config.output_dir, config.packed_dir):
+        problems.append(f"output_dir: {config.output_dir} is inside data.packed_dir {config.packed_dir}, which prepare replaces")
+    return problems
+
+
+def input_problems(config: Config, require_candidates: bool = True) -> list[str]:
+    problems = model_directory_problems("student.model_path", config.model_path, ("config.json",))
+    if config["student"]["tokenizer_path"] is not None or not problems:
+        problems += model_directory_problems("student.tokenizer_path", config.tokenizer_path,
+                                             ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     for i, path in enumerate(config.candidate_paths):
         if not path.is_file() and require_candidates:  # spds generate writes them
             problems.append(f"data.candidates[{i}].path: {path} is not a file")
+    for key, value in (("context.file", config["context"]["file"]), ("generate.questions", config["generate"]["questions"]),
+                       ("generate.teacher_path", config["generate"]["teacher_path"])):
+        if value is not None and not (config.resolve(value).is_dir() if key.endswith("teacher_path")
+                                      else config.resolve(value).is_file()):
+            problems.append(f"{key}: {config.resolve(value)} is not a {'directory' if key.endswith('path') else 'file'}")
+    problems += output_problems(config)
     optim = config["optim"]
     if optim["warmup_updates"] > optim["updates"]:
         problems.append(f"optim.warmup_updates: {optim['warmup_updates']} exceeds optim.updates ({optim['updates']})")
@@ -277,29 +399,14 @@ def deepspeed_config_problems(config: Config) -> list[str]:
 
 
 def pin_config(path: str | Path) -> dict[str, str]:
-    """Write the sha256 of every input into the config file (atomically); return what was pinned."""
+    """Write the sha256 of every input to the pins file beside the config (atomically); return them.
+    The config itself is never rewritten: its comments, order and formatting stay the user's."""
     path = Path(path).resolve()
+    lock = pins_path(path)
+    lock.unlink(missing_ok=True)  # re-pinning starts from the inputs as they are now
     config = load_config(path, check_pins=False)
-    written = parse_config_file(path)  # rewrite the file as the user wrote it, defaults not expanded
-    pins = {}
-    for key, input_path, _ in pinned_inputs(config):
-        digest = sha256_path(input_path)
-        pins[key] = digest
-        if key.startswith("data.candidates["):
-            index = int(key.split("[")[1].split("]")[0])
-            written["data"]["candidates"][index]["sha256"] = digest
-        else:
-            section, field = key.split(".")
-            written.setdefault(section, {})[field] = digest
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        from .fsio import atomic_writer
-
-        with atomic_writer(path) as stream:
-            yaml.safe_dump(written, stream, sort_keys=False)
-    else:
-        atomic_write_json(path, written)
+    pins = {key: sha256_path(input_path) for key, input_path, _ in pinned_inputs(config)}
+    atomic_write_json(lock, {"format": PINS_FORMAT, "config": path.name, "pins": pins})
     return pins
 
 

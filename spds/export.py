@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .checkpoint import STATE_FILE, committed, verify
+from .checkpoint import STATE_FILE, committed, load_state, verify
 from .contract import Config
 from .fsio import SpdsError, atomic_path, read_json, sha256_json
 
@@ -29,7 +29,7 @@ FILE = "soft_prompt.safetensors"
 def checkpoint_prompt(directory: Path) -> tuple[torch.Tensor, dict]:
     """The FP32 prompt of a verified, committed checkpoint, and its commit record."""
     commit = verify(directory)
-    state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
+    state = load_state(directory / STATE_FILE)
     return state["module"]["prompt"].float().contiguous(), commit
 
 

@@ -7,6 +7,7 @@ the directory itself is fsynced so the rename survives a power loss.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -29,6 +30,20 @@ class SpdsError(Exception):
         if not self.problems:
             return super().__str__()
         return super().__str__() + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+
+
+def write_failure(path: str | os.PathLike, error: OSError) -> SpdsError:
+    """An OSError while writing `path`, as a message a user can act on (what, where, how much room)."""
+    path = Path(path)
+    message = f"cannot write {path}: {error.strerror or error}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        existing = next((p for p in [path, *path.parents] if p.exists()), None)
+        if existing is not None:
+            free = shutil.disk_usage(existing).free
+            message += f" ({free / 2**20:.1f} MiB free on that file system; free some, or point output_dir elsewhere)"
+    elif error.errno == errno.EROFS:
+        message += " (a read-only file system: point output_dir at a writable one)"
+    return SpdsError(message)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -79,17 +94,19 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path for a library that writes files itself; fsync and rename it over
     `path` only if the block succeeds."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         yield temporary
         with open(temporary, "rb") as stream:
             os.fsync(stream.fileno())
         os.replace(temporary, path)
         fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as error:
+        with contextlib.suppress(OSError):
             os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise write_failure(path, error) from None
         raise
 
 
@@ -108,20 +125,77 @@ def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
 
 def append_line_durably(path: str | os.PathLike, line: str) -> None:
     """Append one line and fsync it: a metrics line that was printed is also on disk."""
-    with open(path, "a") as stream:
-        stream.write(line.rstrip("\n") + "\n")
-        stream.flush()
-        os.fsync(stream.fileno())
+    try:
+        with open(path, "a") as stream:
+            stream.write(line.rstrip("\n") + "\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+    except OSError as error:
+        raise write_failure(path, error) from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"rule 'JSON number': {name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"rule 'JSON number': {text} overflows a 64-bit float")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"rule 'unique keys': key {key!r} appears twice in one object (which one was meant?)")
+        for text in (key, value) if isinstance(value, str) else (key,):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"rule 'UTF-8 text': {('key' if text is key else 'the value of ' + repr(key))} "
+                                 "holds a lone surrogate escape (\\ud800-\\udfff), which is no character") from None
+        seen[key] = value
+    return seen
+
+
+def parse_json(data: str | bytes) -> Any:
+    """JSON as RFC 8259 has it, strictly: UTF-8, no NaN or Infinity, no key twice in one object,
+    no lone surrogates. Python's json accepts all four, silently (the last duplicate wins). A
+    violation raises ValueError (json.JSONDecodeError for syntax) naming the rule."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            hint = " (UTF-16? save it as UTF-8)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+            raise ValueError(f"rule 'UTF-8 text': byte {error.start} is not UTF-8{hint}") from None
+    return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float,
+                      object_pairs_hook=_unique_keys)
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """A file's bytes, or an SpdsError naming the path and what is wrong with it."""
+    path = Path(path)
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise SpdsError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise SpdsError(f"{path}: is a directory, not a file") from None
+    except OSError as error:
+        raise SpdsError(f"{path}: cannot read: {error.strerror}") from None
 
 
 def read_json(path: str | os.PathLike) -> Any:
     path = Path(path)
+    data = read_bytes(path)
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpdsError(f"{path}: file not found") from None
+        return parse_json(data)
     except json.JSONDecodeError as error:
         raise SpdsError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
+    except ValueError as error:
+        raise SpdsError(f"{path}: {error}") from None
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ Plan.passes (spds/train.py) gives every rank as many passes as the busiest, fill
 nothing, and one checkpointing decision per pass.
 
 The engine offers the part of DeepSpeed's engine interface that spds uses (call, no_sync,
-backward, allreduce_gradients, step, get_lr, save/load_checkpoint, module, optimizer, monitor),
+backward, allreduce_gradients, step, get_lr, save_checkpoint, module, optimizer, monitor),
 so train.py and checkpoint.py run unchanged. Checkpoints use DeepSpeed's ZeRO-0 file name and keys
 (module.prompt, optimizer, lr_scheduler), so a checkpoint of any backend continues under any
 other with the same world size.
@@ -151,10 +151,3 @@ class ShardedEngine:
                      "lr_scheduler": self.lr_scheduler.state_dict(), "backend": self.module.layout.name}
             with atomic_writer(Path(save_dir) / tag / STATE_FILE, "wb") as stream:
                 torch.save(state, stream)
-
-    def load_checkpoint(self, load_dir: str, tag: str, **_) -> None:
-        state = torch.load(Path(load_dir) / tag / STATE_FILE, map_location="cpu", weights_only=False)
-        with torch.no_grad():
-            self.module.prompt.copy_(state["module"]["prompt"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])

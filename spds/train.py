@@ -27,7 +27,7 @@ import torch
 
 from .contract import REPO_ROOT, Config, load_config, require_valid, validate_run_world
 from .fsio import (SpdsError, append_line_durably, atomic_write_json, atomic_writer, canonical_json, exclusive_lock,
-                   read_json, sha256_json)
+                   read_json, sha256_json, sha256_path)
 from . import checkpoint, schedule
 from . import stop as stop_module
 from .data.packed import PackedStore
@@ -104,7 +104,10 @@ def run(config: Config, smoke: bool) -> dict:
                     write_smoke_evidence(out, identities, world, plan, metric, checkpoint_dir)
         except BaseException as error:
             if rank == 0:
-                write_terminal(out, "failed", completed, checkpoint_dir, f"{type(error).__name__}: {error}")
+                try:
+                    write_terminal(out, "failed", completed, checkpoint_dir, f"{type(error).__name__}: {error}")
+                except SpdsError as also:  # the disk that failed the run may refuse this too
+                    print(f"spds: could not record the failure in terminal.json: {also}", file=sys.stderr)
             raise
         status = "stopped" if completed < last else "complete"
         if rank == 0:
@@ -313,7 +316,11 @@ def run_identities(config: Config, store: PackedStore, world: int) -> dict:
     optim = config["optim"]
     topology = dict(world_size=world, micro_batch=optim["micro_batch"], micro_batch_tokens=optim["micro_batch_tokens"],
                     reduction="sum")
-    return dict(code=code_digest(), config=config.identity(), data=store.digest, topology=sha256_json(topology))
+    # The student's content, pinned or not: weights changed under an unpinned path must not resume a
+    # run trained on others. A pin was verified when the config was loaded; without one, hash now.
+    student = config["student"]["model_sha256"] or sha256_path(config.model_path)
+    return dict(code=code_digest(), config=config.identity(), data=store.digest, topology=sha256_json(topology),
+                student=student)
 
 
 def library_versions() -> dict:
@@ -335,7 +342,7 @@ def check_smoke_evidence(config: Config, identities: dict) -> bool:
         raise SpdsError(f"no smoke evidence at {path}: run `spds smoke {config.path}` first "
                         "(or set train.require_smoke to false; the waiver is recorded in run.json)")
     evidence = read_json(path)
-    stale = [k for k in ("code", "config", "data") if evidence.get("identities", {}).get(k) != identities[k]]
+    stale = [k for k in ("code", "config", "data", "student") if evidence.get("identities", {}).get(k) != identities[k]]
     if evidence.get("status") != "passed" or stale:
         raise SpdsError(f"smoke evidence {path} is for another {', '.join(stale) or 'result'}: run `spds smoke` again")
     return False

@@ -61,7 +61,7 @@ def newest_checkpoint(run_dir: Path) -> Path:
 
 def final_state(run_dir: Path) -> dict:
     """Prompt and Adam moments of the newest committed checkpoint."""
-    state = torch.load(newest_checkpoint(run_dir) / "mp_rank_00_model_states.pt", weights_only=False)
+    state = torch.load(newest_checkpoint(run_dir) / "mp_rank_00_model_states.pt", weights_only=True)
     adam = state["optimizer"]["state"][0]
     return dict(prompt=state["module"]["prompt"], exp_avg=adam["exp_avg"], exp_avg_sq=adam["exp_avg_sq"],
                 step=adam["step"], lr=state["lr_scheduler"]["_last_lr"][0])

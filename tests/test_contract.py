@@ -83,11 +83,12 @@ def test_missing_inputs_are_named(tiny):
 
 
 def test_pin_then_changed_input_refuses_naming_expected_and_actual(tiny):
+    before = (tiny / "config.json").read_bytes()
     pins = pin_config(tiny / "config.json")
-    written = json.loads((tiny / "config.json").read_text())
-    assert written["data"]["candidates"][0]["sha256"] == pins["data.candidates[0].sha256"]
-    assert "packed_dir" in written["data"] and "betas" not in written.get("optim", {})  # defaults not expanded
-    load_config(tiny / "config.json")
+    assert (tiny / "config.json").read_bytes() == before  # the user's file is never rewritten
+    lock = json.loads((tiny / "config.json.pins.json").read_text())
+    assert lock["pins"]["data.candidates[0].sha256"] == pins["data.candidates[0].sha256"] == sha256_path(tiny / "candidates.jsonl")
+    assert load_config(tiny / "config.json")["data"]["candidates"][0]["sha256"] == pins["data.candidates[0].sha256"]
     with open(tiny / "candidates.jsonl", "a") as stream:
         stream.write("\n")
     with pytest.raises(SpdsError) as caught:
@@ -108,11 +109,18 @@ def test_directory_digest_covers_names_and_contents(tmp_path):
     assert len({first, second, sha256_path(tmp_path)}) == 3
 
 
-def test_yaml_config(tiny):
+def test_yaml_config_keeps_its_comments_when_pinned(tiny):
     yaml = pytest.importorskip("yaml")
     config = json.loads((tiny / "config.json").read_text())
-    (tiny / "config.yaml").write_text(yaml.safe_dump(config))
+    text = "# the tiny run: lr chosen by hand\n" + yaml.safe_dump(config)
+    (tiny / "config.yaml").write_text(text)
     assert load_config(tiny / "config.yaml")["optim"]["effective_batch"] == 8
+    pins = pin_config(tiny / "config.yaml")
+    assert (tiny / "config.yaml").read_text() == text
+    assert load_config(tiny / "config.yaml")["student"]["model_sha256"] == pins["student.model_sha256"]
+    (tiny / "candidates.jsonl").write_text((tiny / "candidates.jsonl").read_text() + "\n")
+    with pytest.raises(SpdsError, match="changed since it was pinned"):
+        load_config(tiny / "config.yaml")
 
 
 def test_world_size_contract(tiny):

@@ -2,6 +2,7 @@
 and contracts that stop a bad launch before any process starts."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -57,10 +58,12 @@ def test_two_nodes_without_ssh_match_one_process(run_dir, tmp_path):
     assert read_json(run_dir / "two-nodes" / "run.json")["world_size"] == 2
     torch.testing.assert_close(final_state(run_dir / "two-nodes")["prompt"], final_state(run_dir / "single")["prompt"],
                                rtol=0, atol=2e-6)
-    env_file = (run_dir / ".deepspeed_env").read_text()
-    lines = env_file.splitlines()
+    lines = (run_dir / ".deepspeed_env").read_text().splitlines()  # what the deepspeed launcher reads
     assert lines and all("=" in line and line.strip() and not line.startswith("#") for line in lines)
-    assert any(line.startswith("DS_ACCELERATOR=cpu") for line in lines) and "NCCL_DEBUG=WARN" in lines
+    assert lines[0] == f"SPDS_ENV_FILE={run_dir / '.spds-env'}" and "NCCL_DEBUG=WARN" not in lines
+    variables = (run_dir / ".spds-env").read_bytes().split(b"\0")  # what the ranks load: user-only
+    assert b"DS_ACCELERATOR=cpu" in variables and b"NCCL_DEBUG=WARN" in variables
+    assert (run_dir / ".spds-env").stat().st_mode & 0o077 == 0
 
 
 def test_launch_refuses_an_invalid_config_before_starting_anything(tiny, tmp_path):
@@ -181,7 +184,9 @@ def test_hostfile_launch_over_ssh_and_pdsh_stops_both_nodes_on_one_sigterm(run_d
     edit_config(run_dir, output_dir="torchrun", **LONG)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
     edit_config(run_dir, output_dir="pdsh", **LONG)
-    env = environment(PATH=f"{bin_dir}:{environment()['PATH']}")
+    marker = tmp_path / "marker"
+    hostile = f'pa$$word"; touch {marker}; echo "$(touch {marker})`touch {marker}`'
+    env = environment(PATH=f"{bin_dir}:{environment()['PATH']}", NCCL_SPDS_PROBE=hostile, HF_TOKEN="hf_secret_0123")
     command = ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile), "--master-addr", "127.0.0.1",
                "--port", str(free_port())]
     process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -193,7 +198,12 @@ def test_hostfile_launch_over_ssh_and_pdsh_stops_both_nodes_on_one_sigterm(run_d
     assert sorted(set((bin_dir / "ssh.log").read_text().split())) == ["node-a", "node-b"]
     terminal = read_json(run_dir / "pdsh" / "terminal.json")
     assert terminal["status"] == "stopped" and 2 <= terminal["update"] < 30
-    assert read_json(run_dir / "pdsh" / "run.json")["world_size"] == 2
+    launch = read_json(run_dir / "pdsh" / "run.json")
+    assert launch["world_size"] == 2
+    # A value with quotes, $(...) and backquotes arrives as written, on every node, and runs nothing;
+    # the token never appears on a command line (ps on every node would show it).
+    assert launch["launch"]["environment"]["NCCL_SPDS_PROBE"] == hostile and not marker.exists()
+    assert "hf_secret_0123" not in output and "NCCL_SPDS_PROBE" not in output
     assert not _spds_ranks_running(run_dir)
     check(subprocess.run(command[:-1] + [str(free_port())], cwd=run_dir, env=env, capture_output=True, text=True,
                          timeout=300))
@@ -201,3 +211,60 @@ def test_hostfile_launch_over_ssh_and_pdsh_stops_both_nodes_on_one_sigterm(run_d
     state, straight = final_state(run_dir / "pdsh"), final_state(run_dir / "torchrun")
     for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(state[key], straight[key]), key
+
+
+def test_hostile_launch_arguments_are_refused_before_anything_starts(tiny, tmp_path):
+    marker = tmp_path / "marker"
+    bad_hostfiles = [f"-oProxyCommand=touch {marker} slots=1\n", f"node-a slots=1\nnode-b;touch {marker} slots=1\n"]
+    for index, text in enumerate(bad_hostfiles):
+        hostfile = tmp_path / f"hostfile{index}"
+        hostfile.write_text(text)
+        result = script("multi_node.sh", "config.json", str(hostfile), "--master-addr", "127.0.0.1", cwd=tiny)
+        assert result.returncode != 0 and f"{hostfile}:{index + 1}: not" in result.stderr, result.stderr
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\n")
+    for args, complaint in [(["--master-addr", f"$(touch {marker})"], "--master-addr must be"),
+                            (["--port", "1;touch x"], "--port must be a whole number")]:
+        result = script("multi_node.sh", "config.json", str(hostfile), *args, cwd=tiny)
+        assert result.returncode != 0 and complaint in result.stderr, result.stderr
+    # ssh/pdsh: the deepspeed launcher sends PYTHON* variables on its command line itself
+    result = script("multi_node.sh", "config.json", str(hostfile), "--master-addr", "127.0.0.1", cwd=tiny,
+                    PYTHONSTARTUP=f"$(touch {marker})")
+    assert result.returncode != 0 and "PYTHONSTARTUP" in result.stderr and "remote shell" in result.stderr
+    assert not marker.exists() and "launch.py" not in result.stdout + result.stderr
+
+
+STAND_IN_SRUN = """#!/usr/bin/env bash
+# srun stand-in: one task on this machine, as node 0 (options dropped)
+while [ $# -gt 0 ]; do case "$1" in --*) shift;; *) break;; esac; done
+SLURM_NODEID=0 exec "$@"
+"""
+
+
+@pytest.mark.slow
+def test_slurm_batch_script_keeps_a_hostile_config_path_a_path(prepared, tmp_path):
+    """sbatch's script once spliced the config path into `bash -c "... '$config' ..."`: a quote in
+    the path ran commands on every node. Stand-in srun and scontrol; one node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(STAND_IN_SRUN)
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho localhost\n")
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    marker = tmp_path / "spds-marker"
+    weird = tmp_path / "it's $(touch spds-marker) `touch spds-marker`"  # the shell would run in tmp_path
+    weird.mkdir()
+    edit_config(prepared, optim={**FAST["optim"], "updates": 2}, output_dir=str(prepared / "slurm"))
+    config = json.loads((prepared / "config.json").read_text())
+    config["data"]["packed_dir"] = str(prepared / "packed")
+    config["data"]["candidates"][0]["path"] = str(prepared / "candidates.jsonl")
+    (weird / "config.json").write_text(json.dumps(config))
+    result = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), str(weird / "config.json")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300,
+                            env=environment(PATH=f"{bin_dir}:{environment()['PATH']}", SLURM_JOB_ID="4242",
+                                            SLURM_JOB_NODELIST="localhost", SLURM_GPUS_PER_NODE="1",
+                                            SLURM_SUBMIT_DIR=str(REPO)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not marker.exists()
+    assert read_json(prepared / "slurm" / "terminal.json")["status"] == "complete"
+    assert read_json(prepared / "slurm" / "run.json")["config_path"] == str(weird / "config.json")

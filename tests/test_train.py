@@ -293,7 +293,7 @@ def test_sharded_backend_matches_zero0_and_resumes(run_dir, backend):
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
     assert read_json(run_dir / backend / "run.json")["config"]["backend"] == sharded["backend"]
     zero0, state = final_state(run_dir / "zero0"), final_state(run_dir / backend)
-    assert torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt", weights_only=False)["backend"] == backend
+    assert torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt", weights_only=True)["backend"] == backend
     # The same update as ZeRO-0, bit for bit: sharding moves the frozen weights, not the arithmetic
     # (each rank computes its records with the whole gathered layer; the prompt gradient is the
     # same exact SUM). On GPUs, kernels may differ: bench/RESULTS.md records the difference there.

@@ -9,13 +9,18 @@ manifest last and renames the directory into place: at any instant the store eit
 exist or is complete. The reader keeps the numeric columns of the index in numpy arrays (a
 million records cost tens of megabytes, not a million objects) and reads each record's tokens
 with pread: a tokens file truncated under a running job is then a clear error naming the file,
-where a memory mapping would kill the process with SIGBUS and leave no terminal status.
+where a memory mapping would kill the process with SIGBUS and leave no terminal status. Each
+index line carries the CRC-32 of its record's bytes, checked at every read: a tokens file
+rewritten in place under a running job (the whole-file sha256 is checked only when the store is
+opened) stops the run instead of training on other tokens. Measured on this CPU (zlib): 2.3 GB/s,
+0.12 ms for a 64k-token record, against a forward pass of seconds.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,11 +52,12 @@ class PackedWriter:
         self.max_length = 0
 
     def add(self, record: Record, split: str) -> None:
-        self.tokens.write(record.ids.astype("<u4", copy=False).tobytes())
+        data = record.ids.astype("<u4", copy=False).tobytes()
+        self.tokens.write(data)
         entry = dict(request_id=record.request_id, question_id=record.question_id, sample_index=record.sample_index,
                      offset=self.offset, length=len(record.ids), prefix_tokens=record.prefix_tokens,
                      supervised_tokens=record.supervised_tokens, insert_at=record.insert_at,
-                     response_sha256=record.response_sha256, added_system=record.added_system,
+                     response_sha256=record.response_sha256, crc32=zlib.crc32(data), added_system=record.added_system,
                      split=split, source=record.source)
         self.index.write(json.dumps(entry) + "\n")
         self.offset += len(record.ids)
@@ -105,6 +111,7 @@ class PackedStore:
     prefix_tokens: np.ndarray
     supervised_tokens: np.ndarray
     insert_at: np.ndarray
+    crc32: np.ndarray
     is_train: np.ndarray
 
     @classmethod
@@ -112,11 +119,15 @@ class PackedStore:
         directory = Path(directory)
         manifest = verify_store(directory) if verify else read_json(directory / MANIFEST)
         n = manifest["records"]
-        columns = {k: np.empty(n, dtype=np.int64) for k in ("offset", "length", "prefix_tokens", "supervised_tokens", "insert_at")}
+        columns = {k: np.empty(n, dtype=np.int64)
+                   for k in ("offset", "length", "prefix_tokens", "supervised_tokens", "insert_at", "crc32")}
         is_train = np.empty(n, dtype=bool)
         with open(directory / INDEX) as stream:
             for i, line in enumerate(stream):
                 entry = json.loads(line)
+                if "crc32" not in entry:
+                    raise SpdsError(f"{directory}: packed by an older spds (no per-record checksums); run spds prepare "
+                                    "again with another data.packed_dir")
                 for key, column in columns.items():
                     column[i] = entry[key]
                 is_train[i] = entry["split"] == "train"
@@ -132,6 +143,9 @@ class PackedStore:
         if len(data) != size:
             raise SpdsError(f"{self.directory / TOKENS}: record {i} ends past the end of the file (the file was "
                             "truncated or replaced after spds prepare wrote it); run spds prepare again")
+        if zlib.crc32(data) != int(self.crc32[i]):
+            raise SpdsError(f"{self.directory / TOKENS}: record {i} no longer holds the tokens spds prepare wrote "
+                            "(its CRC-32 differs: the file was rewritten after it was packed); run spds prepare again")
         return np.frombuffer(data, dtype="<u4").astype(np.int64)
 
     def entries(self):

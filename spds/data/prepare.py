@@ -46,7 +46,24 @@ def packing_inputs(config: Config, tokenizer, sources: list[dict], end_ids: list
 
 def prepare(config: Config, log=print) -> dict:
     target = config.packed_dir
-    with exclusive_lock(target.with_name(f".{target.name}.lock"), f"spds prepare of {target}"):
+    lock = target.with_name(f".{target.name}.lock")
+    try:
+        return prepare_locked(config, target, lock, log)
+    finally:
+        lock.unlink(missing_ok=True)  # an flock dies with its holder; the file need not stay behind
+
+
+def model_vocabulary_rows(config: Config) -> int | None:
+    """The student's embedding rows (config.json vocab_size): an id past them crashes training."""
+    from ..fsio import read_json
+
+    value = read_json(config.model_path / "config.json")
+    value = value.get("text_config", value) if isinstance(value, dict) else {}
+    return value.get("vocab_size") if isinstance(value.get("vocab_size"), int) else None
+
+
+def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:
+    with exclusive_lock(lock, f"spds prepare of {target}"):
         tokenizer = load_tokenizer(config)
         data = config["data"]
         end_ids = end_token_ids(tokenizer, data["end_tokens"])
@@ -84,7 +101,8 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
     data = config["data"]
     scaffold = derive_scaffold(tokenizer, data["chat_template_kwargs"])
     rules = RowRules(scaffold=scaffold, placement=config["soft_prompt"]["placement"],
-                     end_ids=frozenset(inputs["end_token_ids"]), vocab_size=len(tokenizer),
+                     end_ids=frozenset(inputs["end_token_ids"]),
+                     vocab_size=min(len(tokenizer), model_vocabulary_rows(config) or len(tokenizer)),
                      prompt_length=config["soft_prompt"]["length"], context_limit=data["context_limit"],
                      template_kwargs=data["chat_template_kwargs"])
     writer = PackedWriter(config.packed_dir)
@@ -104,9 +122,9 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
                 counts["prefix_placement" if rules.placement == "prefix" else
                        "added_empty_system" if record.added_system else "existing_system"] += 1
                 rows += 1
+            if rows == 0:  # a truncated export or a wrong path: never silently train on less
+                raise SpdsError(f"{path}: rule 'rows present': the candidate file holds no rows")
             source_rows.append(dict(source, rows=rows))
-        if writer.records == 0:
-            raise SpdsError("the candidate files hold no rows")
         files = writer.close_files()
         check_unique_request_ids(writer.partial / INDEX, np.frombuffer(id_hashes, dtype=np.uint64))
         manifest = dict(format=FORMAT, spds_version=__version__, records=writer.records, tokens=writer.offset,

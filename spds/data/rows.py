@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import jsonschema
 import numpy as np
 
-from ..contract import describe_errors_with, load_schema
-from ..fsio import SpdsError
+from ..contract import StrictValidator, describe_errors_with, load_schema
+from ..fsio import SpdsError, parse_json
 from .chat import Scaffold, render_chat_row
 
 
@@ -67,7 +66,7 @@ class RowSchema:
             items = schema["properties"][name].pop("items")
             assert items.get("type") == "integer" and set(items) <= {"type", "minimum"}, items
             self.item_minimum[name] = items.get("minimum")
-        self.shape = jsonschema.Draft202012Validator(schema)
+        self.shape = StrictValidator(schema)
 
     def problems(self, row) -> list[str]:
         problems = describe_errors_with(self.shape, row)
@@ -75,11 +74,17 @@ class RowSchema:
             values = row.get(name) if isinstance(row, dict) else None
             if not isinstance(values, list) or not values:
                 continue
-            array = np.asarray(values) if all(type(v) is int for v in values[:1]) else np.asarray(values, dtype=object)
-            if array.dtype.kind != "i" or array.ndim != 1:
+            if set(map(type, values)) != {int}:  # true/false or 2.0 among the ids: numpy would make them 1 or 2
                 bad = next(i for i, v in enumerate(values) if type(v) is not int)
                 problems.append(f"{name}[{bad}]: {values[bad]!r} is not of type 'integer'")
-            elif self.item_minimum[name] is not None and array.min() < self.item_minimum[name]:
+                continue
+            try:
+                array = np.asarray(values, dtype=np.int64)
+            except OverflowError:
+                bad = next(i for i, v in enumerate(values) if not -2**63 <= v < 2**63)
+                problems.append(f"{name}[{bad}]: {values[bad]} is far beyond any vocabulary")
+                continue
+            if self.item_minimum[name] is not None and array.min() < self.item_minimum[name]:
                 bad = int(np.argmax(array < self.item_minimum[name]))
                 problems.append(f"{name}[{bad}]: {values[bad]} is less than the minimum of {self.item_minimum[name]}")
         return problems
@@ -126,6 +131,9 @@ def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
         ids_list, prefix = render_chat_row(tokenizer, row["messages"], row["response"], sorted(rules.end_ids), rules.template_kwargs)
         ids = np.asarray(ids_list, dtype=np.int64)
         response_sha256 = hashlib.sha256(row["response"].encode()).hexdigest()
+        inner = set(tokenizer.encode(row["response"], add_special_tokens=False)) & rules.end_ids
+        _check(not inner, "response text", f"the response holds end-of-turn token(s) {sorted(inner)} as text; the "
+               "template would end the turn there and drop the rest, while response_sha256 covers all of it")
     else:
         ids, prefix = token_row(row)
         response_sha256 = row["response_sha256"]
@@ -151,7 +159,7 @@ def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
                 raise RowError(f"{path}:{number}: rule 'one JSON object per line': blank line")
             request_id = "?"
             try:
-                row = json.loads(line)
+                row = parse_json(line)
                 if isinstance(row, dict) and isinstance(row.get("request_id"), str):
                     request_id = row["request_id"]
                 problems = schema.problems(row)

@@ -1,0 +1,297 @@
+"""Hostile and careless input: nothing runs code from data, nothing gives a traceback, nothing is
+accepted silently. Each case is what a careless or hostile colleague can put in a shared file."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import edit_config
+from helpers import FAST, check, environment, newest_checkpoint, read_json, spds
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a planted checkpoint does."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(path, marker) -> None:
+    """Replace a checkpoint file by a code-running pickle, and fix commit.json's sha256 as an
+    attacker with write access to the directory can."""
+    torch.save({"module": {"prompt": _RunsCode(marker)}, "rng": _RunsCode(marker)}, path)
+    commit_path = path.parent / "commit.json"
+    commit = json.loads(commit_path.read_text())
+    commit["files"][path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    commit_path.write_text(json.dumps(commit))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", ["mp_rank_00_model_states.pt", "rank-00000.pt"])
+def test_a_planted_checkpoint_file_runs_no_code(prepared, tmp_path, planted):
+    constant = {**FAST["optim"], "schedule": "constant", "warmup_updates": 0}  # a run that may be extended
+    edit_config(prepared, optim={**constant, "updates": 2})
+    check(spds(["train", "config.json"], prepared))
+    directory = newest_checkpoint(prepared / "run")
+    marker = tmp_path / "marker"
+    _plant(directory / planted, marker)
+    edit_config(prepared, optim={**constant, "updates": 4})
+    for command in (["train", "config.json"], ["export", "config.json", "--checkpoint", str(directory)]):
+        if planted.startswith("rank") and command[0] == "export":
+            continue  # export reads only the prompt's file
+        result = spds(command, prepared)
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert f"{directory / planted}: refused" in result.stderr and "never runs code" in result.stderr
+        assert "Traceback" not in result.stderr
+        assert not marker.exists(), f"spds {command[0]} ran code from {planted}"
+    assert read_json(prepared / "run" / "terminal.json")["status"] == "failed"
+
+
+# ---------------------------------------------------------------- configs
+
+def _validate(directory, capsys, name="config.json") -> tuple[int, str]:
+    from spds.cli import main
+
+    code = main(["validate", str(directory / name)])
+    return code, capsys.readouterr().err
+
+
+def _config_text(tiny) -> str:
+    return (tiny / "config.json").read_text()
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": NaN'), "NaN is not a JSON number"),
+    (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": Infinity'), "Infinity is not a JSON number"),
+    (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": 1e999'), "1e999 overflows"),
+    (lambda t: t.replace('"updates": 30', '"updates": 30, "updates": 3'), "key 'updates' appears twice"),
+    (lambda t: t.replace('"updates": 30', '"updates": 30.0'), "optim.updates: 30.0 is not of type 'integer'"),
+])
+def test_a_config_value_json_would_bend_is_refused_by_key_and_rule(tiny, capsys, edit, expected):
+    (tiny / "config.json").write_text(edit(_config_text(tiny)))
+    code, err = _validate(tiny, capsys)
+    assert code == 1 and expected in err and str(tiny / "config.json") in err, err
+
+
+def test_yaml_duplicates_and_infinities_are_refused_with_the_line(tiny, capsys):
+    yaml = pytest.importorskip("yaml")
+    config = json.loads(_config_text(tiny))
+    text = yaml.safe_dump(config, sort_keys=False)
+    (tiny / "a.yaml").write_text(text.replace("  updates: 30\n", "  updates: 30\n  updates: 3\n"))
+    code, err = _validate(tiny, capsys, "a.yaml")
+    line = text.replace("  updates: 30\n", "  updates: 30\n  updates: 3\n").splitlines().index("  updates: 3") + 1
+    assert code == 1 and f"a.yaml:{line}: rule 'unique keys': key 'updates'" in err, err
+    (tiny / "b.yaml").write_text(text.replace("learning_rate: 0.03", "learning_rate: .inf"))
+    code, err = _validate(tiny, capsys, "b.yaml")
+    assert code == 1 and "optim.learning_rate: rule 'finite number'" in err, err
+
+
+def test_unreadable_config_files_get_a_message_not_a_traceback(tiny, capsys):
+    (tiny / "dir.json").mkdir()
+    (tiny / "latin1.json").write_bytes(_config_text(tiny).replace("run", "r\xe9n").encode("latin-1"))
+    (tiny / "utf16.json").write_bytes(_config_text(tiny).encode("utf-16"))
+    for name, expected in [("dir.json", "is a directory, not a file"), ("latin1.json", "is not UTF-8"),
+                           ("utf16.json", "UTF-16? save it as UTF-8")]:
+        code, err = _validate(tiny, capsys, name)
+        assert code == 1 and expected in err and "Traceback" not in err, (name, err)
+    config = json.loads(_config_text(tiny))
+    config["deepspeed_config"] = str(tiny / "dir.json")
+    (tiny / "config.json").write_text(json.dumps(config))
+    code, err = _validate(tiny, capsys)
+    assert code == 1 and "deepspeed_config" in err and "is a directory" in err
+
+
+def test_inputs_that_are_not_there_and_outputs_that_overlap_inputs_are_refused(tiny, tiny_assets, capsys):
+    (tiny / "empty-model").mkdir()
+    config = json.loads(_config_text(tiny))
+    model = config["student"]["model_path"]
+    cases = [
+        (dict(student={**config["student"], "model_path": str(tiny / "empty-model")}), "holds none of config.json"),
+        (dict(context={"file": "missing-context.txt"}), "context.file"),
+        (dict(generate={"questions": "missing-questions.jsonl"}), "generate.questions"),
+        (dict(data={**config["data"], "packed_dir": "/"}), "data.packed_dir: / is a file-system root"),
+        (dict(output_dir=model), f"output_dir: {model} overlaps student.model_path"),
+        (dict(output_dir=str(tiny_assets)), "overlaps student.model_path"),
+    ]
+    for change, expected in cases:
+        (tiny / "config.json").write_text(json.dumps({**config, **change}))
+        code, err = _validate(tiny, capsys)
+        assert code == 1 and expected in err, (change, err)
+
+
+# ---------------------------------------------------------------- candidate rows
+
+def _rows(tiny) -> list[str]:
+    return (tiny / "candidates.jsonl").read_text().splitlines()
+
+
+def _prepare(tiny, capsys) -> tuple[int, str]:
+    from spds.cli import main
+
+    code = main(["prepare", str(tiny / "config.json")])
+    return code, capsys.readouterr().err
+
+
+def _token_row(tiny, index=0) -> dict:
+    return next(row for row in map(json.loads, _rows(tiny)) if "input_ids" in row)
+
+
+@pytest.mark.parametrize("make,rule", [
+    (lambda row: json.dumps(row).replace('"q000-s0"', '"q000-\\u00e9"').encode().replace(b"\\u00e9", b"\xe9"),
+     "rule 'UTF-8 text'"),
+    (lambda row: json.dumps({**row, "input_ids": row["input_ids"][:1] + [True] + row["input_ids"][2:]}).encode(),
+     "input_ids[1]: True is not of type 'integer'"),
+    (lambda row: json.dumps(row).replace('"sample_index": 0', '"sample_index": 0, "sample_index": 1').encode(),
+     "rule 'unique keys'"),
+    (lambda row: json.dumps({**row, "input_ids": row["input_ids"][:3] + [2**70] + row["input_ids"][4:]}).encode(),
+     "input_ids[3]: 1180591620717411303424 is far beyond any vocabulary"),
+    (lambda row: json.dumps(row).replace('"q000-s0"', '"q000-\\ud800"').encode(), "lone surrogate"),
+])
+def test_a_bad_row_names_file_line_and_rule(tiny, capsys, make, rule):
+    lines = _rows(tiny)
+    row = json.loads(lines[0])
+    (tiny / "candidates.jsonl").write_bytes(b"\n".join([make(row), *[l.encode() for l in lines[1:]]]) + b"\n")
+    code, err = _prepare(tiny, capsys)
+    assert code == 1 and f"candidates.jsonl:1:" in err and rule in err and "Traceback" not in err, err
+    assert not (tiny / "packed").exists() and not list(tiny.glob(".packed*"))
+
+
+def test_a_chat_response_holding_the_end_of_turn_text_is_refused(tiny, capsys):
+    lines = _rows(tiny)
+    number, row = next((i, json.loads(l)) for i, l in enumerate(lines) if "messages" in json.loads(l))
+    lines[number] = json.dumps({**row, "response": "Half an answer<|im_end|> and the rest the template would drop."})
+    (tiny / "candidates.jsonl").write_text("\n".join(lines) + "\n")
+    code, err = _prepare(tiny, capsys)
+    assert code == 1 and f"candidates.jsonl:{number + 1}:" in err and "rule 'response text'" in err, err
+
+
+def test_an_empty_candidate_file_beside_a_good_one_is_named(tiny, capsys):
+    (tiny / "empty.jsonl").write_text("")
+    config = json.loads(_config_text(tiny))
+    config["data"]["candidates"].append({"path": "empty.jsonl"})
+    (tiny / "config.json").write_text(json.dumps(config))
+    code, err = _prepare(tiny, capsys)
+    assert code == 1 and f"{tiny / 'empty.jsonl'}: rule 'rows present'" in err, err
+    assert not (tiny / "packed").exists()
+
+
+def test_ids_beyond_the_models_embedding_rows_are_refused_at_prepare(tiny, tiny_assets, capsys):
+    """A tokenizer larger than the model passed validate, prepare and smoke, then an IndexError at
+    update 3. The model's own vocab_size is the limit."""
+    import shutil
+
+    model = tiny / "small-vocab-model"
+    shutil.copytree(tiny_assets / "student", model)
+    settings = json.loads((model / "config.json").read_text())
+    settings["vocab_size"] = 120  # ids of the tiny byte-level tokenizer go to 258
+    (model / "config.json").write_text(json.dumps(settings))
+    config = json.loads(_config_text(tiny))
+    config["student"]["model_path"] = str(model)
+    (tiny / "config.json").write_text(json.dumps(config))
+    code, err = _prepare(tiny, capsys)
+    assert code == 1 and "rule 'token ids in vocabulary'" in err and ">= vocabulary size 120" in err, err
+
+
+# ---------------------------------------------------------------- during a run
+
+def _start(run_dir, **env):
+    from helpers import launch_command
+
+    return subprocess.Popen(launch_command(["train", "config.json"]), cwd=run_dir, env=environment(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _after_lines(path, count, process, timeout=120):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().count("\n") >= count):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.01)
+
+
+def _student_copy(prepared, tiny_assets, change=None):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = prepared / "student-copy"
+    shutil.rmtree(model, ignore_errors=True)
+    shutil.copytree(tiny_assets / "student", model)
+    if change is not None:
+        tensors = load_file(model / "model.safetensors")
+        change(tensors)
+        save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.slow
+def test_a_non_finite_update_fails_the_run_and_applies_nothing(prepared, tiny_assets):
+    """One NaN in the student's lm_head (a damaged download): before, the run trained NaN losses to
+    "complete" and wrote bare NaN, which is not JSON, into metrics.jsonl."""
+    def poison(tensors):
+        tensors["lm_head.weight"][7, 3] = float("nan")
+
+    edit_config(prepared, student={"model_path": str(_student_copy(prepared, tiny_assets, poison))})
+    result = spds(["train", "config.json"], prepared)
+    assert result.returncode == 1 and "update 1: the loss (nan)" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    terminal = read_json(prepared / "run" / "terminal.json")
+    assert terminal["status"] == "failed" and terminal["update"] == 0 and terminal["checkpoint"] is None
+    assert "not finite" in terminal["reason"] and not (prepared / "run" / "checkpoints").exists()
+    assert not (prepared / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_tokens_rewritten_in_place_under_a_running_job_stop_it(prepared):
+    edit_config(prepared, optim={**FAST["optim"], "updates": 400, "schedule": "constant", "warmup_updates": 0},
+                checkpoint={"every": 1000, "keep_last": 2})
+    process = _start(prepared)
+    _after_lines(prepared / "run" / "metrics.jsonl", 2, process)
+    tokens = prepared / "packed" / "tokens.uint32"
+    data = bytearray(tokens.read_bytes())
+    data[4::40] = bytes(len(data[4::40]))  # same size, other ids: the whole-file digest is not re-read
+    with open(tokens, "r+b") as stream:
+        stream.write(data)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1 and "no longer holds the tokens spds prepare wrote" in stderr, stderr[-2000:]
+    assert read_json(prepared / "run" / "terminal.json")["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_a_changed_unpinned_student_does_not_resume_the_run(prepared, tiny_assets):
+    model = _student_copy(prepared, tiny_assets)
+    constant = {**FAST["optim"], "schedule": "constant", "warmup_updates": 0}
+    edit_config(prepared, student={"model_path": str(model)}, optim={**constant, "updates": 2})
+    check(spds(["train", "config.json"], prepared))
+    _student_copy(prepared, tiny_assets, lambda tensors: tensors["lm_head.weight"].mul_(1.001))  # same path
+    edit_config(prepared, optim={**constant, "updates": 4})
+    result = spds(["train", "config.json"], prepared)
+    assert result.returncode == 1 and "identity changed" in result.stderr and "student:" in result.stderr, result.stderr
+
+
+def test_a_full_or_read_only_output_file_system_gets_a_clear_message(prepared, tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        edit_config(prepared, output_dir=str(mount / "run"), checkpoint={"every": 1, "keep_last": 100},
+                    optim={**FAST["optim"], "updates": 30, "schedule": "constant", "warmup_updates": 0})
+        result = spds(["train", "config.json"], prepared)
+        assert result.returncode == 1 and "No space left on device" in result.stderr and "MiB free" in result.stderr
+        assert f"cannot write {mount / 'run'}" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        result = spds(["train", "config.json"], prepared)
+        assert result.returncode == 1 and "Read-only file system" in result.stderr and "Traceback" not in result.stderr, \
+            result.stderr[-2000:]
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
