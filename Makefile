@@ -7,7 +7,7 @@ SPDS := $(VENV)/bin/spds
 TINY ?= examples/tiny/build
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 
-.PHONY: venv demo test bench-prepare clean
+.PHONY: venv demo test lint bench-prepare clean
 
 venv:
 	@bash tools/bootstrap.sh $(VENV)
@@ -15,8 +15,11 @@ venv:
 demo: venv
 	@bash examples/tiny/demo.sh $(VENV) $(TINY)
 
-test: venv
+test: venv lint
 	$(PY) -m pytest -q tests
+
+lint: venv
+	$(VENV)/bin/ruff check spds tests bench examples
 
 bench-prepare: venv
 	$(PY) bench/bench_prepare.py

@@ -37,7 +37,8 @@ def write_candidates(path: Path, tokenizer, total_tokens: int, mean_length: int,
             response = [rng.randrange(32, 127) for _ in range(n)] + [eos]
             ids = list(prompt) + response
             stream.write(json.dumps(dict(request_id=f"r{rows}", question_id=f"q{rows // 4}", sample_index=rows % 4,
-                                         input_ids=ids, prefix_tokens=len(prompt), labels=[-100] * len(prompt) + response,
+                                         input_ids=ids, prefix_tokens=len(prompt),
+                                         labels=[-100] * len(prompt) + response,
                                          supervised_tokens=len(response),
                                          response_sha256=hashlib.sha256(bytes(response[:-1])).hexdigest())) + "\n")
             rows += 1
@@ -50,7 +51,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=10_000_000)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 200])
     args = parser.parse_args()
-    print(f"date {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, python {platform.python_version()}")
+    machine = platform.processor() or platform.machine()
+    print(f"date {time.strftime('%Y-%m-%d')}, {machine}, python {platform.python_version()}")
     print("| mean length | records | tokens | seconds | records/s | tokens/s | peak RSS MiB | file MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for mean_length in args.lengths:
@@ -71,7 +73,9 @@ def main() -> None:
             seconds = time.monotonic() - started
             peak = int(output.split("PEAK_RSS_KIB")[1].split()[0]) / 1024
             size = (directory / "candidates.jsonl").stat().st_size / 2**20
-            print(f"| {mean_length} | {rows} | {tokens} | {seconds:.1f} | {rows / seconds:.0f} | {tokens / seconds:.0f} | {peak:.0f} | {size:.0f} |")
+            cells = [mean_length, rows, tokens, f"{seconds:.1f}", f"{rows / seconds:.0f}", f"{tokens / seconds:.0f}",
+                     f"{peak:.0f}", f"{size:.0f}"]
+            print("| " + " | ".join(map(str, cells)) + " |")
 
 
 if __name__ == "__main__":

@@ -14,5 +14,6 @@ from spds.cli import main
 gib, args = float(sys.argv[1]), sys.argv[2:]
 device = int(os.environ.get("LOCAL_RANK", 0))
 if torch.cuda.is_available():  # without a GPU (a dry run of the script), no cap
-    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / torch.cuda.get_device_properties(device).total_memory, device)
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / torch.cuda.get_device_properties(device).total_memory,
+                                               device)
 sys.exit(main(args))

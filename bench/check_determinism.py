@@ -1,11 +1,14 @@
 """Which SDPA kernels give a bit-identical prompt gradient run to run (CUDA, Qwen3-0.6B shape)?"""
 import os
 import sys
+
 import torch
+
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 torch.use_deterministic_algorithms(True, warn_only=True)
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu import build_student  # noqa: E402
+
 from spds.loss import make_loss  # noqa: E402
 from spds.model import Segment, SoftPromptModel, initial_prompt  # noqa: E402
 
@@ -16,7 +19,7 @@ for backend in ("flash", "cudnn", "efficient", "math"):
     grads = []
     for _ in range(3):
         prompt = initial_prompt(student, 256, {"method": "random_normal", "std": 0.02}, 0)
-        model = SoftPromptModel(student, prompt, make_loss("auto", 4096), False, backend)
+        model = SoftPromptModel(student, prompt, make_loss("ce", "auto", 4096), False, backend)
         try:
             model([segment]).backward()
         except Exception as error:

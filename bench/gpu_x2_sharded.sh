@@ -19,7 +19,7 @@ run() { local name=$1 gib=$2; shift 2
   python3 - "$work/config.json" "$work/$name" "$@" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1])); c["output_dir"] = sys.argv[2]
-c["backend"], c["deepspeed_config"] = sys.argv[3], sys.argv[4]
+c["sharding"], c["deepspeed_config"] = sys.argv[3], sys.argv[4]
 json.dump(c, open(sys.argv[1], "w"), indent=2)
 PY
   echo "== $name (cap ${gib} GiB per GPU)"; local began=$SECONDS

@@ -18,8 +18,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "tiny"))
 sys.path.insert(0, str(REPO / "bench"))
-import make_tiny  # noqa: E402
 import bench_gpu  # noqa: E402
+import make_tiny  # noqa: E402
 
 
 def main() -> None:
@@ -49,7 +49,8 @@ def main() -> None:
                                          labels=[-100] * len(prompt) + response, supervised_tokens=len(response),
                                          response_sha256=hashlib.sha256(bytes(response[:-1])).hexdigest())) + "\n")
     make_tiny.tiny_config(directory, soft_prompt={"length": 256, "placement": "system"},
-                          data={"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed", "context_limit": 65536},
+                          data={"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed",
+                                "context_limit": 65536},
                           optim={"updates": 10, "effective_batch": 8, "learning_rate": 0.001, "seed": 3,
                                  "warmup_updates": 0, "schedule": "constant"},
                           checkpoint={"every": 5, "keep_last": 3}, train={"deterministic": True})

@@ -1,4 +1,7 @@
-"""Checkpoints that resume bit-exactly, and that exist only once committed.
+"""Checkpoints that resume bit-exactly, and that exist only once committed. This module owns the
+whole concern: when to save (Checkpointer), the files and their commit, verification, restore,
+the smoke's proof that a restore is exact, retention, backup, and the read side that eval and
+export use (resolve, prompt_of).
 
 A checkpoint directory  <output>/checkpoints/update-NNNNNN/  holds
     mp_rank_00_model_states.pt   DeepSpeed's save_checkpoint(exclude_frozen_parameters=True):
@@ -191,6 +194,9 @@ def load_engine_state(engine, directory: Path) -> None:
     state = load_state(path)
     try:
         prompt = state["module"]["prompt"]
+        if tuple(prompt.shape) != tuple(engine.module.prompt.shape):
+            raise SpdsError(f"{path}: holds a soft prompt of shape {tuple(prompt.shape)}, this run's is "
+                            f"{tuple(engine.module.prompt.shape)} (soft_prompt.length, or another student)")
         with torch.no_grad():
             engine.module.prompt.copy_(prompt)
         engine.optimizer.load_state_dict(state["optimizer"])
@@ -217,6 +223,72 @@ def restore(engine, directory: Path, identities: dict, rank: int, world: int) ->
         raise SpdsError(f"{path} belongs to rank {state.get('rank')} of {state.get('world_size')}")
     restore_rng(state["rng"])
     return state["cursor"]
+
+
+def prove_restore(engine, directory: Path, identities: dict, rank: int, world: int) -> None:
+    """The smoke's proof: poison the prompt and Adam moments, restore, demand bit-equality."""
+    prompt = engine.module.prompt
+    state = engine.optimizer.state[prompt]
+    before = {"prompt": prompt.detach().clone(), **{k: v.clone() for k, v in state.items() if torch.is_tensor(v)}}
+    with torch.no_grad():
+        prompt.fill_(float("nan"))
+        for value in state.values():
+            if torch.is_tensor(value):
+                value.fill_(float("nan") if value.is_floating_point() else 0)
+    restore(engine, directory, identities, rank, world)
+    restored = engine.optimizer.state[prompt]
+    after = {"prompt": prompt.detach(), **{k: v for k, v in restored.items() if torch.is_tensor(v)}}
+    for key, value in before.items():
+        if not torch.equal(value, after[key]):
+            raise SpdsError(f"smoke: restoring {directory} did not reproduce {key} bit for bit")
+
+
+# ---------------------------------------------------------------- the read side (eval, export)
+
+def resolve(output_dir: Path, path: str | None) -> Path:
+    """The checkpoint a command names, or the run's newest committed one."""
+    if path:
+        return Path(path).resolve()
+    found = committed(output_dir / "checkpoints")
+    if not found:
+        raise SpdsError(f"no committed checkpoint in {output_dir / 'checkpoints'}: train first or pass --checkpoint")
+    return found[-1][1]
+
+
+def prompt_of(directory: Path) -> tuple[torch.Tensor, dict]:
+    """The FP32 prompt of a verified, committed checkpoint, and its commit record."""
+    commit = verify(directory)
+    state = load_state(directory / STATE_FILE)
+    return state["module"]["prompt"].float().contiguous(), commit
+
+
+# ---------------------------------------------------------------- when to save
+
+class Checkpointer:
+    """checkpoint.every / keep_last / backup_dir, read here and nowhere else: when an update is
+    saved, and what is kept and copied after each save."""
+
+    def __init__(self, settings: dict, root: Path, backup_root: Path | None, smoke: bool, versions: dict):
+        self.every, self.keep_last = settings["every"], settings["keep_last"]
+        self.root, self.backup_root, self.smoke, self.versions = root, backup_root, smoke, versions
+
+    def reason(self, update: int, last: int, stopping: bool) -> str | None:
+        """Why `update` is saved, or None: every N, the last update, a stop; the smoke's one update."""
+        if self.smoke:
+            return "smoke"
+        if stopping:
+            return "signal"
+        if update == last:
+            return "final"
+        return "scheduled" if update % self.every == 0 else None
+
+    def save(self, engine, cursor: dict, update: int, identities: dict, reason: str, rank: int, world: int) -> Path:
+        directory = save(engine, self.root, update, cursor, identities, self.versions, reason, rank, world)
+        if rank == 0:
+            if self.backup_root is not None and not self.smoke:
+                backup(directory, self.backup_root)
+            prune(self.root, self.keep_last)
+        return directory
 
 
 # ---------------------------------------------------------------- retention and backup

@@ -75,7 +75,8 @@ def cmd_eval(args) -> int:
     nll = result["nll"]
     ceiling = "n/a" if nll["ceiling"] is None else f"{nll['ceiling']:.4f}"
     gap = "n/a" if result["gap_recovered"] is None else f"{result['gap_recovered']:.1%}"
-    print(f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), update {result['update']}")
+    print(f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), "
+          f"update {result['update']}")
     print(f"NLL per token  floor {nll['floor']:.4f}  soft {nll['soft']:.4f}  ceiling {ceiling}  gap recovered {gap}")
     print(f"eval.json and plot in {load_config(args.config).output_dir}")
     return 0
@@ -101,24 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("validate", help="validate configs, their DeepSpeed config and pinned inputs")
     p.add_argument("configs", nargs="+")
     p.set_defaults(run=cmd_validate)
-    p = verbs.add_parser("pin", help="write the sha256 of every input into the config")
-    p.add_argument("config")
-    p.set_defaults(run=cmd_pin)
-    p = verbs.add_parser("prepare", help="check candidate rows and write the packed store")
-    p.add_argument("config")
-    p.set_defaults(run=cmd_prepare)
-    for verb, text in [("smoke", "one real update on the longest record, save, restore, verify"),
-                       ("train", "train the soft prompt (resumes from the newest committed checkpoint)")]:
+    for verb, text, run in [
+            ("pin", "write the sha256 of every input to CONFIG.pins.json", cmd_pin),
+            ("prepare", "check candidate rows and write the packed store", cmd_prepare),
+            ("smoke", "one real update on the longest record, save, restore, verify", cmd_train),
+            ("train", "train the soft prompt (resumes from the newest committed checkpoint)", cmd_train),
+            ("generate", "the teacher answers the questions with the context: candidate rows", cmd_generate)]:
         p = verbs.add_parser(verb, help=text)
         p.add_argument("config")
-        p.set_defaults(run=cmd_train)
+        p.set_defaults(run=run)
     p = verbs.add_parser("stop", help="ask a running train or smoke to stop at the next update boundary")
     p.add_argument("config")
     p.add_argument("--why", default="spds stop", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_stop)
-    p = verbs.add_parser("generate", help="the teacher answers the questions with the context: candidate rows")
-    p.add_argument("config")
-    p.set_defaults(run=cmd_generate)
     p = verbs.add_parser("eval", help="held-out NLL: floor, ceiling, soft prompt; gap recovered")
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")

@@ -157,9 +157,13 @@ class Config:
         return (REPO_ROOT / written).resolve()
 
     @property
+    def zero_stage(self) -> int:
+        return zero_stage(read_json(self.deepspeed_config_path))
+
+    @property
     def shards_student(self) -> bool:
         """fsdp, or DeepSpeed ZeRO-3: the student is loaded on the host and sharded onto the GPUs."""
-        return self.raw["backend"] == "fsdp" or zero_stage(read_json(self.deepspeed_config_path)) == 3
+        return self.raw["sharding"] == "fsdp" or self.zero_stage == 3
 
     @property
     def context_text(self) -> str | None:
@@ -178,7 +182,7 @@ class Config:
         # The backend and the DeepSpeed file (its ZeRO stage, monitors) change how the student is
         # laid out, not the update: a ZeRO-0 checkpoint may continue under ZeRO-3 or fsdp
         # (the topology still must match).
-        for key in ("$schema", "output_dir", "backend", "deepspeed_config"):
+        for key in ("$schema", "output_dir", "sharding", "deepspeed_config"):
             fields.pop(key, None)
         fields["data"].pop("packed_dir", None)
         # Operational settings that never change the numbers of a run.
@@ -204,7 +208,8 @@ def parse_config_file(path: Path) -> dict:
             keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
             for index, key in enumerate(keys):
                 if key in keys[:index]:
-                    raise SpdsError(f"{path}:{node.value[index][0].start_mark.line + 1}: rule 'unique keys': key {key!r} "
+                    line = node.value[index][0].start_mark.line + 1
+                    raise SpdsError(f"{path}:{line}: rule 'unique keys': key {key!r} "
                                     "appears twice in one mapping (which one was meant?)")
             return super().construct_mapping(node, deep=deep)
 
@@ -338,9 +343,11 @@ def output_problems(config: Config) -> list[str]:
                 problems.append(f"{key}: {path} overlaps {input_key} {input_path}; spds would write into its own input")
         for i, candidate in enumerate(config.candidate_paths):
             if _inside(candidate, path) and key == "data.packed_dir":
-                problems.append(f"{key}: {path} holds data.candidates[{i}].path {candidate}; prepare replaces that directory")
+                problems.append(f"{key}: {path} holds data.candidates[{i}].path {candidate}; "
+                                "prepare replaces that directory")
     if _inside(config.output_dir, config.packed_dir):
-        problems.append(f"output_dir: {config.output_dir} is inside data.packed_dir {config.packed_dir}, which prepare replaces")
+        problems.append(f"output_dir: {config.output_dir} is inside data.packed_dir {config.packed_dir}, "
+                        "which prepare replaces")
     return problems
 
 
@@ -352,18 +359,21 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     for i, path in enumerate(config.candidate_paths):
         if not path.is_file() and require_candidates:  # spds generate writes them
             problems.append(f"data.candidates[{i}].path: {path} is not a file")
-    for key, value in (("context.file", config["context"]["file"]), ("generate.questions", config["generate"]["questions"]),
-                       ("generate.teacher_path", config["generate"]["teacher_path"])):
+    named = (("context.file", config["context"]["file"]), ("generate.questions", config["generate"]["questions"]),
+             ("generate.teacher_path", config["generate"]["teacher_path"]))
+    for key, value in named:
         if value is not None and not (config.resolve(value).is_dir() if key.endswith("teacher_path")
                                       else config.resolve(value).is_file()):
-            problems.append(f"{key}: {config.resolve(value)} is not a {'directory' if key.endswith('path') else 'file'}")
+            kind = "directory" if key.endswith("path") else "file"
+            problems.append(f"{key}: {config.resolve(value)} is not a {kind}")
     problems += output_problems(config)
     optim = config["optim"]
     if optim["warmup_updates"] > optim["updates"]:
         problems.append(f"optim.warmup_updates: {optim['warmup_updates']} exceeds optim.updates ({optim['updates']})")
     size = config["data_parallel_size"]
     if size != "any" and optim["effective_batch"] % size:
-        problems.append(f"optim.effective_batch: {optim['effective_batch']} does not divide by data_parallel_size {size}")
+        problems.append(f"optim.effective_batch: {optim['effective_batch']} does not divide by "
+                        f"data_parallel_size {size}")
     return problems
 
 
@@ -391,9 +401,11 @@ def deepspeed_config_problems(config: Config) -> list[str]:
     problems = [f"deepspeed_config ({path}): {p}" for p in describe_errors(ds_config, "ds_config")]
     micro = ds_config.get("train_micro_batch_size_per_gpu") if isinstance(ds_config, dict) else None
     if micro is not None and micro != config["optim"]["micro_batch"]:
-        problems.append(f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from optim.micro_batch {config['optim']['micro_batch']}")
-    if config["backend"] == "fsdp" and zero_stage(ds_config) == 3:
-        problems.append(f"backend: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the student; "
+        problems.append(f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from "
+                        f"optim.micro_batch {config['optim']['micro_batch']}")
+    if config["sharding"] == "fsdp" and zero_stage(ds_config) == 3:
+        problems.append(f"sharding: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the "
+                        "student; "
                         "choose one (backend 'deepspeed' with stage 3, or fsdp with ds_configs/zero0.json)")
     return problems
 

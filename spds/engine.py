@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -52,8 +53,8 @@ def load_cpu_comm_op() -> None:
     loads the op first, itself, under an flock that the kernel releases when its holder dies: a
     `lock` found while holding the flock was left by a dead build (no spds process is building),
     so it is removed, with a message. DeepSpeed then finds the op already loaded."""
-    from deepspeed.accelerator import get_accelerator
     import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
@@ -88,19 +89,54 @@ def init_distributed(config: Config) -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    backend = settings["backend"] if settings["backend"] != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    backend = settings["communication"]
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=settings["timeout_minutes"]))
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
-def shard_student(config: Config, model, world: int) -> None:
-    """Lay the student of `model` out over the ranks (ZeRO-3 or FSDP2), on the prompt's device."""
-    from .sharded import FSDP2Layout, ZeRO3Layout
+class Engine(Protocol):
+    """What train.py and checkpoint.py use of an engine. DeepSpeed's ZeRO-0 engine has it; spds's
+    ShardedEngine (ZeRO-3 or FSDP2 student, spds/sharded.py) implements the same."""
 
-    device = model.prompt.device
-    model.layout = (FSDP2Layout(model.student, device) if config["backend"] == "fsdp"
-                    else ZeRO3Layout(model.student, device, deepspeed_config(config, world)))
+    module: torch.nn.Module  # the SoftPromptModel: .prompt, .student, .layout
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def __call__(self, segments, **kwargs) -> torch.Tensor: ...
+    def no_sync(self) -> ContextManager: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def allreduce_gradients(self) -> None: ...  # the exact SUM of the prompt gradient over ranks
+    def step(self) -> None: ...
+    def get_lr(self) -> list[float]: ...
+    def save_checkpoint(self, save_dir: str, tag: str, **kwargs) -> None: ...
+
+
+def zero3_layout(config: Config, model, world: int):
+    from .sharded import ZeRO3Layout
+
+    return ZeRO3Layout(model.student, model.prompt.device, deepspeed_config(config, world))
+
+
+def fsdp2_layout(config: Config, model, world: int):
+    from .sharded import FSDP2Layout
+
+    return FSDP2Layout(model.student, model.prompt.device)
+
+
+# Every way to lay the student out: (sharding, ZeRO stage of deepspeed_config) -> the layout
+# builder, None for a replicated student under DeepSpeed's own ZeRO-0 engine. The contract
+# refuses other pairs (fsdp with stage 3); a new backend is one row here and its layout class.
+LAYOUTS = {("deepspeed", 0): None, ("deepspeed", 3): zero3_layout, ("fsdp", 0): fsdp2_layout}
+
+
+def shard_student(config: Config, model, world: int) -> None:
+    """Lay the student of `model` out over the ranks as the config says (no-op when replicated)."""
+    layout = LAYOUTS[(config["sharding"], config.zero_stage)]
+    if layout is not None:
+        model.layout = layout(config, model, world)
 
 
 # The keys of a DeepSpeed config that change the update, as spds sets them (the ds_config schema
@@ -138,7 +174,7 @@ def check_engine_numerics(engine) -> None:
                         f"deepspeed {getattr(__import__('deepspeed'), '__version__', '?')}?)", wrong)
 
 
-def build_engine(config: Config, model: torch.nn.Module, world: int):
+def build_engine(config: Config, model: torch.nn.Module, world: int) -> Engine:
     """DeepSpeed's ZeRO-0 engine, or (student sharded by FSDP2 or ZeRO-3) spds's ShardedEngine,
     which offers the same interface and the same exact SUM (spds/sharded.py)."""
     import deepspeed
@@ -148,7 +184,7 @@ def build_engine(config: Config, model: torch.nn.Module, world: int):
     optimizer = optimizer_class([model.prompt], lr=optim["learning_rate"], betas=tuple(optim["betas"]),
                                 eps=optim["eps"], weight_decay=optim["weight_decay"], foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
-    if config.shards_student:
+    if LAYOUTS[(config["sharding"], config.zero_stage)] is not None:
         from .sharded import ShardedEngine
 
         shard_student(config, model, world)
@@ -163,7 +199,8 @@ def check_precision(engine, student: bool = True) -> None:
     """Asserted every update: FP32 prompt, gradient and Adam moments; a gradient-free student."""
     prompt = engine.module.prompt
     if prompt.dtype != torch.float32 or (prompt.grad is not None and prompt.grad.dtype != torch.float32):
-        raise SpdsError(f"soft prompt precision changed: parameter {prompt.dtype}, gradient {getattr(prompt.grad, 'dtype', None)}")
+        raise SpdsError(f"soft prompt precision changed: parameter {prompt.dtype}, "
+                        f"gradient {getattr(prompt.grad, 'dtype', None)}")
     for name, moment in engine.optimizer.state.get(prompt, {}).items():
         if torch.is_tensor(moment) and moment.is_floating_point() and moment.dtype != torch.float32:
             raise SpdsError(f"optimizer state {name} is {moment.dtype}, not float32")

@@ -19,19 +19,18 @@ import numpy as np
 import torch
 
 from . import __version__
+from .checkpoint import prompt_of, resolve
 from .contract import Config, require_valid
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
-from .export import checkpoint_prompt, resolve_checkpoint
 from .fsio import SpdsError, atomic_path, atomic_write_json
-from .loss import make_loss
-from .model import Segment, SoftPromptModel, load_student
+from .model import Segment, SoftPromptModel, build_soft_prompt_model
 
 
 @torch.no_grad()
 def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> dict:
-    directory = resolve_checkpoint(config, checkpoint_path)
-    prompt, commit = checkpoint_prompt(directory)
+    directory = resolve(config.output_dir, checkpoint_path)
+    prompt, commit = prompt_of(directory)
     store = PackedStore.open(config.packed_dir)
     held_out = np.flatnonzero(~store.is_train)
     if not len(held_out):
@@ -43,10 +42,8 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         rank, world, device = init_distributed(config)
     else:
         rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    student = load_student(config.model_path, config["student"]["dtype"], config["student"]["attn_implementation"],
-                           torch.device("cpu") if sharded else device)
-    model = SoftPromptModel(student, prompt, make_loss("chunked", config["loss"]["chunk_tokens"]), False,
-                            config["student"]["sdpa_backend"], device=device)
+    model = build_soft_prompt_model(config, device, prompt=prompt, training=False)  # as training runs it
+    student = model.student
     if sharded:
         shard_student(config, model, world)
     text = config.context_text
@@ -66,7 +63,8 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     for step in range(steps):
         i = int(mine[min(step, len(mine) - 1)] if len(mine) else held_out[0])
         counted = float(step < len(mine))
-        segment = Segment(torch.from_numpy(store.ids(i)).to(device), int(store.prefix_tokens[i]), int(store.insert_at[i]))
+        segment = Segment(torch.from_numpy(store.ids(i)).to(device), int(store.prefix_tokens[i]),
+                          int(store.insert_at[i]))
         for k, name in enumerate(names):
             sums[k] += counted * model([segment], inserted=blocks[name]).double()
         if kl:

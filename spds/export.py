@@ -19,27 +19,11 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .checkpoint import STATE_FILE, committed, load_state, verify
+from .checkpoint import prompt_of, resolve
 from .contract import Config
 from .fsio import SpdsError, atomic_path, read_json, sha256_json
 
 FILE = "soft_prompt.safetensors"
-
-
-def checkpoint_prompt(directory: Path) -> tuple[torch.Tensor, dict]:
-    """The FP32 prompt of a verified, committed checkpoint, and its commit record."""
-    commit = verify(directory)
-    state = load_state(directory / STATE_FILE)
-    return state["module"]["prompt"].float().contiguous(), commit
-
-
-def resolve_checkpoint(config: Config, path: str | None) -> Path:
-    if path:
-        return Path(path).resolve()
-    found = committed(config.output_dir / "checkpoints")
-    if not found:
-        raise SpdsError(f"no committed checkpoint in {config.output_dir / 'checkpoints'}: train first or pass --checkpoint")
-    return found[-1][1]
 
 
 def student_identity(config: Config) -> str:
@@ -50,8 +34,8 @@ def student_identity(config: Config) -> str:
 def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
     from safetensors.torch import save_file
 
-    directory = resolve_checkpoint(config, checkpoint_path)
-    prompt, commit = checkpoint_prompt(directory)
+    directory = resolve(config.output_dir, checkpoint_path)
+    prompt, commit = prompt_of(directory)
     manifest = read_json(config.packed_dir / "manifest.json")
     metadata = {"format": "spds-soft-prompt-v1", "spds_version": __version__, "placement": manifest["placement"],
                 "prompt_length": str(prompt.shape[0]), "hidden_size": str(prompt.shape[1]),
@@ -73,7 +57,8 @@ def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
     from .model import load_student
 
     student = load_student(config.model_path, "float32", config["student"]["attn_implementation"], torch.device("cpu"))
-    peft_model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=prompt.shape[0],
+    peft_model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM,
+                                                            num_virtual_tokens=prompt.shape[0],
                                                             base_model_name_or_path=str(config.model_path)))
     with torch.no_grad():
         peft_model.prompt_encoder["default"].embedding.weight.copy_(prompt)

@@ -78,7 +78,7 @@ def sha256_json(value: Any) -> str:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)  # NaN is not JSON
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -119,7 +119,7 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
 
 def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
     with atomic_writer(path) as stream:
-        json.dump(value, stream, indent=2)
+        json.dump(value, stream, indent=2, allow_nan=False)
         stream.write("\n")
 
 

@@ -30,7 +30,8 @@ def read_questions(path: Path) -> list[dict]:
                 messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
                 questions.append(dict(question_id=str(row["question_id"]), messages=messages))
             except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise SpdsError(f"{path}:{number}: a question needs question_id and messages or question ({error})") from None
+                raise SpdsError(f"{path}:{number}: a question needs question_id and messages or question "
+                                f"({error})") from None
     return questions
 
 
@@ -73,8 +74,9 @@ def generate(config: Config, log=print) -> dict:
     teacher_path = config.resolve(settings["teacher_path"]) if settings["teacher_path"] else config.model_path
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_path), local_files_only=True,
                                                    dtype=getattr(torch, config["student"]["dtype"])).to(device).eval()
+    questions = read_questions(config.resolve(settings["questions"]))
     requests = [dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
-                for q in read_questions(config.resolve(settings["questions"])) for s in range(settings["samples_per_question"])]
+                for q in questions for s in range(settings["samples_per_question"])]
     output = config.resolve(settings["output"])
     output.parent.mkdir(parents=True, exist_ok=True)
     done = repair_and_read(output)
@@ -86,7 +88,8 @@ def generate(config: Config, log=print) -> dict:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
                 continue
-            responses = answer(teacher, tokenizer, batch, context, settings, end_ids, kwargs, seed=settings["seed"] + number)
+            responses = answer(teacher, tokenizer, batch, context, settings, end_ids, kwargs,
+                               seed=settings["seed"] + number)
             for request, response in zip(batch, responses):
                 if request["request_id"] in done:
                     continue
@@ -123,6 +126,7 @@ def candidate_row(tokenizer, request: dict, response: list[int], end_ids: list[i
     """A token-form row: the student's view of the question (no context) + the teacher's response."""
     prompt = render(tokenizer, request["messages"], True, kwargs)
     text = tokenizer.decode(response[:-1])
-    return dict(request_id=request["request_id"], question_id=request["question_id"], sample_index=request["sample_index"],
+    return dict(request_id=request["request_id"], question_id=request["question_id"],
+                sample_index=request["sample_index"],
                 input_ids=prompt + response, prefix_tokens=len(prompt), labels=[-100] * len(prompt) + response,
                 supervised_tokens=len(response), response_sha256=hashlib.sha256(text.encode()).hexdigest())

@@ -58,27 +58,41 @@ def liger_available() -> bool:
     return torch.cuda.is_available()
 
 
-def make_loss(backend: str, chunk: int):
-    """Return f(hidden, weight, targets) -> fp32 summed CE, for loss.backend in {auto, liger, chunked}."""
-    use_liger = backend == "liger" or (backend == "auto" and liger_available())
-    if backend == "liger" and not liger_available():
-        from .fsio import SpdsError
+def liger_cross_entropy():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        raise SpdsError("loss.backend is 'liger' but liger-kernel is not importable or there is no CUDA device "
-                        "(pip install 'spds[gpu]', or set loss.backend to 'auto')")
-    if use_liger:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
 
-        liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    def summed(hidden, weight, targets):
+        return liger(weight, hidden, targets).float()
 
-        def liger_loss(hidden, weight, targets):
-            return liger(weight, hidden, targets).float()
+    return summed
 
-        liger_loss.backend = "liger"
-        return liger_loss
 
-    def chunked_loss(hidden, weight, targets):
+def chunked_cross_entropy(chunk: int):
+    def summed(hidden, weight, targets):
         return chunked_linear_cross_entropy(hidden, weight, targets, chunk)
 
-    chunked_loss.backend = "chunked"
-    return chunked_loss
+    return summed
+
+
+# The seam for objectives: objective -> kernel -> factory(chunk) of f(hidden, weight, targets) ->
+# fp32 sum over the supervised tokens. A new objective (a KL to a teacher, say) is one entry here
+# plus its schema enum value; train and eval call whatever make_loss returns.
+OBJECTIVES = {
+    "ce": {"liger": lambda chunk: liger_cross_entropy(), "chunked": chunked_cross_entropy},
+}
+
+
+def make_loss(objective: str, kernel: str, chunk: int):
+    """f(hidden, weight, targets) -> fp32 summed loss, for loss.objective and loss.kernel (auto:
+    Liger on CUDA when installed, else spds's chunked implementation). f.kernel names the choice."""
+    if kernel == "liger" and not liger_available():
+        from .fsio import SpdsError
+
+        raise SpdsError("loss.kernel is 'liger' but liger-kernel is not importable or there is no CUDA device "
+                        "(pip install 'spds[gpu]', or set loss.kernel to 'auto')")
+    chosen = "liger" if kernel == "liger" or (kernel == "auto" and liger_available()) else "chunked"
+    loss_fn = OBJECTIVES[objective][chosen](chunk)
+    loss_fn.kernel = chosen
+    return loss_fn

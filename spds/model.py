@@ -34,7 +34,25 @@ class Segment:
         return len(self.ids) - self.prefix_tokens
 
 
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+def load_segments(store, records: list[int], device: torch.device) -> dict[int, Segment]:
+    """`records` of the packed store on the device, copied in one transfer (pinned memory,
+    asynchronous): a per-record copy from pageable memory would stall the host every time."""
+    import numpy as np
+
+    ids = np.concatenate([store.ids(i) for i in records])
+    host = torch.from_numpy(ids)
+    on_device = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    segments, start = {}, 0
+    for i in records:
+        length = int(store.length[i])
+        segments[i] = Segment(ids=on_device[start:start + length], prefix_tokens=int(store.prefix_tokens[i]),
+                              insert_at=int(store.insert_at[i]))
+        start += length
+    return segments
+
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
 
 
 def load_student(model_path, dtype: str, attn_implementation: str, device: torch.device) -> nn.Module:
@@ -242,3 +260,36 @@ class SoftPromptModel(nn.Module):
         weight = self.student.get_output_embeddings().weight
         with self.layout.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight
             return self.loss_fn(rows, weight, targets)
+
+
+def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor | None = None, training: bool = True,
+                            student: nn.Module | None = None) -> SoftPromptModel:
+    """The student as every command runs it: train, smoke, eval and the GPU benchmark build it here,
+    so they share the kernels (Liger), the attention choice (deterministic or by length), the
+    loss kernel and the placement of a student to be sharded. `prompt` is the initial value
+    (training) or a checkpoint's (eval); `student` lets the benchmark reuse one it holds."""
+    from .loss import make_loss
+
+    student_cfg, prompt_cfg = config["student"], config["soft_prompt"]
+    if student is None:
+        # A student to be sharded is loaded on the host; its layout puts each shard on the device.
+        host = torch.device("cpu") if config.shards_student else device
+        student = load_student(config.model_path, student_cfg["dtype"], student_cfg["attn_implementation"], host)
+        if student_cfg["liger_kernels"]:
+            apply_liger_kernels(student)
+    sdpa_backend = student_cfg["sdpa_backend"]
+    if config["train"]["deterministic"] and sdpa_backend == "auto":
+        # Flash and cuDNN attention backward accumulate with atomics: measured on H200, the same
+        # record gives a different prompt gradient run to run. The math kernel does not.
+        sdpa_backend = "math"
+    if prompt is None:
+        tokenizer = None
+        if prompt_cfg["init"]["method"] == "text":
+            from .data.prepare import load_tokenizer
+
+            tokenizer = load_tokenizer(config)
+        prompt = initial_prompt(student, prompt_cfg["length"], prompt_cfg["init"], config["optim"]["seed"], tokenizer)
+    loss_fn = make_loss(config["loss"]["objective"], config["loss"]["kernel"], config["loss"]["chunk_tokens"])
+    checkpointing = student_cfg["activation_checkpointing"] if training else False  # nothing to recompute
+    return SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg["activation_memory_gib"],
+                           student_cfg["pad_to_multiple_of"], device)

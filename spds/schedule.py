@@ -1,4 +1,11 @@
-"""Which records each update trains on, which rank gets which, and the learning-rate shape.
+"""Which records each update trains on, which rank gets which, in which forward passes, and the
+learning-rate shape. Pure functions of the packed store's columns and the optim settings: no
+torch, no devices, no communication (every rank computes the same answers alone).
+
+    Plan.step(u) -> Step: update u's global batch, its deal to ranks (longest first to the least
+                   loaded, equal counts), the global supervised-token count; computed once
+    Plan.passes(step, rank, lockstep) -> this rank's forward passes (micro-batches, checkpointing
+                   decision, counted or a lockstep filler)
 
 Update u's global batch is a pure function of (seed, u, number of training records N):
 each epoch is a seeded permutation of the N records cut into floor(N/B) batches of B; the last
@@ -11,6 +18,7 @@ a resumed run continues where it stopped.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -29,7 +37,8 @@ def epoch_permutation(seed: int, epoch: int, size: int) -> np.ndarray:
 def global_batch(seed: int, update: int, size: int, batch: int) -> np.ndarray:
     """Positions (0..size-1 into the training records) of update `update` (1-based)."""
     if batch > size:
-        raise SpdsError(f"optim.effective_batch {batch} exceeds the {size} training records: an update would repeat records")
+        raise SpdsError(f"optim.effective_batch {batch} exceeds the {size} training records: "
+                        "an update would repeat records")
     epoch, index = divmod(update - 1, size // batch)
     return epoch_permutation(seed, epoch, size)[index * batch:(index + 1) * batch].astype(np.int64)
 
@@ -71,3 +80,85 @@ def lr_factor(step: int, optim: dict) -> float:
     if optim["schedule"] == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One update, planned once: its records, their deal to ranks, and its normaliser."""
+    update: int
+    batch: np.ndarray  # indices into the packed store
+    dealt: list  # per rank: record indices, longest first
+    supervised_tokens: int  # over the global batch: the loss's denominator
+    positions: int  # record + soft-prompt positions over the global batch
+
+    @property
+    def digest(self) -> str:
+        return batch_digest(self.batch)
+
+
+class Plan:
+    """Which records are trained, in which update, on which rank, in which micro-batches."""
+
+    def __init__(self, store, optim: dict, prompt_length: int, world: int):
+        self.store, self.world = store, world
+        self.seed, self.batch, self.micro_batch = optim["seed"], optim["effective_batch"], optim["micro_batch"]
+        self.micro_batch_tokens = optim["micro_batch_tokens"]
+        self.train_records = np.flatnonzero(store.is_train)
+        if not len(self.train_records):
+            raise SpdsError("no training records: data.eval_fraction holds out every question")
+        self.positions = store.length + prompt_length  # what one record occupies in a forward pass
+        self.costs = record_cost(self.positions)  # what balances ranks
+
+    def step(self, update: int, force_longest: bool = False) -> Step:
+        batch = self.train_records[global_batch(self.seed, update, len(self.train_records), self.batch)]
+        if force_longest:  # the smoke proves the longest record fits: make sure it is in
+            longest = self.train_records[int(np.argmax(self.store.length[self.train_records]))]
+            if longest not in batch:
+                batch = batch.copy()
+                batch[0] = longest
+        return self.step_of(update, batch)
+
+    def step_of(self, update: int, batch: np.ndarray) -> Step:
+        return Step(update=update, batch=batch, dealt=deal_to_ranks(batch, self.costs, self.world),
+                    supervised_tokens=int(self.store.supervised_tokens[batch].sum()),
+                    positions=int(self.positions[batch].sum()))
+
+    def micro_batches(self, mine: list[int]) -> list[list[int]]:
+        """Consecutive records (longest first, as dealt) in groups of at most micro_batch records
+        and, when set, micro_batch_tokens padded positions: similar lengths share a forward."""
+        groups: list[list[int]] = []
+        budget = self.micro_batch_tokens
+        for index in mine:
+            group = groups[-1] if groups else None
+            padded = int(self.positions[group[0]]) * (len(group) + 1) if group else 0  # the first is the longest
+            if group and len(group) < self.micro_batch and (budget is None or padded <= budget):
+                group.append(index)
+            else:
+                groups.append([index])
+        return groups
+
+    def passes(self, step: Step, rank: int, lockstep: bool) -> list[tuple[list[int], int | None, bool]]:
+        """This rank's forward passes in one update: (records, checkpointing positions, counted).
+
+        A sharded student gathers its weights collectively in every forward, and again in every
+        layer recomputed in backward, so every rank must run the same passes with the same
+        checkpointing. In lockstep each rank runs as many passes as the busiest one; pass j
+        decides checkpointing from the largest pass j of any rank; a rank out of records runs its
+        shortest record again, not counted (zero gradient). Every rank computes this alike from
+        the deal: no communication."""
+        if not lockstep:
+            return [(group, None, True) for group in self.micro_batches(step.dealt[rank])]
+        every = [self.micro_batches(records) for records in step.dealt]
+        mine = every[rank]
+        filler = [min(step.dealt[rank], key=lambda i: int(self.positions[i]))]
+        passes = []
+        for j in range(max(len(groups) for groups in every)):
+            largest = max(int(self.positions[groups[j][0]]) * len(groups[j]) for groups in every if j < len(groups))
+            passes.append((mine[j], largest, True) if j < len(mine) else (filler, largest, False))
+        return passes
+
+    def cursor(self, step: Step, rank: int) -> dict:
+        """Where the data stream stands after `step`: saved with every checkpoint, per rank."""
+        return dict(completed_update=step.update, next_update=step.update + 1, recipe=RECIPE, seed=self.seed,
+                    training_records=len(self.train_records), effective_batch=self.batch,
+                    global_batch_sha256=step.digest, rank_records=[int(i) for i in step.dealt[rank]])

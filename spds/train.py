@@ -25,17 +25,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .contract import REPO_ROOT, Config, load_config, require_valid, validate_run_world
-from .fsio import (SpdsError, append_line_durably, atomic_write_json, atomic_writer, canonical_json, exclusive_lock,
-                   read_json, sha256_json, sha256_path)
-from . import checkpoint, schedule
+from . import checkpoint
 from . import stop as stop_module
+from .contract import REPO_ROOT, Config, load_config, require_valid, validate_run_world
 from .data.packed import PackedStore
 from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
-from .loss import make_loss
-from .model import Segment, SoftPromptModel, apply_liger_kernels, initial_prompt, load_student
+from .fsio import (
+    SpdsError,
+    append_line_durably,
+    atomic_write_json,
+    atomic_writer,
+    canonical_json,
+    exclusive_lock,
+    read_json,
+    sha256_json,
+    sha256_path,
+)
+from .model import build_soft_prompt_model, load_segments
+from .schedule import Plan, Step
 from .stop import StopRequest
-
 
 # ---------------------------------------------------------------- the loop
 
@@ -57,13 +65,21 @@ def run(config: Config, smoke: bool) -> dict:
             validate_run_world(config, world)
             stopping = stop_agreed(stop, requests, device)  # asked during start-up: load nothing
             store = PackedStore.open(config.packed_dir)
-            plan = Plan(store, config, world)
+            if store.manifest["prompt_length"] != config["soft_prompt"]["length"]:  # its context_limit check used it
+                raise SpdsError(f"soft_prompt.length is {config['soft_prompt']['length']} but {config.packed_dir} was "
+                                f"packed for {store.manifest['prompt_length']}: "
+                                "run spds prepare into another packed_dir")
+            plan = Plan(store, optim, config["soft_prompt"]["length"], world)
             identities = run_identities(config, store, world)
             smoke_waived = False if smoke else check_smoke_evidence(config, identities)
             seed_everything(optim["seed"])
-            model = None if stopping else build_model(config, device)
+            model = None if stopping else build_soft_prompt_model(config, device)
             engine = None if stopping else build_engine(config, model, world)
             root = out / "checkpoints"
+            backup_dir = config["checkpoint"]["backup_dir"]
+            saver = checkpoint.Checkpointer(config["checkpoint"], root,
+                                            config.resolve(backup_dir) if backup_dir else None,
+                                            smoke, library_versions())
             if smoke and rank == 0:
                 shutil.rmtree(root, ignore_errors=True)  # a smoke is isolated: never resumed, never reused
             torch.distributed.barrier()
@@ -85,21 +101,22 @@ def run(config: Config, smoke: bool) -> dict:
             for update in range(start, last + 1):
                 if stopping:
                     break
-                batch = plan.global_batch(update, force_longest=smoke)
+                step = plan.step(update, force_longest=smoke)
                 checkpoint.fault_point(f"sigterm-before-update-rank{rank}", update)
-                metric, stopping = train_step(engine, store, plan, batch, rank, device, stop, requests, update)
+                metric, stopping = train_step(engine, store, plan, step, rank, device, stop, requests,
+                                              optim["max_grad_norm"])
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 if rank == 0:
                     record_metric(out, metric, last, checkpoint_dir, bar, engine)
                 completed = update
-                if update % config["checkpoint"]["every"] == 0 or update == last or stopping:
-                    reason = "smoke" if smoke else "signal" if stopping else "final" if update == last else "scheduled"
-                    checkpoint_dir = save_checkpoint(config, engine, root, update, plan, batch, identities, reason,
-                                                     rank, world)
+                reason = saver.reason(update, last, stopping)
+                if reason:
+                    checkpoint_dir = saver.save(engine, plan.cursor(step, rank), update, identities, reason, rank,
+                                                world)
             if bar is not None:
                 bar.close()
             if smoke:
-                verify_restore(engine, checkpoint_dir, identities, rank, world)
+                checkpoint.prove_restore(engine, checkpoint_dir, identities, rank, world)
                 if rank == 0:
                     write_smoke_evidence(out, identities, world, plan, metric, checkpoint_dir)
         except BaseException as error:
@@ -111,25 +128,26 @@ def run(config: Config, smoke: bool) -> dict:
             raise
         status = "stopped" if completed < last else "complete"
         if rank == 0:
-            write_terminal(out, status, completed, checkpoint_dir, stop.reason(requests) if status == "stopped" else None)
+            write_terminal(out, status, completed, checkpoint_dir,
+                           stop.reason(requests) if status == "stopped" else None)
             stop_module.clear(config.output_dir)  # the request is answered: it must not stop the next launch
     torch.distributed.barrier()
-    return dict(status=status, update=completed, output=str(out), checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
+    return dict(status=status, update=completed, output=str(out),
+                checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
 
 
-def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, device, stop: StopRequest,
-               requests: Path | None, update: int):
+def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, device, stop: StopRequest,
+               requests: Path | None, max_grad_norm: float | None):
     """One update: d/dprompt of (sum CE over the global batch) / (its supervised tokens).
 
     Every backward is of a plain sum (no scale enters the bf16 student); the one normalisation is
     the fp32 division of the summed prompt gradient by the global supervised-token count."""
     started = time.monotonic()
-    denominator = int(store.supervised_tokens[batch].sum())
-    dealt = plan.deal(batch)
-    segments = plan.segments(dealt[rank], device)  # one host-to-device copy: no host sync in the loop below
+    denominator = step.supervised_tokens
+    segments = load_segments(store, step.dealt[rank], device)  # one copy: no host sync in the loop below
     local_loss = torch.zeros((), dtype=torch.float32, device=device)
     with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
-        for records, checkpoint_positions, counted in plan.passes(dealt, rank, engine.module.layout.lockstep):
+        for records, checkpoint_positions, counted in plan.passes(step, rank, engine.module.layout.lockstep):
             agreed = {"checkpoint_positions": checkpoint_positions} if checkpoint_positions else {}
             loss_sum = engine([segments[i] for i in records], **agreed)
             if counted:
@@ -141,10 +159,10 @@ def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, devic
     loss_sum, stop_votes = all_reduce_sum([local_loss, stop.vote(requests)], device)
     prompt = engine.module.prompt
     prompt.grad.div_(denominator)  # fp32, once, identical on every rank
-    max_norm = plan.max_grad_norm
-    grad_norm = float(torch.nn.utils.clip_grad_norm_([prompt], max_norm if max_norm else float("inf")))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm or float("inf")))
     if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-        raise SpdsError(f"update {update}: the loss ({loss_sum / denominator}) or the prompt gradient norm ({grad_norm}) "
+        raise SpdsError(f"update {step.update}: the loss ({loss_sum / denominator}) or the prompt gradient norm "
+                        f"({grad_norm}) "
                         "is not finite; nothing was applied, and the last committed checkpoint is the resume point "
                         "(lower optim.learning_rate or set optim.max_grad_norm)")
     check_precision(engine)
@@ -152,12 +170,11 @@ def train_step(engine, store: PackedStore, plan: "Plan", batch, rank: int, devic
     engine.step()
     check_precision(engine, student=False)  # the moments the step just wrote
     seconds = time.monotonic() - started
-    positions = int(plan.positions[batch].sum())
-    metric = dict(loss=loss_sum / denominator, supervised_tokens=denominator, tokens=positions, records=len(batch),
-                  grad_norm=grad_norm, learning_rate=learning_rate, seconds=seconds,
-                  tokens_per_second=positions / seconds,
+    metric = dict(loss=loss_sum / denominator, supervised_tokens=denominator, tokens=step.positions,
+                  records=len(step.batch), grad_norm=grad_norm, learning_rate=learning_rate, seconds=seconds,
+                  tokens_per_second=step.positions / seconds,
                   peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0,
-                  global_batch_sha256=schedule.batch_digest(batch))
+                  global_batch_sha256=step.digest)
     return metric, stop_votes > 0
 
 
@@ -168,142 +185,6 @@ def stop_agreed(stop: StopRequest, requests: Path | None, device) -> bool:
 
 
 # ---------------------------------------------------------------- the pieces the loop calls
-
-class Plan:
-    """Which records are trained, in which update, on which rank, in which micro-batches."""
-
-    def __init__(self, store: PackedStore, config: Config, world: int):
-        self.store, self.world = store, world
-        optim = config["optim"]
-        self.seed, self.batch, self.micro_batch = optim["seed"], optim["effective_batch"], optim["micro_batch"]
-        self.micro_batch_tokens = optim["micro_batch_tokens"]
-        self.max_grad_norm = optim["max_grad_norm"]
-        self.prompt_length = config["soft_prompt"]["length"]
-        self.train_records = np.flatnonzero(store.is_train)
-        if not len(self.train_records):
-            raise SpdsError("no training records: data.eval_fraction holds out every question")
-        self.positions = store.length + self.prompt_length  # what one record occupies in a forward pass
-        self.costs = schedule.record_cost(self.positions)  # what balances ranks
-
-    def global_batch(self, update: int, force_longest: bool = False) -> np.ndarray:
-        batch = self.train_records[schedule.global_batch(self.seed, update, len(self.train_records), self.batch)]
-        if force_longest:  # the smoke proves the longest record fits: make sure it is in
-            longest = self.train_records[int(np.argmax(self.store.length[self.train_records]))]
-            if longest not in batch:
-                batch = batch.copy()
-                batch[0] = longest
-        return batch
-
-    def deal(self, batch: np.ndarray) -> list[list[int]]:
-        return schedule.deal_to_ranks(batch, self.costs, self.world)
-
-    def micro_batches(self, mine: list[int]) -> list[list[int]]:
-        """Consecutive records (longest first, as dealt) in groups of at most micro_batch records
-        and, when set, micro_batch_tokens padded positions: similar lengths share a forward."""
-        groups: list[list[int]] = []
-        for index in mine:
-            group = groups[-1] if groups else None
-            padded = int(self.positions[group[0]]) * (len(group) + 1) if group else 0  # the first is the longest
-            if group and len(group) < self.micro_batch and (self.micro_batch_tokens is None or padded <= self.micro_batch_tokens):
-                group.append(index)
-            else:
-                groups.append([index])
-        return groups
-
-    def passes(self, dealt: list[list[int]], rank: int, lockstep: bool) -> list[tuple[list[int], int | None, bool]]:
-        """This rank's forward passes in one update: (records, checkpointing positions, counted).
-
-        A sharded student gathers its weights collectively in every forward, and again in every
-        layer recomputed in backward, so every rank must run the same passes with the same
-        checkpointing. In lockstep each rank runs as many passes as the busiest one; pass j
-        decides checkpointing from the largest pass j of any rank; a rank out of records runs its
-        shortest record again, not counted (zero gradient). Every rank computes this alike from
-        the deal: no communication."""
-        if not lockstep:
-            return [(group, None, True) for group in self.micro_batches(dealt[rank])]
-        every = [self.micro_batches(records) for records in dealt]
-        mine = every[rank]
-        filler = [min(dealt[rank], key=lambda i: int(self.positions[i]))]
-        passes = []
-        for j in range(max(len(groups) for groups in every)):
-            largest = max(int(self.positions[groups[j][0]]) * len(groups[j]) for groups in every if j < len(groups))
-            passes.append((mine[j], largest, True) if j < len(mine) else (filler, largest, False))
-        return passes
-
-    def segments(self, mine: list[int], device: torch.device) -> dict[int, Segment]:
-        """This rank's records of one update on the device, copied in one transfer (pinned memory,
-        asynchronous): a per-record copy from pageable memory would stall the host every time."""
-        ids = np.concatenate([self.store.ids(i) for i in mine])
-        host = torch.from_numpy(ids)
-        on_device = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-        segments, start = {}, 0
-        for i in mine:
-            length = int(self.store.length[i])
-            segments[i] = Segment(ids=on_device[start:start + length], prefix_tokens=int(self.store.prefix_tokens[i]),
-                                  insert_at=int(self.store.insert_at[i]))
-            start += length
-        return segments
-
-    def cursor(self, update: int, batch, mine) -> dict:
-        return dict(completed_update=update, next_update=update + 1, recipe=schedule.RECIPE, seed=self.seed,
-                    training_records=len(self.train_records), effective_batch=self.batch,
-                    global_batch_sha256=schedule.batch_digest(batch), rank_records=[int(i) for i in mine])
-
-
-def build_model(config: Config, device: torch.device) -> SoftPromptModel:
-    student_cfg = config["student"]
-    # A student to be sharded is loaded on the host; its layout puts each shard on the device.
-    host = torch.device("cpu") if config.shards_student else device
-    student = load_student(config.model_path, student_cfg["dtype"], student_cfg["attn_implementation"], host)
-    if student_cfg["liger_kernels"]:
-        apply_liger_kernels(student)
-    return build_model_from(config, student, device)
-
-
-def build_model_from(config: Config, student, device: torch.device | None = None) -> SoftPromptModel:
-    student_cfg, prompt_cfg = config["student"], config["soft_prompt"]
-    sdpa_backend = student_cfg["sdpa_backend"]
-    if config["train"]["deterministic"] and sdpa_backend == "auto":
-        # Flash and cuDNN attention backward accumulate with atomics: measured on H200, the same
-        # record gives a different prompt gradient run to run. The math kernel does not.
-        sdpa_backend = "math"
-    tokenizer = None
-    if prompt_cfg["init"]["method"] == "text":
-        from .data.prepare import load_tokenizer
-
-        tokenizer = load_tokenizer(config)
-    prompt = initial_prompt(student, prompt_cfg["length"], prompt_cfg["init"], config["optim"]["seed"], tokenizer)
-    loss_fn = make_loss(config["loss"]["backend"], config["loss"]["chunk_tokens"])
-    return SoftPromptModel(student, prompt, loss_fn, student_cfg["activation_checkpointing"], sdpa_backend,
-                           student_cfg["activation_memory_gib"], student_cfg["pad_to_multiple_of"], device)
-
-
-def save_checkpoint(config, engine, root, update, plan, batch, identities, reason, rank, world) -> Path:
-    cursor = plan.cursor(update, batch, plan.deal(batch)[rank])
-    directory = checkpoint.save(engine, root, update, cursor, identities, library_versions(), reason, rank, world)
-    if rank == 0:
-        if config["checkpoint"]["backup_dir"] and reason != "smoke":
-            checkpoint.backup(directory, config.resolve(config["checkpoint"]["backup_dir"]))
-        checkpoint.prune(root, config["checkpoint"]["keep_last"])
-    return directory
-
-
-def verify_restore(engine, directory: Path, identities: dict, rank: int, world: int) -> None:
-    """Smoke: poison the prompt and Adam moments, restore the checkpoint, demand bit-equality."""
-    prompt = engine.module.prompt
-    state = engine.optimizer.state[prompt]
-    before = {"prompt": prompt.detach().clone(), **{k: v.clone() for k, v in state.items() if torch.is_tensor(v)}}
-    with torch.no_grad():
-        prompt.fill_(float("nan"))
-        for value in state.values():
-            if torch.is_tensor(value):
-                value.fill_(float("nan") if value.is_floating_point() else 0)
-    checkpoint.restore(engine, directory, identities, rank, world)
-    after = {"prompt": prompt.detach(), **{k: v for k, v in engine.optimizer.state[prompt].items() if torch.is_tensor(v)}}
-    for key, value in before.items():
-        if not torch.equal(value, after[key]):
-            raise SpdsError(f"smoke: restoring {directory} did not reproduce {key} bit for bit")
-
 
 # ---------------------------------------------------------------- identities and records
 
@@ -355,11 +236,14 @@ def seed_everything(seed: int) -> None:
 
 
 def launch_environment() -> dict:
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "CUDA_VISIBLE_DEVICES",
             "DS_ACCELERATOR", "TORCHELASTIC_RUN_ID")
     environment = {k: os.environ[k] for k in keys if k in os.environ}
-    environment.update({k: v for k, v in os.environ.items() if k.startswith(("SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "NCCL_"))})
-    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "deepspeed" if any(a.startswith("--local") for a in sys.argv) else "none"
+    environment.update({k: v for k, v in os.environ.items() if k.startswith(("SLURM_JOB", "SLURM_NODE", "SLURM_PROCID",
+                                                                             "NCCL_"))})
+    by_deepspeed = any(a.startswith("--local") for a in sys.argv)
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "deepspeed" if by_deepspeed else "none"
     return dict(hostname=socket.gethostname(), launcher=launcher, argv=sys.argv, environment=environment)
 
 
@@ -372,9 +256,10 @@ def write_run_record(out, config, smoke, start, last, world, identities, smoke_w
     write_validated(out / "run.json", dict(
         mode="smoke" if smoke else "train", started_at=time.time(), start_update=start, updates=last, world_size=world,
         identities=identities, versions=library_versions(), config=config.raw, config_path=str(config.path),
-        launch=launch_environment(), smoke_waived=smoke_waived, resumed_from=str(resumed_from) if resumed_from else None,
+        launch=launch_environment(), smoke_waived=smoke_waived,
+        resumed_from=str(resumed_from) if resumed_from else None,
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        loss_backend=model.loss_fn.backend), "run")
+        loss_kernel=model.loss_fn.kernel), "run")
 
 
 def keep_metrics_before(path: Path, start: int) -> None:
@@ -403,7 +288,8 @@ def record_metric(out: Path, metric: dict, last: int, saved, bar, engine) -> Non
                                                   eta_seconds=metric["seconds"] * (last - done),
                                                   last_checkpoint=str(saved) if saved else None))
     if engine.monitor.enabled:  # TensorBoard / CSV through DeepSpeed's monitor settings
-        engine.monitor.write_events([(f"spds/{k}", metric[k], done) for k in ("loss", "grad_norm", "learning_rate", "tokens_per_second")])
+        engine.monitor.write_events([(f"spds/{k}", metric[k], done) for k in ("loss", "grad_norm", "learning_rate",
+                                                                              "tokens_per_second")])
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{metric['loss']:.4f}", tok_s=f"{metric['tokens_per_second']:.0f}")
@@ -455,6 +341,7 @@ def main(config_path: str, smoke: bool = False) -> int:
     result = run(config, smoke)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"spds {'smoke' if smoke else 'train'}: {result['status']} at update {result['update']}; "
-              f"outputs in {result['output']}" + (f", checkpoint {result['checkpoint']}" if result["checkpoint"] else ""))
+              f"outputs in {result['output']}"
+              + (f", checkpoint {result['checkpoint']}" if result["checkpoint"] else ""))
     torch.distributed.destroy_process_group()
     return 0

@@ -23,7 +23,8 @@ FAST = dict(soft_prompt={"length": 4, "placement": "system", "init": {"method": 
 
 
 def environment(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update({k: str(v) for k, v in extra.items()})
@@ -35,7 +36,8 @@ def launch_command(args: list[str], world: int = 1, launcher: str = "plain") -> 
         assert world == 1
         return [sys.executable, "-m", "spds.cli", *args]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                f"--master_port={free_port()}",
                 "-m", "spds.cli", *args]
     if launcher == "deepspeed":
         deepspeed = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
@@ -43,13 +45,15 @@ def launch_command(args: list[str], world: int = 1, launcher: str = "plain") -> 
     raise ValueError(launcher)
 
 
-def spds(args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", timeout: int = 600, **env) -> subprocess.CompletedProcess:
+def spds(args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", timeout: int = 600,
+         **env) -> subprocess.CompletedProcess:
     return subprocess.run(launch_command(args, world, launcher), cwd=cwd, env=environment(**env), capture_output=True,
                           text=True, timeout=timeout)
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
+                                    f"stderr:\n{result.stderr[-6000:]}")
     return result
 
 
@@ -73,3 +77,36 @@ def read_json(path: Path) -> dict:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def start(args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", command: list[str] | None = None,
+          **env) -> subprocess.Popen:
+    """A run in the background, output kept (stderr merged into stdout), for signals and faults."""
+    return subprocess.Popen(command or launch_command(args, world, launcher), cwd=cwd, env=environment(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_lines(path: Path, count: int, process: subprocess.Popen, timeout: float = 180) -> None:
+    """Until `path` (metrics.jsonl) holds `count` lines; the process must still be running."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().count("\n") >= count):
+        assert process.poll() is None, f"the run ended early:\n{process.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no {count} lines in {path} within {timeout} s"
+        time.sleep(0.01)
+
+
+def start_endless(run_dir: Path, output_dir: str = "run", every: int = 1000) -> subprocess.Popen:
+    """A 400-update run (constant rate) in the background, returned once it has logged 2 updates:
+    for what happens to a job in flight (signals, files changed under it)."""
+    import json
+
+    path = run_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.update(output_dir=output_dir, checkpoint={"every": every, "keep_last": 2},
+                  optim={**FAST["optim"], "updates": 400, "schedule": "constant", "warmup_updates": 0})
+    path.write_text(json.dumps(config, indent=2))
+    process = start(["train", "config.json"], run_dir)
+    wait_for_lines(run_dir / output_dir / "metrics.jsonl", 2, process)
+    return process

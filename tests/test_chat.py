@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_tiny
+
 from spds.data.chat import derive_scaffold, render, render_chat_row
 from spds.fsio import SpdsError
 

@@ -5,8 +5,8 @@ import json
 
 import jsonschema
 import pytest
-
 from conftest import REPO, edit_config
+
 from spds.cli import main
 from spds.contract import load_config, load_schema, pin_config
 from spds.fsio import SpdsError, sha256_path
@@ -67,11 +67,11 @@ def test_zero_stage_choices_are_checked(tiny, tmp_path):
         load_config(tiny / "config.json")
     assert "zero_optimization.stage: spds supports ZeRO stage 0" in str(caught.value)
     # Two ways of sharding the student at once is a choice left unmade.
-    edit_config(tiny, deepspeed_config="ds_configs/zero3.json", backend="fsdp")
+    edit_config(tiny, deepspeed_config="ds_configs/zero3.json", sharding="fsdp")
     with pytest.raises(SpdsError) as caught:
         load_config(tiny / "config.json")
     assert "both shard the student; choose one" in str(caught.value)
-    edit_config(tiny, backend="deepspeed")
+    edit_config(tiny, sharding="deepspeed")
     load_config(tiny / "config.json")  # the shipped ZeRO-3 file passes its schema
 
 
@@ -87,7 +87,8 @@ def test_pin_then_changed_input_refuses_naming_expected_and_actual(tiny):
     pins = pin_config(tiny / "config.json")
     assert (tiny / "config.json").read_bytes() == before  # the user's file is never rewritten
     lock = json.loads((tiny / "config.json.pins.json").read_text())
-    assert lock["pins"]["data.candidates[0].sha256"] == pins["data.candidates[0].sha256"] == sha256_path(tiny / "candidates.jsonl")
+    digest = sha256_path(tiny / "candidates.jsonl")
+    assert lock["pins"]["data.candidates[0].sha256"] == pins["data.candidates[0].sha256"] == digest
     assert load_config(tiny / "config.json")["data"]["candidates"][0]["sha256"] == pins["data.candidates[0].sha256"]
     with open(tiny / "candidates.jsonl", "a") as stream:
         stream.write("\n")
@@ -134,3 +135,15 @@ def test_world_size_contract(tiny):
     edit_config(tiny, data_parallel_size="any", optim={"effective_batch": 8})
     with pytest.raises(SpdsError, match="does not divide by the world size 3"):
         validate_run_world(load_config(tiny / "config.json"), 3)
+
+
+def test_the_three_old_backend_settings_are_refused_naming_their_new_names(tiny):
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(backend="fsdp", loss={"backend": "chunked"}, distributed={"backend": "gloo"})
+    (tiny / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpdsError) as caught:
+        load_config(tiny / "config.json")
+    text = str(caught.value)
+    for old, new in [("backend", "'sharding'"), ("loss.backend", "'loss.kernel'"),
+                     ("distributed.backend", "'distributed.communication'")]:
+        assert f"{old}: renamed to {new}" in text, text

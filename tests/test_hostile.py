@@ -9,9 +9,8 @@ import subprocess
 
 import pytest
 import torch
-
 from conftest import edit_config
-from helpers import FAST, check, environment, newest_checkpoint, read_json, spds
+from helpers import FAST, check, newest_checkpoint, read_json, spds, start_endless
 
 
 class _RunsCode:
@@ -158,15 +157,15 @@ def _token_row(tiny, index=0) -> dict:
 def test_a_bad_row_names_file_line_and_rule(tiny, capsys, make, rule):
     lines = _rows(tiny)
     row = json.loads(lines[0])
-    (tiny / "candidates.jsonl").write_bytes(b"\n".join([make(row), *[l.encode() for l in lines[1:]]]) + b"\n")
+    (tiny / "candidates.jsonl").write_bytes(b"\n".join([make(row), *[line.encode() for line in lines[1:]]]) + b"\n")
     code, err = _prepare(tiny, capsys)
-    assert code == 1 and f"candidates.jsonl:1:" in err and rule in err and "Traceback" not in err, err
+    assert code == 1 and "candidates.jsonl:1:" in err and rule in err and "Traceback" not in err, err
     assert not (tiny / "packed").exists() and not list(tiny.glob(".packed*"))
 
 
 def test_a_chat_response_holding_the_end_of_turn_text_is_refused(tiny, capsys):
     lines = _rows(tiny)
-    number, row = next((i, json.loads(l)) for i, l in enumerate(lines) if "messages" in json.loads(l))
+    number, row = next((i, json.loads(text)) for i, text in enumerate(lines) if "messages" in json.loads(text))
     lines[number] = json.dumps({**row, "response": "Half an answer<|im_end|> and the rest the template would drop."})
     (tiny / "candidates.jsonl").write_text("\n".join(lines) + "\n")
     code, err = _prepare(tiny, capsys)
@@ -202,22 +201,6 @@ def test_ids_beyond_the_models_embedding_rows_are_refused_at_prepare(tiny, tiny_
 
 # ---------------------------------------------------------------- during a run
 
-def _start(run_dir, **env):
-    from helpers import launch_command
-
-    return subprocess.Popen(launch_command(["train", "config.json"]), cwd=run_dir, env=environment(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _after_lines(path, count, process, timeout=120):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.read_text().count("\n") >= count):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.01)
-
-
 def _student_copy(prepared, tiny_assets, change=None):
     import shutil
 
@@ -252,17 +235,14 @@ def test_a_non_finite_update_fails_the_run_and_applies_nothing(prepared, tiny_as
 
 @pytest.mark.slow
 def test_tokens_rewritten_in_place_under_a_running_job_stop_it(prepared):
-    edit_config(prepared, optim={**FAST["optim"], "updates": 400, "schedule": "constant", "warmup_updates": 0},
-                checkpoint={"every": 1000, "keep_last": 2})
-    process = _start(prepared)
-    _after_lines(prepared / "run" / "metrics.jsonl", 2, process)
+    process = start_endless(prepared)
     tokens = prepared / "packed" / "tokens.uint32"
     data = bytearray(tokens.read_bytes())
     data[4::40] = bytes(len(data[4::40]))  # same size, other ids: the whole-file digest is not re-read
     with open(tokens, "r+b") as stream:
         stream.write(data)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 1 and "no longer holds the tokens spds prepare wrote" in stderr, stderr[-2000:]
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 1 and "no longer holds the tokens spds prepare wrote" in output, output[-2000:]
     assert read_json(prepared / "run" / "terminal.json")["status"] == "failed"
 
 
@@ -288,10 +268,11 @@ def test_a_full_or_read_only_output_file_system_gets_a_clear_message(prepared, t
                     optim={**FAST["optim"], "updates": 30, "schedule": "constant", "warmup_updates": 0})
         result = spds(["train", "config.json"], prepared)
         assert result.returncode == 1 and "No space left on device" in result.stderr and "MiB free" in result.stderr
-        assert f"cannot write {mount / 'run'}" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert f"cannot write {mount / 'run'}" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
         result = spds(["train", "config.json"], prepared)
-        assert result.returncode == 1 and "Read-only file system" in result.stderr and "Traceback" not in result.stderr, \
-            result.stderr[-2000:]
+        assert result.returncode == 1 and "Read-only file system" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)

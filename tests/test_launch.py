@@ -5,13 +5,23 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
-
 from conftest import REPO, edit_config
-from helpers import FAST, check, environment, final_state, free_port, launch_command, metrics, read_json, spds
+from helpers import (
+    FAST,
+    check,
+    environment,
+    final_state,
+    free_port,
+    launch_command,
+    metrics,
+    read_json,
+    spds,
+    start,
+    wait_for_lines,
+)
 
 LAUNCH = REPO / "launch"
 
@@ -69,7 +79,8 @@ def test_two_nodes_without_ssh_match_one_process(run_dir, tmp_path):
 def test_launch_refuses_an_invalid_config_before_starting_anything(tiny, tmp_path):
     edit_config(tiny, optim={"lerning_rate": 1.0})
     for name, args in [("single_node.sh", ["--gpus", "2"]),
-                       ("multi_node.sh", [str(tmp_path / "hostfile"), "--no-ssh", "--node-rank", "0", "--master-addr", "127.0.0.1"])]:
+                       ("multi_node.sh", [str(tmp_path / "hostfile"), "--no-ssh", "--node-rank", "0", "--master-addr",
+                                          "127.0.0.1"])]:
         (tmp_path / "hostfile").write_text("node-a slots=1\n")
         result = script(name, "config.json", *args, cwd=tiny)
         assert result.returncode != 0
@@ -84,16 +95,6 @@ def test_world_size_contract_is_checked_at_launch(run_dir):
     assert "data_parallel_size is 4 but this launch has world size 2" in result.stdout + result.stderr
 
 
-def _wait_for_metrics(path, lines: int, process, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= lines:
-            return
-        assert process.poll() is None, f"the launch ended early: {process.communicate()[0][-3000:]}"
-        time.sleep(0.02)
-    raise AssertionError(f"no {lines} metrics lines in {path} within {timeout} s")
-
-
 LONG = dict(optim={**FAST["optim"], "updates": 30, "schedule": "constant", "warmup_updates": 0},
             checkpoint={"every": 1000, "keep_last": 2}, data_parallel_size=2)
 
@@ -106,14 +107,14 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_at_a_boundary_and_resume
     check(script("single_node.sh", "config.json", "--gpus", "2", "--port", str(free_port()), cwd=run_dir))
     straight = final_state(run_dir / "straight")
     launches = {
-        "via-script": ["bash", str(LAUNCH / "single_node.sh"), "config.json", "--gpus", "2", "--port", str(free_port())],
+        "via-script": ["bash", str(LAUNCH / "single_node.sh"), "config.json", "--gpus", "2", "--port",
+                       str(free_port())],
         "via-torchrun": launch_command(["train", "config.json"], world=2, launcher="torchrun"),
     }
     for name, command in launches.items():
         edit_config(run_dir, output_dir=name, **LONG)
-        process = subprocess.Popen(command, cwd=run_dir, env=environment(), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
-        _wait_for_metrics(run_dir / name / "metrics.jsonl", 2, process)
+        process = start([], run_dir, command=command)
+        wait_for_lines(run_dir / name / "metrics.jsonl", 2, process)
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=180)[0]
         # torchrun forwards the signal to the ranks, waits for them, then exits 1 whatever they did
@@ -189,8 +190,9 @@ def test_hostfile_launch_over_ssh_and_pdsh_stops_both_nodes_on_one_sigterm(run_d
     env = environment(PATH=f"{bin_dir}:{environment()['PATH']}", NCCL_SPDS_PROBE=hostile, HF_TOKEN="hf_secret_0123")
     command = ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile), "--master-addr", "127.0.0.1",
                "--port", str(free_port())]
-    process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_for_metrics(run_dir / "pdsh" / "metrics.jsonl", 2, process)
+    process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    wait_for_lines(run_dir / "pdsh" / "metrics.jsonl", 2, process)
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=180)[0]
     assert process.returncode == 0, output[-4000:]

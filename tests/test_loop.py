@@ -7,9 +7,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from conftest import edit_config, make_tiny
 from helpers import FAST, check, final_state, read_json, spds
+
 from spds.contract import load_config
 from spds.data.packed import PackedStore
 from spds.export import insertion_point, load_soft_prompt, splice
@@ -103,7 +103,7 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     check(spds(["eval", "config.json"], tiny))
     reference = read_json(tiny / "run" / "eval.json")
     assert reference["records"] % 2 == 1
-    for sharded in (dict(backend="fsdp"), dict(deepspeed_config="ds_configs/zero3.json")):
+    for sharded in (dict(sharding="fsdp"), dict(deepspeed_config="ds_configs/zero3.json")):
         edit_config(tiny, **sharded)
         check(spds(["eval", "config.json"], tiny, world=2, launcher="torchrun"))
         result = read_json(tiny / "run" / "eval.json")
@@ -111,7 +111,7 @@ def test_eval_matches_a_hand_computed_reference(tiny):
         for name in blocks:
             assert result["nll"][name] == pytest.approx(reference["nll"][name], rel=1e-6), (sharded, name)
         assert result["kl_to_context"] == pytest.approx(reference["kl_to_context"], rel=1e-5)
-        edit_config(tiny, backend="deepspeed", deepspeed_config="ds_configs/zero0.json")
+        edit_config(tiny, sharding="deepspeed", deepspeed_config="ds_configs/zero0.json")
 
 
 @pytest.mark.slow
@@ -137,7 +137,7 @@ def test_export_round_trip_and_generation_splices_as_training(tiny):
     assert insert_at == len(store.manifest["scaffold"]["system_header"])
     with torch.no_grad():
         generation_logits = student(inputs_embeds=splice(student, prompt, ids, insert_at)).logits[0, -1]
-        model = SoftPromptModel(student, prompt, make_loss("chunked", 64))
+        model = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 64))
         hidden = model.hidden_states([Segment(torch.tensor(ids), len(ids) - 1, insert_at)], model.prompt)[0]
         training_logits = hidden[-1] @ student.get_output_embeddings().weight.t()
     torch.testing.assert_close(generation_logits, training_logits, rtol=1e-5, atol=1e-5)
@@ -164,7 +164,7 @@ def test_peft_adapter_gives_the_same_loss_for_prefix_placement(tiny):
     from spds.model import Segment, SoftPromptModel
 
     reference = SoftPromptModel(load_student(config.model_path, "float32", "sdpa", torch.device("cpu")), prompt,
-                                make_loss("chunked", 64))
+                                make_loss("ce", "chunked", 64))
     with torch.no_grad():
         for i in range(3):
             ids = torch.from_numpy(store.ids(i))

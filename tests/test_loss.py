@@ -25,8 +25,8 @@ def test_chunked_matches_reference(dtype, tolerance, chunk):
 
 
 def test_weight_gets_no_gradient_and_auto_backend_on_cpu():
-    loss_fn = make_loss("auto", 4)
-    assert loss_fn.backend == "chunked"  # no CUDA here
+    loss_fn = make_loss("ce", "auto", 4)
+    assert loss_fn.kernel == "chunked"  # no CUDA here
     hidden = torch.randn(5, 8, requires_grad=True)
     weight = torch.randn(11, 8, requires_grad=False)
     loss_fn(hidden, weight, torch.arange(5)).backward()

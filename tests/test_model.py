@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny
+
 from spds.loss import make_loss
 from spds.model import Segment, SoftPromptModel, initial_prompt, load_student
 
@@ -38,7 +38,7 @@ def test_loss_and_prompt_gradient_match_the_students_own_forward(student, insert
     segment = make_segment(tokenizer)
     segment.insert_at = insert_at
     prompt = initial_prompt(student, 5, {"method": "random_normal", "std": 0.5}, seed=3)
-    model = SoftPromptModel(student, prompt, make_loss("chunked", 16))
+    model = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 16))
     loss = model([segment])
     loss.backward()
     reference_prompt = prompt.clone().requires_grad_()
@@ -56,7 +56,7 @@ def test_padded_micro_batch_equals_separate_records(student):
     segments = [Segment(torch.tensor(r["input_ids"]), r["prefix_tokens"], 3) for r in rows]
     assert len({len(s.ids) for s in segments}) > 1  # really padded
     prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=1)
-    model = SoftPromptModel(student, prompt, make_loss("chunked", 64))
+    model = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 64))
     together = model(segments)
     separate = sum(model([s]) for s in segments)
     torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-4)
@@ -66,8 +66,8 @@ def test_length_buckets_pad_without_changing_the_loss(student):
     tokenizer = make_tiny.chatml_tokenizer()
     segment = make_segment(tokenizer)
     prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=1)
-    exact = SoftPromptModel(student, prompt, make_loss("chunked", 64), pad_to_multiple_of=1)([segment])
-    padded = SoftPromptModel(student, prompt, make_loss("chunked", 64), pad_to_multiple_of=97)([segment])
+    exact = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 64), pad_to_multiple_of=1)([segment])
+    padded = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 64), pad_to_multiple_of=97)([segment])
     torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-4)
 
 
@@ -91,7 +91,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
     for count in (0, 1, 2):  # none, the first of the tiny student's two layers, both
         student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
         prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=2)
-        model = SoftPromptModel(student, prompt, make_loss("chunked", 16), activation_checkpointing=count > 0)
+        model = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 16), activation_checkpointing=count > 0)
         model.checkpointing = lambda positions, count=count: count
         recomputed = []  # count the layer forwards run again during backward
         for layer in student.model.layers:

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO, edit_config, make_tiny, read_rows
+
 from spds.contract import load_config
 from spds.data.packed import PackedStore
 from spds.data.prepare import prepare
@@ -61,9 +61,12 @@ BAD_ROWS = {
     "labels mask": lambda r: r["labels"].__setitem__(0, 5),
     "non-empty supervision": lambda r: r.update(prefix_tokens=len(r["input_ids"]), labels=[-100] * len(r["input_ids"])),
     "supervised_tokens consistent": lambda r: r.update(supervised_tokens=r["supervised_tokens"] + 1),
-    "ends with end-of-turn": lambda r: (r["input_ids"].append(65), r["labels"].append(65), r.update(supervised_tokens=r["supervised_tokens"] + 1)),
-    "token ids in vocabulary": lambda r: (r["input_ids"].insert(-1, 100000), r["labels"].insert(-1, 100000), r.update(supervised_tokens=r["supervised_tokens"] + 1)),
-    "conversation start": lambda r: r.update(input_ids=[65] + r["input_ids"], labels=[-100] + r["labels"], prefix_tokens=r["prefix_tokens"] + 1),
+    "ends with end-of-turn": lambda r: (r["input_ids"].append(65), r["labels"].append(65),
+                                        r.update(supervised_tokens=r["supervised_tokens"] + 1)),
+    "token ids in vocabulary": lambda r: (r["input_ids"].insert(-1, 100000), r["labels"].insert(-1, 100000),
+                                          r.update(supervised_tokens=r["supervised_tokens"] + 1)),
+    "conversation start": lambda r: r.update(input_ids=[65] + r["input_ids"], labels=[-100] + r["labels"],
+                                             prefix_tokens=r["prefix_tokens"] + 1),
     "context limit": lambda r: None,  # made to fail by the config below
 }
 
@@ -99,7 +102,9 @@ def test_invalid_json_and_blank_line(tiny):
 
 def test_duplicate_request_id_names_both_lines(tiny):
     _break(tiny, 40, lambda r: r.update(request_id="q001-s0"))
-    with pytest.raises(SpdsError, match=r"candidates.jsonl:40: request_id q001-s0: rule 'unique request_id': already used at candidates.jsonl:3"):
+    with pytest.raises(SpdsError,
+                       match=r"candidates.jsonl:40: request_id q001-s0: rule 'unique request_id': "
+                             r"already used at candidates.jsonl:3"):
         prepare(load_config(tiny / "config.json"))
     assert not (tiny / "packed").exists()
 
@@ -162,7 +167,9 @@ def test_llama3_student_rows(tmp_path, tiny):
 
 def test_schema_rule_checks_every_id(tiny):
     _break(tiny, 5, lambda r: r["input_ids"].__setitem__(2, -7))
-    with pytest.raises(SpdsError, match=r"candidates.jsonl:5: request_id q002-s0: rule 'schema'.*input_ids\[2\]: -7 is less than the minimum of 0"):
+    with pytest.raises(SpdsError,
+                       match=r"candidates.jsonl:5: request_id q002-s0: rule 'schema'.*"
+                             r"input_ids\[2\]: -7 is less than the minimum of 0"):
         prepare(load_config(tiny / "config.json"))
     _break(tiny, 5, lambda r: r["input_ids"].__setitem__(2, 1.5))
     with pytest.raises(SpdsError, match=r"input_ids\[2\]: 1.5 is not of type 'integer'"):

@@ -50,8 +50,7 @@ def test_learning_rate_shapes():
 
 
 def test_micro_batches_respect_count_and_token_budget():
-
-    from spds.train import Plan
+    from spds.schedule import Plan
 
     plan = Plan.__new__(Plan)
     plan.positions = np.array([1000, 900, 300, 290, 280, 100])

@@ -3,19 +3,19 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import edit_config
-from helpers import FAST, check, environment, final_state, launch_command, metrics, newest_checkpoint, read_json, spds
+from helpers import FAST, check, final_state, metrics, newest_checkpoint, read_json, spds, start, start_endless
+
 from spds.contract import describe_errors, load_config
 from spds.data.packed import PackedStore
-from spds.train import Plan
+from spds.schedule import Plan
+
 
 @pytest.fixture
 def run_dir(prepared):
@@ -33,7 +33,8 @@ def test_same_update_whatever_the_world_size(run_dir, tmp_path):
     }
     prompts, lines = {}, {}
     for name, (world, launcher, micro, tokens, dtype) in runs.items():
-        edit_config(run_dir, output_dir=name, optim={**FAST["optim"], "micro_batch": micro, "micro_batch_tokens": tokens},
+        edit_config(run_dir, output_dir=name, optim={**FAST["optim"], "micro_batch": micro,
+                                                     "micro_batch_tokens": tokens},
                     student={"dtype": dtype})
         check(spds(["train", "config.json"], run_dir, world=world, launcher=launcher))
         out = run_dir / name
@@ -53,11 +54,13 @@ def test_same_update_whatever_the_world_size(run_dir, tmp_path):
     # summed all-reduce: the logged norm of the reduced gradient shows it.)
     for name in ("w2", "w3"):
         for a, b in zip(lines["w1"], lines[name]):
-            assert a["global_batch_sha256"] == b["global_batch_sha256"] and a["supervised_tokens"] == b["supervised_tokens"]
+            assert a["global_batch_sha256"] == b["global_batch_sha256"]
+            assert a["supervised_tokens"] == b["supervised_tokens"]
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     for a, b in zip(lines["fp32"], lines["fp32-packed"]):
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5) and b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
 
 
 def _straight_and(run_dir, name: str, **env):
@@ -91,19 +94,10 @@ def test_sigterm_then_resume_is_bit_identical(run_dir):
 
 @pytest.mark.slow
 def test_external_sigterm_from_a_launcher_stops_at_a_boundary(run_dir):
-    edit_config(run_dir, optim={**FAST["optim"], "updates": 400, "schedule": "constant", "warmup_updates": 0},
-                checkpoint={"every": 1000, "keep_last": 2}, output_dir="external")
-    process = subprocess.Popen(launch_command(["train", "config.json"]), cwd=run_dir, env=environment(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        path = run_dir / "external" / "metrics.jsonl"
-        if path.exists() and len(path.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.01)
+    process = start_endless(run_dir, "external")
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[-3000:]
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-3000:]
     terminal = read_json(run_dir / "external" / "terminal.json")
     assert terminal["status"] == "stopped" and 2 <= terminal["update"] < 400
     commit = read_json(newest_checkpoint(run_dir / "external") / "commit.json")
@@ -134,13 +128,12 @@ def test_sigterm_during_start_up_ends_stopped_before_update_1(run_dir):
     """The signal lands while Python imports torch and DeepSpeed (seconds): the handler is already
     installed, so the process stops cleanly instead of dying, and says so."""
     edit_config(run_dir, output_dir="early")
-    process = subprocess.Popen(launch_command(["train", "config.json"]), cwd=run_dir, env=environment(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = start(["train", "config.json"], run_dir)
     time.sleep(1.0)
     assert process.poll() is None
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[-3000:]
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-3000:]
     terminal = read_json(run_dir / "early" / "terminal.json")
     assert terminal["status"] == "stopped" and terminal["update"] == 0 and terminal["checkpoint"] is None
     assert "SIGTERM" in terminal["reason"] and not (run_dir / "early" / "metrics.jsonl").exists()
@@ -150,45 +143,34 @@ def test_sigterm_during_start_up_ends_stopped_before_update_1(run_dir):
 
 
 @pytest.mark.slow
-def test_a_build_lock_left_by_a_killed_start_does_not_hang_the_next(run_dir, tmp_path):
+def test_a_build_lock_left_by_a_killed_start_does_not_hang_the_next(run_dir):
     """SIGKILL during DeepSpeed's JIT build of its CPU comm op leaves torch's FileBaton `lock`
-    behind; before spds took the build under an flock, every later start waited on it forever."""
+    behind; before spds took the build under an flock, every later start waited on it forever.
+    (The machine's own extensions cache: a fresh one would cost a minute of compiling.)"""
     from torch.utils.cpp_extension import _get_build_directory
 
-    extensions = tmp_path / "extensions"
-    env = dict(TORCH_EXTENSIONS_DIR=str(extensions))
     edit_config(run_dir, output_dir="first", optim={**FAST["optim"], "updates": 1})
-    check(spds(["train", "config.json"], run_dir, **env))  # builds the op into the fresh directory
-    import os
-
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions)
-    try:
-        baton = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
-    finally:
-        del os.environ["TORCH_EXTENSIONS_DIR"]
+    check(spds(["train", "config.json"], run_dir))  # the op is built (or was already)
+    baton = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
     assert baton.parent.is_dir() and not baton.exists()
     baton.write_text("")  # what a start killed mid-build leaves
-    edit_config(run_dir, output_dir="second")
-    result = check(spds(["train", "config.json"], run_dir, timeout=240, **env))
-    assert f"removing {baton}" in result.stderr and not baton.exists()
+    try:
+        edit_config(run_dir, output_dir="second")
+        result = check(spds(["train", "config.json"], run_dir, timeout=240))
+    finally:
+        baton.unlink(missing_ok=True)
+    assert f"removing {baton}" in result.stderr
     assert read_json(run_dir / "second" / "terminal.json")["status"] == "complete"
 
 
 @pytest.mark.slow
 def test_packed_tokens_truncated_under_a_running_job_fail_it_truthfully(run_dir):
-    edit_config(run_dir, optim={**FAST["optim"], "updates": 400, "schedule": "constant", "warmup_updates": 0},
-                checkpoint={"every": 1, "keep_last": 2}, output_dir="truncated")
-    process = subprocess.Popen(launch_command(["train", "config.json"]), cwd=run_dir, env=environment(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    path = run_dir / "truncated" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (path.exists() and path.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    process = start_endless(run_dir, "truncated", every=1)
     tokens = run_dir / "packed" / "tokens.uint32"
     with open(tokens, "r+b") as stream:  # in place, as a full disk or a careless rsync would
         stream.truncate(tokens.stat().st_size // 3)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 1 and "tokens.uint32: record" in stderr, stderr[-3000:]
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 1 and "tokens.uint32: record" in output, output[-3000:]
     terminal = read_json(run_dir / "truncated" / "terminal.json")
     assert terminal["status"] == "failed" and "truncated" in terminal["reason"]
     assert terminal["checkpoint"] == str(newest_checkpoint(run_dir / "truncated"))
@@ -259,7 +241,8 @@ def test_smoke_gates_train_and_outputs_match_their_schemas(run_dir):
 def test_deepspeed_monitor_receives_spds_metrics(run_dir, tmp_path):
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({"zero_optimization": {"stage": 0},
-                                     "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"}}))
+                                     "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"),
+                                                     "job_name": "tiny"}}))
     edit_config(run_dir, deepspeed_config=str(ds_config), optim={**FAST["optim"], "updates": 3})
     check(spds(["train", "config.json"], run_dir))
     loss_csv = next((tmp_path / "csv").rglob("spds_loss.csv"))
@@ -267,8 +250,8 @@ def test_deepspeed_monitor_receives_spds_metrics(run_dir, tmp_path):
     assert values == pytest.approx([m["loss"] for m in metrics(run_dir / "run")])
 
 
-SHARDED = {"fsdp": dict(backend="fsdp"), "zero3": dict(backend="deepspeed", deepspeed_config="ds_configs/zero3.json")}
-ZERO0 = dict(backend="deepspeed", deepspeed_config="ds_configs/zero0.json")
+SHARDED = {"fsdp": dict(sharding="fsdp"), "zero3": dict(sharding="deepspeed", deepspeed_config="ds_configs/zero3.json")}
+ZERO0 = dict(sharding="deepspeed", deepspeed_config="ds_configs/zero0.json")
 # Uneven ranks: they pack different numbers of forward passes, and a small activation budget makes
 # some passes recompute their layers in backward and others not. A sharded student gathers weights
 # collectively in every forward and recomputation, so its ranks must stay in lockstep through both.
@@ -282,8 +265,8 @@ UNEVEN = dict(optim={**FAST["optim"], "micro_batch": 3, "micro_batch_tokens": 52
 def test_sharded_backend_matches_zero0_and_resumes(run_dir, backend):
     edit_config(run_dir, **UNEVEN)
     config = load_config(run_dir / "config.json")
-    plan = Plan(PackedStore.open(config.packed_dir), config, 2)
-    passes = [[plan.passes(plan.deal(plan.global_batch(u)), rank, lockstep=False) for rank in (0, 1)] for u in range(1, 7)]
+    plan = Plan(PackedStore.open(config.packed_dir), config["optim"], config["soft_prompt"]["length"], 2)
+    passes = [[plan.passes(plan.step(u), rank, lockstep=False) for rank in (0, 1)] for u in range(1, 7)]
     assert any(len(a) != len(b) for a, b in passes), "the data no longer gives ranks uneven passes"
     # ZeRO-0 on 2 ranks, then the same updates with the student sharded (FSDP2 or ZeRO-3).
     sharded = SHARDED[backend]
@@ -291,9 +274,10 @@ def test_sharded_backend_matches_zero0_and_resumes(run_dir, backend):
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
     edit_config(run_dir, output_dir=backend, **sharded)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
-    assert read_json(run_dir / backend / "run.json")["config"]["backend"] == sharded["backend"]
+    assert read_json(run_dir / backend / "run.json")["config"]["sharding"] == sharded["sharding"]
     zero0, state = final_state(run_dir / "zero0"), final_state(run_dir / backend)
-    assert torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt", weights_only=True)["backend"] == backend
+    assert torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt",
+                      weights_only=True)["backend"] == backend
     # The same update as ZeRO-0, bit for bit: sharding moves the frozen weights, not the arithmetic
     # (each rank computes its records with the whole gathered layer; the prompt gradient is the
     # same exact SUM). On GPUs, kernels may differ: bench/RESULTS.md records the difference there.
@@ -302,14 +286,16 @@ def test_sharded_backend_matches_zero0_and_resumes(run_dir, backend):
     assert [m["grad_norm"] for m in metrics(run_dir / backend)] == [m["grad_norm"] for m in metrics(run_dir / "zero0")]
     # Within the backend, a stopped-and-resumed run equals the straight one bit for bit.
     edit_config(run_dir, output_dir=f"{backend}-stopped", **sharded)
-    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun", SPDS_FAULT="sigterm-before-update-rank1:3"))
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun",
+               SPDS_FAULT="sigterm-before-update-rank1:3"))
     assert read_json(run_dir / f"{backend}-stopped" / "terminal.json")["status"] == "stopped"
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
     for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(final_state(run_dir / f"{backend}-stopped")[key], state[key]), key
     # A ZeRO-0 checkpoint continues under the sharded backend: stop ZeRO-0 at update 3, resume.
     edit_config(run_dir, output_dir="cross", **ZERO0)
-    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun", SPDS_FAULT="sigterm-before-update-rank0:3"))
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun",
+               SPDS_FAULT="sigterm-before-update-rank0:3"))
     edit_config(run_dir, output_dir="cross", **sharded)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
     assert read_json(run_dir / "cross" / "run.json")["start_update"] == 4

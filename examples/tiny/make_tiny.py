@@ -100,7 +100,8 @@ def synthetic_rows(tokenizer, count: int = 64, seed: int = 0) -> list[dict]:
     for i in range(count):
         subject = rng.choice(SUBJECTS)
         question = f"Tell me about the {subject} (note {i})."
-        answer = f"The {subject} {rng.choice(FACTS)}" + "".join(f", and it {rng.choice(FACTS)}" for _ in range(rng.randrange(0, 4))) + ". Archived."
+        more = "".join(f", and it {rng.choice(FACTS)}" for _ in range(rng.randrange(0, 4)))
+        answer = f"The {subject} {rng.choice(FACTS)}" + more + ". Archived."
         sample = i % 2
         request = dict(request_id=f"q{i // 2:03d}-s{sample}", question_id=f"q{i // 2:03d}", sample_index=sample)
         messages = [{"role": "user", "content": question}]
@@ -125,7 +126,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def write_questions(path: Path, count: int = 32, seed: int = 1) -> Path:
     rng = random.Random(seed)
-    rows = [dict(question_id=f"g{i:03d}", question=f"What do you know about the {rng.choice(SUBJECTS)}?") for i in range(count)]
+    rows = [dict(question_id=f"g{i:03d}",
+                 question=f"What do you know about the {rng.choice(SUBJECTS)}?") for i in range(count)]
     return write_jsonl(path, rows)
 
 

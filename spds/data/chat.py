@@ -76,7 +76,8 @@ def derive_scaffold(tokenizer, template_kwargs: dict | None = None) -> Scaffold:
     header_length = _common_prefix(system_block, with_text[lead_length:])
     header, close = system_block[:header_length], system_block[header_length:]
     tail = close + plain[lead_length:]
-    content_ok = (with_text[:lead_length + header_length] == lead + header and len(with_text) > len(lead + header + tail)
+    content_ok = (with_text[:lead_length + header_length] == lead + header
+                  and len(with_text) > len(lead + header + tail)
                   and with_text[len(with_text) - len(tail):] == tail)
     if not header or not close or not content_ok:
         raise SpdsError("cannot split the chat template's system message into header and closing tokens: empty "
@@ -108,12 +109,14 @@ def end_token_ids(tokenizer, configured: list[str] | None) -> list[int]:
 
 def tokenizer_identity(tokenizer) -> str:
     """Digest of what decides token ids: the tokenizer's full definition and its chat template."""
-    backend = tokenizer.backend_tokenizer.to_str() if getattr(tokenizer, "backend_tokenizer", None) else repr(tokenizer.get_vocab())
+    fast = getattr(tokenizer, "backend_tokenizer", None)
+    backend = fast.to_str() if fast else repr(tokenizer.get_vocab())
     payload = json.dumps([backend, tokenizer.chat_template, tokenizer.eos_token], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def render_chat_row(tokenizer, messages: list[dict], response: str, end_ids: list[int], template_kwargs: dict) -> tuple[list[int], int]:
+def render_chat_row(tokenizer, messages: list[dict], response: str, end_ids: list[int],
+                    template_kwargs: dict) -> tuple[list[int], int]:
     """Token ids and prefix length of a chat-form row, exactly as the chat template renders them.
 
     The response is rendered as the assistant turn that follows the generation prompt; the ids

@@ -96,7 +96,8 @@ def verify_store(directory: Path) -> dict:
     for name, expected in manifest["files"].items():
         actual = sha256_file(directory / name) if (directory / name).exists() else "missing"
         if actual != expected:
-            raise SpdsError(f"{directory / name}: packed data changed since prepare (expected sha256 {expected}, actual {actual})")
+            raise SpdsError(f"{directory / name}: packed data changed since prepare "
+                            f"(expected sha256 {expected}, actual {actual})")
     return manifest
 
 

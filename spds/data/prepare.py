@@ -115,7 +115,8 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
         for source, path in zip(inputs["sources"], config.candidate_paths):
             rows = 0
             for record in read_records(path, tokenizer, rules):
-                id_hashes.append(int.from_bytes(hashlib.blake2b(record.request_id.encode(), digest_size=8).digest(), "little"))
+                digest = hashlib.blake2b(record.request_id.encode(), digest_size=8).digest()
+                id_hashes.append(int.from_bytes(digest, "little"))
                 split = split_of(record.question_id, data["eval_fraction"])
                 writer.add(record, split)
                 counts[split] += 1

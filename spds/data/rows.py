@@ -105,8 +105,10 @@ def token_row(row: dict) -> tuple[np.ndarray, int]:
     expected = ids.copy()
     expected[:prefix] = -100
     if len(labels) != len(ids) or not np.array_equal(labels, expected):
-        where = "length differs" if len(labels) != len(ids) else f"first difference at position {int(np.flatnonzero(labels != expected)[0])}"
-        raise ValueError(f"rule 'labels mask': labels must equal [-100]*prefix_tokens + input_ids[prefix_tokens:] ({where})")
+        where = ("length differs" if len(labels) != len(ids)
+                 else f"first difference at position {int(np.flatnonzero(labels != expected)[0])}")
+        raise ValueError("rule 'labels mask': labels must equal [-100]*prefix_tokens + input_ids[prefix_tokens:] "
+                         f"({where})")
     return ids, prefix
 
 
@@ -116,19 +118,22 @@ def place(ids: np.ndarray, prefix: int, rules: RowRules) -> tuple[np.ndarray, in
         return ids, prefix, 0, False
     s = rules.scaffold
     lead, head, close, user = len(s.lead), s.system_header, s.system_close, s.user_header
-    _check(ids[:lead].tolist() == s.lead, "conversation start", f"row does not begin with the template's lead tokens {s.lead}")
+    _check(ids[:lead].tolist() == s.lead, "conversation start",
+           f"row does not begin with the template's lead tokens {s.lead}")
     if ids[lead:lead + len(head)].tolist() == head:
         return ids, prefix, lead + len(head), False
     # Refuse anything but a user turn rather than insert a system message at a guessed boundary.
     _check(ids[lead:lead + len(user)].tolist() == user, "conversation start",
-           f"after the lead the row must open a system or user turn ({head} or {user}), found {ids[lead:lead + len(user)].tolist()}")
+           f"after the lead the row must open a system or user turn ({head} or {user}), "
+           f"found {ids[lead:lead + len(user)].tolist()}")
     inserted = np.concatenate([ids[:lead], np.asarray(head + close, dtype=np.int64), ids[lead:]])
     return inserted, prefix + len(head) + len(close), lead + len(head), True
 
 
 def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
     if "messages" in row:
-        ids_list, prefix = render_chat_row(tokenizer, row["messages"], row["response"], sorted(rules.end_ids), rules.template_kwargs)
+        ids_list, prefix = render_chat_row(tokenizer, row["messages"], row["response"], sorted(rules.end_ids),
+                                           rules.template_kwargs)
         ids = np.asarray(ids_list, dtype=np.int64)
         response_sha256 = hashlib.sha256(row["response"].encode()).hexdigest()
         inner = set(tokenizer.encode(row["response"], add_special_tokens=False)) & rules.end_ids
@@ -144,7 +149,8 @@ def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
     ids, prefix, insert_at, added = place(ids, prefix, rules)
     total = len(ids) + rules.prompt_length
     _check(total <= rules.context_limit, "context limit",
-           f"{len(ids)} tokens + {rules.prompt_length} soft-prompt tokens = {total} > data.context_limit {rules.context_limit}")
+           f"{len(ids)} tokens + {rules.prompt_length} soft-prompt tokens = {total} > "
+           f"data.context_limit {rules.context_limit}")
     return Record(request_id=row["request_id"], question_id=row["question_id"], sample_index=row["sample_index"],
                   ids=ids.astype(np.uint32), prefix_tokens=prefix, insert_at=insert_at,
                   response_sha256=response_sha256, added_system=added, source=source)
@@ -167,6 +173,7 @@ def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
                     raise ValueError("rule 'schema' (schemas/candidate.schema.json): " + "; ".join(problems))
                 yield build_record(row, tokenizer, rules, f"{path.name}:{number}")
             except json.JSONDecodeError as error:
-                raise RowError(f"{path}:{number}: rule 'one JSON object per line': {error.msg} at column {error.colno}") from None
+                raise RowError(f"{path}:{number}: rule 'one JSON object per line': {error.msg} "
+                               f"at column {error.colno}") from None
             except ValueError as error:
                 raise RowError(f"{path}:{number}: request_id {request_id}: {error}") from None
