@@ -15,8 +15,9 @@ venv:
 demo: venv
 	@bash examples/tiny/demo.sh $(VENV) $(TINY)
 
+# Two workers: most tests wait on process start-up and collectives, not on both cores.
 test: venv lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 lint: venv
 	$(VENV)/bin/ruff check spds tests bench examples
