@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -192,7 +193,7 @@ def test_packed_tokens_truncated_under_a_running_job_fail_it_truthfully(run_dir)
 def test_corrupted_checkpoint_and_changed_identity_are_refused(run_dir):
     edit_config(run_dir, optim={**FAST["optim"], "updates": 4})
     check(spds(["train", "config.json"], run_dir))
-    newest = newest_checkpoint(run_dir / "run")
+    newest, original = newest_checkpoint(run_dir / "run"), final_state(run_dir / "run")
     assert sorted(p.name for p in (run_dir / "run" / "checkpoints").iterdir()) == ["update-000002", "update-000004"]
     # An identity change: a different learning rate cannot continue this run.
     edit_config(run_dir, optim={**FAST["optim"], "updates": 4, "learning_rate": 0.01})
@@ -215,6 +216,12 @@ def test_corrupted_checkpoint_and_changed_identity_are_refused(run_dir):
     assert f"checkpoint file {state} is corrupted" in result.stderr
     terminal = read_json(run_dir / "run" / "terminal.json")
     assert terminal["status"] == "failed" and "is corrupted" in terminal["reason"]
+    # The message's advice: remove the damaged checkpoint; the run redoes 3 and 4 from update 2.
+    shutil.rmtree(newest)
+    check(spds(["train", "config.json"], run_dir))
+    assert read_json(run_dir / "run" / "run.json")["start_update"] == 3
+    assert [m["update"] for m in metrics(run_dir / "run")] == [1, 2, 3, 4]
+    _assert_bit_identical(final_state(run_dir / "run"), original)
 
 
 @pytest.mark.slow
