@@ -184,12 +184,12 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         device = torch.device(DEVICE)
         stop = StopRequest()  # not installed: nothing asks this benchmark to stop
         warm = np.arange(len(warm_lengths))
-        train_step(engine, store, plan, plan.step_of(1, warm), 0, device, stop, None, None)  # kernels, JIT, plans
+        train_step(engine, store, plan, plan.step_of(1, warm), 0, device, stop, None)  # kernels, JIT, plans
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         batch = np.arange(len(warm_lengths), len(warm_lengths) + len(lengths))
         started = time.perf_counter()
-        metric, _ = train_step(engine, store, plan, plan.step_of(2, batch), 0, device, stop, None, None)
+        metric, _ = train_step(engine, store, plan, plan.step_of(2, batch), 0, device, stop, None)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         result = dict(seconds=seconds, positions=metric["tokens"], peak_gib=torch.cuda.max_memory_allocated() / 2**30,

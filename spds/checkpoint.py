@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .contract import describe_errors, require_valid
-from .fsio import SpdsError, atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy
+from .fsio import SpdsError, atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy, write_failure
 
 PATTERN = re.compile(r"^update-(\d{6,})$")
 COMMIT = "commit.json"
@@ -106,14 +106,10 @@ def save(engine, root: Path, update: int, cursor: dict, identities: dict, versio
     try:
         engine.save_checkpoint(str(root), tag=tag, exclude_frozen_parameters=True, save_latest=False)
     except OSError as error:
-        from .fsio import write_failure
-
         raise write_failure(directory / STATE_FILE, error) from None
     except RuntimeError as error:  # torch.save reports a failed write as "file write failed"
         if "write" not in str(error):
             raise
-        from .fsio import write_failure
-
         raise write_failure(directory / STATE_FILE, OSError(errno.EIO, str(error).splitlines()[0])) from None
     fault_point("kill-after-deepspeed-save", update)
     with atomic_writer(directory / rank_file(rank), "wb") as stream:

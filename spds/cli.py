@@ -27,10 +27,13 @@ def cmd_validate(args) -> int:
 
 
 def cmd_pin(args) -> int:
-    from .contract import pin_config
+    from pathlib import Path
+
+    from .contract import pin_config, pins_path
 
     for key, digest in pin_config(args.config).items():
         print(f"{key} = {digest}")
+    print(f"pinned in {pins_path(Path(args.config).resolve())} (every command checks it; the config is unchanged)")
     return 0
 
 
@@ -127,13 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ENV_PREFIXES = ("DS_ACCELERATOR", "NCCL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_NUM_THREADS",
-                "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_", "SPDS_")  # as launch/common.sh writes them
-
-
 def load_launch_environment() -> None:
     """Variables a launch script passed to this node's ranks in a file readable by its user only
-    (launch/common.sh), not on a command line that a remote shell would interpret."""
+    (launch/common.sh, whose SPDS_ENV_PREFIXES chooses them), not on a command line that a remote
+    shell would interpret. Only this user can have written the file, so every name in it is set."""
     import os
     import stat
 
@@ -149,7 +149,7 @@ def load_launch_environment() -> None:
         raise SpdsError(f"SPDS_ENV_FILE {path}: refused: it must belong to this user and be writable by no one else")
     for entry in data.split(b"\0"):
         key, _, value = entry.decode("utf-8", "surrogateescape").partition("=")
-        if key.startswith(ENV_PREFIXES) and key.replace("_", "").isalnum():
+        if key.isidentifier():
             os.environ[key] = value
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
+import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -156,13 +158,14 @@ class Config:
             return beside_config
         return (REPO_ROOT / written).resolve()
 
-    @property
+    @cached_property
     def zero_stage(self) -> int:
         return zero_stage(read_json(self.deepspeed_config_path))
 
     @property
     def shards_student(self) -> bool:
-        """fsdp, or DeepSpeed ZeRO-3: the student is loaded on the host and sharded onto the GPUs."""
+        """fsdp, or DeepSpeed ZeRO-3 (engine.LAYOUTS builds the layout): the student is loaded on the
+        host and sharded onto the GPUs."""
         return self.raw["sharding"] == "fsdp" or self.zero_stage == 3
 
     @property
@@ -221,20 +224,18 @@ def parse_config_file(path: Path) -> dict:
     except yaml.YAMLError as error:
         raise SpdsError(f"{path}: invalid YAML: {error}") from None
     for where, number in _floats(value):
-        if number != number or number in (float("inf"), float("-inf")):
-            raise SpdsError(f"{path}: {where}: rule 'finite number': {number} is not a finite number")
+        if not math.isfinite(number):
+            raise SpdsError(f"{path}: {_location(where)}: rule 'finite number': {number} is not a finite number")
     return value
 
 
-def _floats(value, where: str = "(top level)"):
+def _floats(value, where: tuple = ()):
+    """(path, value) of every float in a parsed document (YAML's .inf and .nan are floats)."""
     if isinstance(value, float):
         yield where, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _floats(item, f"{where}.{key}" if where != "(top level)" else str(key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from _floats(item, f"{where}[{index}]")
+    elif isinstance(value, (dict, list)):
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            yield from _floats(item, (*where, key))
 
 
 def pins_path(config_path: Path) -> Path:
@@ -246,16 +247,18 @@ PINS_FORMAT = "spds-pins-v1"
 
 
 def _pin_slot(raw: dict, key: str) -> tuple[dict, str] | None:
-    """The (object, field) a pin key such as data.candidates[2].sha256 names in a config."""
-    section, field = key.rsplit(".", 1)
-    if "[" in section:
-        name, index = section[:-1].split("[")
-        candidates = raw.get(name.split(".")[0], {}).get(name.split(".")[1]) if "." in name else None
-        index = int(index)
-        if not isinstance(candidates, list) or index >= len(candidates) or not isinstance(candidates[index], dict):
-            return None
-        return candidates[index], field
-    return raw.setdefault(section, {}) if isinstance(raw.get(section, {}), dict) else None, field
+    """The (object, field) a pin key names in a config: student.model_sha256, student.tokenizer_sha256
+    or data.candidates[I].sha256 (the keys pinned_inputs makes), None if the config has no such place."""
+    candidate = re.fullmatch(r"data\.candidates\[(\d+)\]\.sha256", key)
+    if candidate:
+        index = int(candidate.group(1))
+        candidates = raw.get("data", {}).get("candidates") if isinstance(raw.get("data"), dict) else None
+        if isinstance(candidates, list) and index < len(candidates) and isinstance(candidates[index], dict):
+            return candidates[index], "sha256"
+        return None
+    if key in ("student.model_sha256", "student.tokenizer_sha256") and isinstance(raw.get("student"), dict):
+        return raw["student"], key.split(".")[1]
+    return None
 
 
 def merge_pins(path: Path, raw: dict) -> list[str]:
@@ -269,7 +272,7 @@ def merge_pins(path: Path, raw: dict) -> list[str]:
     problems = []
     for key, digest in pins["pins"].items():
         slot = _pin_slot(raw, key)
-        if slot is None or slot[0] is None:
+        if slot is None:
             problems.append(f"{lock}: pin {key} names nothing in {path.name}; run spds pin again")
             continue
         target, field = slot
@@ -359,13 +362,13 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     for i, path in enumerate(config.candidate_paths):
         if not path.is_file() and require_candidates:  # spds generate writes them
             problems.append(f"data.candidates[{i}].path: {path} is not a file")
-    named = (("context.file", config["context"]["file"]), ("generate.questions", config["generate"]["questions"]),
-             ("generate.teacher_path", config["generate"]["teacher_path"]))
-    for key, value in named:
-        if value is not None and not (config.resolve(value).is_dir() if key.endswith("teacher_path")
-                                      else config.resolve(value).is_file()):
-            kind = "directory" if key.endswith("path") else "file"
-            problems.append(f"{key}: {config.resolve(value)} is not a {kind}")
+    named = (("context.file", config["context"]["file"], "file"),
+             ("generate.questions", config["generate"]["questions"], "file"),
+             ("generate.teacher_path", config["generate"]["teacher_path"], "directory"))
+    for key, value, kind in named:
+        path = config.resolve(value)
+        if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
+            problems.append(f"{key}: {path} is not a {kind}")
     problems += output_problems(config)
     optim = config["optim"]
     if optim["warmup_updates"] > optim["updates"]:

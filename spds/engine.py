@@ -133,10 +133,8 @@ LAYOUTS = {("deepspeed", 0): None, ("deepspeed", 3): zero3_layout, ("fsdp", 0): 
 
 
 def shard_student(config: Config, model, world: int) -> None:
-    """Lay the student of `model` out over the ranks as the config says (no-op when replicated)."""
-    layout = LAYOUTS[(config["sharding"], config.zero_stage)]
-    if layout is not None:
-        model.layout = layout(config, model, world)
+    """Lay the student of `model` out over the ranks as the config says (config.shards_student)."""
+    model.layout = LAYOUTS[(config["sharding"], config.zero_stage)](config, model, world)
 
 
 # The keys of a DeepSpeed config that change the update, as spds sets them (the ds_config schema
@@ -170,8 +168,10 @@ def check_engine_numerics(engine) -> None:
     wrong = [f"engine.{name} is {actual!r}, spds needs {expected!r}" for name, (actual, expected) in answers.items()
              if actual != expected]
     if wrong:
+        import deepspeed
+
         raise SpdsError("DeepSpeed would not apply the exact update spds defines (a changed default in "
-                        f"deepspeed {getattr(__import__('deepspeed'), '__version__', '?')}?)", wrong)
+                        f"deepspeed {deepspeed.__version__}?)", wrong)
 
 
 def build_engine(config: Config, model: torch.nn.Module, world: int) -> Engine:
@@ -184,7 +184,7 @@ def build_engine(config: Config, model: torch.nn.Module, world: int) -> Engine:
     optimizer = optimizer_class([model.prompt], lr=optim["learning_rate"], betas=tuple(optim["betas"]),
                                 eps=optim["eps"], weight_decay=optim["weight_decay"], foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
-    if LAYOUTS[(config["sharding"], config.zero_stage)] is not None:
+    if config.shards_student:
         from .sharded import ShardedEngine
 
         shard_student(config, model, world)

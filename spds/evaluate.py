@@ -24,7 +24,7 @@ from .contract import Config, require_valid
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
 from .fsio import SpdsError, atomic_path, atomic_write_json
-from .model import Segment, SoftPromptModel, build_soft_prompt_model
+from .model import Segment, SoftPromptModel, build_soft_prompt_model, load_segments
 
 
 @torch.no_grad()
@@ -63,8 +63,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     for step in range(steps):
         i = int(mine[min(step, len(mine) - 1)] if len(mine) else held_out[0])
         counted = float(step < len(mine))
-        segment = Segment(torch.from_numpy(store.ids(i)).to(device), int(store.prefix_tokens[i]),
-                          int(store.insert_at[i]))
+        segment = load_segments(store, [i], device)[i]
         for k, name in enumerate(names):
             sums[k] += counted * model([segment], inserted=blocks[name]).double()
         if kl:

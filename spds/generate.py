@@ -18,18 +18,18 @@ import torch
 
 from .contract import Config
 from .data.chat import end_token_ids, render
-from .fsio import SpdsError
+from .fsio import SpdsError, parse_json
 
 
 def read_questions(path: Path) -> list[dict]:
     questions = []
-    with open(path) as stream:
+    with open(path, "rb") as stream:
         for number, line in enumerate(stream, start=1):
             try:
-                row = json.loads(line)
+                row = parse_json(line)  # strictly, as every file spds reads
                 messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
                 questions.append(dict(question_id=str(row["question_id"]), messages=messages))
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
                 raise SpdsError(f"{path}:{number}: a question needs question_id and messages or question "
                                 f"({error})") from None
     return questions

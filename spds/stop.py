@@ -16,6 +16,7 @@ boundary, so all stop after the same update, with a committed checkpoint.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ class StopRequest:
 
     def __init__(self):
         self.signal: int | None = None
+        self.requests: Path | None = None  # the directory whose stop-request.json this process reads
         # A request written before this launch began is stale. The launch scripts export the
         # moment they started; without them, this process's start counts.
         self.launch_started = float(os.environ.get("SPDS_LAUNCH_STARTED") or time.time())
@@ -48,28 +50,35 @@ class StopRequest:
         if self.signal is None:
             self.signal = signum
 
-    def vote(self, output_dir: Path | None) -> bool:
-        """This rank's vote: signalled, or (rank 0 passes its output directory) a live request file."""
-        return self.signal is not None or (output_dir is not None and self.requested_by_file(output_dir))
-
-    def requested_by_file(self, output_dir: Path) -> bool:
-        request = read_request(output_dir)
-        return request is not None and request.get("requested_at", 0.0) >= self.launch_started
-
-    def reason(self, output_dir: Path | None) -> str:
-        if self.signal is not None:
-            return f"stopped by {signal.Signals(self.signal).name} at an update boundary"
-        return f"stopped at an update boundary by {output_dir / REQUEST_FILE if output_dir else 'a stop request'}"
-
-    def clear_stale(self, output_dir: Path) -> None:
+    def watch(self, output_dir: Path) -> None:
+        """Read stop requests in `output_dir` from now on (rank 0 does, for every rank); one left
+        from before this launch is stale and goes."""
+        self.requests = output_dir
         request = read_request(output_dir)
         if request is not None and request.get("requested_at", 0.0) < self.launch_started:
             clear(output_dir)
 
+    def vote(self) -> bool:
+        """This rank's vote: signalled, or a live request file where it watches."""
+        if self.signal is not None:
+            return True
+        request = read_request(self.requests) if self.requests is not None else None
+        return request is not None and request.get("requested_at", 0.0) >= self.launch_started
+
+    def reason(self) -> str:
+        if self.signal is not None:
+            return f"stopped by {signal.Signals(self.signal).name} at an update boundary"
+        if self.vote():
+            return f"stopped at an update boundary by {self.requests / REQUEST_FILE}"
+        return "stopped at an update boundary: another rank was signalled"
+
+    def answered(self) -> None:
+        """The run stopped or ended: the request must not stop the next launch."""
+        if self.requests is not None:
+            clear(self.requests)
+
 
 def read_request(output_dir: Path) -> dict | None:
-    import json
-
     try:
         value = json.loads((output_dir / REQUEST_FILE).read_text())
     except FileNotFoundError:

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from . import stop as stop_module
 from .contract import REPO_ROOT, Config, load_config, require_valid, validate_run_world
 from .data.packed import PackedStore
 from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
@@ -54,16 +53,15 @@ def run(config: Config, smoke: bool) -> dict:
         torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world, device = init_distributed(config)
     out = config.output_dir / "smoke" if smoke else config.output_dir
-    requests = config.output_dir if rank == 0 else None  # rank 0 reads stop requests for everyone
     with rank_zero_lock(out, rank):  # before anything touches the run directory
         if rank == 0:
             (out / "terminal.json").unlink(missing_ok=True)  # a previous run's status would lie from now on
-            stop.clear_stale(config.output_dir)
+            stop.watch(config.output_dir)  # rank 0 reads stop requests for everyone
         optim = config["optim"]
         completed, checkpoint_dir = 0, None  # what terminal.json reports, whatever happens below
         try:
             validate_run_world(config, world)
-            stopping = stop_agreed(stop, requests, device)  # asked during start-up: load nothing
+            stopping = stop_agreed(stop, device)  # asked during start-up: load nothing
             store = PackedStore.open(config.packed_dir)
             if store.manifest["prompt_length"] != config["soft_prompt"]["length"]:  # its context_limit check used it
                 raise SpdsError(f"soft_prompt.length is {config['soft_prompt']['length']} but {config.packed_dir} was "
@@ -96,15 +94,14 @@ def run(config: Config, smoke: bool) -> dict:
                 if not stopping:
                     write_run_record(out, config, smoke, start, last, world, identities, smoke_waived, checkpoint_dir,
                                      model)
-            stopping = stopping or stop_agreed(stop, requests, device)
+            stopping = stopping or stop_agreed(stop, device)
             began, metric, bar = time.monotonic(), None, progress_bar(config, rank, start, last)
             for update in range(start, last + 1):
                 if stopping:
                     break
                 step = plan.step(update, force_longest=smoke)
                 checkpoint.fault_point(f"sigterm-before-update-rank{rank}", update)
-                metric, stopping = train_step(engine, store, plan, step, rank, device, stop, requests,
-                                              optim["max_grad_norm"])
+                metric, stopping = train_step(engine, store, plan, step, rank, device, stop, optim["max_grad_norm"])
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 if rank == 0:
                     record_metric(out, metric, last, checkpoint_dir, bar, engine)
@@ -128,16 +125,15 @@ def run(config: Config, smoke: bool) -> dict:
             raise
         status = "stopped" if completed < last else "complete"
         if rank == 0:
-            write_terminal(out, status, completed, checkpoint_dir,
-                           stop.reason(requests) if status == "stopped" else None)
-            stop_module.clear(config.output_dir)  # the request is answered: it must not stop the next launch
+            write_terminal(out, status, completed, checkpoint_dir, stop.reason() if status == "stopped" else None)
+            stop.answered()
     torch.distributed.barrier()
     return dict(status=status, update=completed, output=str(out),
                 checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
 
 
 def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, device, stop: StopRequest,
-               requests: Path | None, max_grad_norm: float | None):
+               max_grad_norm: float | None):
     """One update: d/dprompt of (sum CE over the global batch) / (its supervised tokens).
 
     Every backward is of a plain sum (no scale enters the bf16 student); the one normalisation is
@@ -156,15 +152,14 @@ def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, de
             else:  # a lockstep filler: the other ranks' collectives, an exactly zero gradient
                 engine.backward(loss_sum * 0.0)
     engine.allreduce_gradients()  # exact SUM over ranks (gradient_allreduce_op "sum")
-    loss_sum, stop_votes = all_reduce_sum([local_loss, stop.vote(requests)], device)
+    loss_sum, stop_votes = all_reduce_sum([local_loss, stop.vote()], device)
     prompt = engine.module.prompt
     prompt.grad.div_(denominator)  # fp32, once, identical on every rank
     grad_norm = float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm or float("inf")))
     if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
         raise SpdsError(f"update {step.update}: the loss ({loss_sum / denominator}) or the prompt gradient norm "
-                        f"({grad_norm}) "
-                        "is not finite; nothing was applied, and the last committed checkpoint is the resume point "
-                        "(lower optim.learning_rate or set optim.max_grad_norm)")
+                        f"({grad_norm}) is not finite; nothing was applied, and the last committed checkpoint is "
+                        "the resume point (lower optim.learning_rate or set optim.max_grad_norm)")
     check_precision(engine)
     learning_rate = engine.get_lr()[0]
     engine.step()
@@ -178,13 +173,11 @@ def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, de
     return metric, stop_votes > 0
 
 
-def stop_agreed(stop: StopRequest, requests: Path | None, device) -> bool:
+def stop_agreed(stop: StopRequest, device) -> bool:
     """Collective: has any rank been asked to stop? (Between updates, train_step's sum says it.)"""
-    (votes,) = all_reduce_sum([stop.vote(requests)], device)
+    (votes,) = all_reduce_sum([stop.vote()], device)
     return votes > 0
 
-
-# ---------------------------------------------------------------- the pieces the loop calls
 
 # ---------------------------------------------------------------- identities and records
 
@@ -198,8 +191,13 @@ def run_identities(config: Config, store: PackedStore, world: int) -> dict:
     topology = dict(world_size=world, micro_batch=optim["micro_batch"], micro_batch_tokens=optim["micro_batch_tokens"],
                     reduction="sum")
     # The student's content, pinned or not: weights changed under an unpinned path must not resume a
-    # run trained on others. A pin was verified when the config was loaded; without one, hash now.
-    student = config["student"]["model_sha256"] or sha256_path(config.model_path)
+    # run trained on others. A pin was verified when the config was loaded; without one, rank 0
+    # hashes the files (gigabytes: once per run, not once per rank) and tells the others.
+    student = config["student"]["model_sha256"]
+    if student is None:
+        shared = [sha256_path(config.model_path) if torch.distributed.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        student = shared[0]
     return dict(code=code_digest(), config=config.identity(), data=store.digest, topology=sha256_json(topology),
                 student=student)
 

@@ -276,3 +276,16 @@ def test_a_full_or_read_only_output_file_system_gets_a_clear_message(prepared, t
         assert "Traceback" not in result.stderr
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_questions_file_is_read_as_strictly_as_every_other(tmp_path):
+    from spds.fsio import SpdsError
+    from spds.generate import read_questions
+
+    for text, rule in [(b'{"question_id": "a", "question": "x", "question": "y"}\n', "rule 'unique keys'"),
+                       (b'{"question_id": "a", "question": "caf\xe9"}\n', "rule 'UTF-8 text'"),
+                       (b'["not", "an", "object"]\n', "a question needs question_id")]:
+        path = tmp_path / "questions.jsonl"
+        path.write_bytes(text)
+        with pytest.raises(SpdsError, match=rf"questions.jsonl:1: .*{rule}"):
+            read_questions(path)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import __version__
 from ..contract import Config, require_valid
-from ..fsio import SpdsError, exclusive_lock, sha256_file, verified_copy
+from ..fsio import SpdsError, exclusive_lock, read_json, sha256_file, verified_copy
 from .chat import derive_scaffold, end_token_ids, tokenizer_identity
 from .packed import FORMAT, INDEX, MANIFEST, TOKENS, PackedWriter, verify_store
 from .rows import RowRules, read_records
@@ -55,8 +55,6 @@ def prepare(config: Config, log=print) -> dict:
 
 def model_vocabulary_rows(config: Config) -> int | None:
     """The student's embedding rows (config.json vocab_size): an id past them crashes training."""
-    from ..fsio import read_json
-
     value = read_json(config.model_path / "config.json")
     value = value.get("text_config", value) if isinstance(value, dict) else {}
     return value.get("vocab_size") if isinstance(value.get("vocab_size"), int) else None
