@@ -133,6 +133,11 @@ VARIANTS = {
     # packed, but auto checkpointing all-or-nothing per micro-batch (spds before per-layer counts).
     "wholeckpt": ({"sdpa_backend": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
 }
+# loss.objective kl with the online teacher (the student with a CONTEXT-token context): its keys
+# and values computed once (kl) or the whole sequence every time (kl-nocache).
+VARIANTS["liger-kl"] = VARIANTS["liger-kl-nocache"] = VARIANTS["liger"]
+VARIANTS["kl"] = VARIANTS["kl-nocache"] = VARIANTS["packed"]
+CONTEXT = 4096
 
 
 def all_or_nothing(model) -> None:
@@ -140,7 +145,21 @@ def all_or_nothing(model) -> None:
     model.checkpointing = lambda positions: policy.layers if policy(positions) else 0
 
 
-AFTER_BUILD = {"wholeckpt": all_or_nothing}
+def online_kl(reuse_context: bool):
+    def attach(model) -> None:
+        from spds.contract import section
+        from spds.loss import make_loss
+        from spds.teacher import ContextTeacher
+
+        model.loss_fn = make_loss(section("loss", objective="kl"))
+        context = torch.from_numpy(np.random.default_rng(1).integers(0, VOCAB - 1000, CONTEXT)).to(DEVICE)
+        model.teacher = ContextTeacher(model, context, reuse_context=reuse_context)
+
+    return attach
+
+
+AFTER_BUILD = {"wholeckpt": all_or_nothing, "kl": online_kl(True), "kl-nocache": online_kl(False),
+               "liger-kl": online_kl(True), "liger-kl-nocache": online_kl(False)}
 
 
 def spds_config(directory: Path, records: int, variant: str):
@@ -171,8 +190,8 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         store = write_store(directory / "packed", warm_lengths + lengths)
         config = spds_config(directory, len(lengths), variant)
         if not torch.distributed.is_initialized():
-            init_distributed(config)
-        if config["student"]["liger_kernels"] and not getattr(student, "liger_applied", False):
+            init_distributed(config.distributed)
+        if config.student.liger_kernels and not getattr(student, "liger_applied", False):
             from spds.model import apply_liger_kernels
 
             apply_liger_kernels(student)
@@ -180,7 +199,7 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         model = build_soft_prompt_model(config, torch.device(DEVICE), student=student)
         AFTER_BUILD.get(variant, lambda model: None)(model)
         engine = build_engine(config, model, 1)
-        plan = Plan(store, config["optim"], config["soft_prompt"]["length"], 1)
+        plan = Plan(store, config.optim, config.soft_prompt.length, 1)
         device = torch.device(DEVICE)
         stop = StopRequest()  # not installed: nothing asks this benchmark to stop
         warm = np.arange(len(warm_lengths))

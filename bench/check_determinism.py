@@ -9,6 +9,7 @@ torch.use_deterministic_algorithms(True, warn_only=True)
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu import build_student  # noqa: E402
 
+from spds.contract import section  # noqa: E402
 from spds.loss import make_loss  # noqa: E402
 from spds.model import Segment, SoftPromptModel, initial_prompt  # noqa: E402
 
@@ -18,8 +19,9 @@ segment = Segment(ids=ids, prefix_tokens=100, insert_at=3)
 for backend in ("flash", "cudnn", "efficient", "math"):
     grads = []
     for _ in range(3):
-        prompt = initial_prompt(student, 256, {"method": "random_normal", "std": 0.02}, 0)
-        model = SoftPromptModel(student, prompt, make_loss("ce", "auto", 4096), False, backend)
+        prompt = initial_prompt(student, 256, section("soft_prompt").init, 0)
+        loss = make_loss(section("loss", kernel="auto", chunk_tokens=4096))
+        model = SoftPromptModel(student, prompt, loss, False, backend)
         try:
             model([segment]).backward()
         except Exception as error:

@@ -2,6 +2,7 @@
 and both agree with the plain definition computed in fp32. Prints relative errors."""
 import torch
 
+from spds.contract import section
 from spds.loss import chunked_linear_cross_entropy, make_loss, reference_linear_cross_entropy
 
 
@@ -15,7 +16,7 @@ for rows, hidden_size, vocab in [(4096, 2048, 151936), (1000, 4096, 151936)]:
     weight = (torch.randn(vocab, hidden_size, device="cuda") * 0.02).to(torch.bfloat16)
     targets = torch.randint(0, vocab, (rows,), device="cuda")
     results = {}
-    liger = make_loss("ce", "liger", 4096)
+    liger = make_loss(section("loss", kernel="liger", chunk_tokens=4096))
     for name, fn in [("liger", lambda h: liger(h, weight, targets)),
                      ("chunked", lambda h: chunked_linear_cross_entropy(h, weight, targets, 4096)),
                      ("fp32 reference", lambda h: reference_linear_cross_entropy(h.float(), weight.float(), targets))]:

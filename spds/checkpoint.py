@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .contract import describe_errors, require_valid
 from .fsio import SpdsError, atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy, write_failure
+from .settings import CheckpointSettings
 
 PATTERN = re.compile(r"^update-(\d{6,})$")
 COMMIT = "commit.json"
@@ -261,12 +262,33 @@ def prompt_of(directory: Path) -> tuple[torch.Tensor, dict]:
 # ---------------------------------------------------------------- when to save
 
 class Checkpointer:
-    """checkpoint.every / keep_last / backup_dir, read here and nowhere else: when an update is
-    saved, and what is kept and copied after each save."""
+    """checkpoint.every / keep_last / backup_dir, read here and nowhere else: where a run resumes,
+    when an update is saved, and what is kept and copied after each save. One per run, bound to
+    the run's identities and this rank."""
 
-    def __init__(self, settings: dict, root: Path, backup_root: Path | None, smoke: bool, versions: dict):
-        self.every, self.keep_last = settings["every"], settings["keep_last"]
+    def __init__(self, settings: CheckpointSettings, root: Path, backup_root: Path | None, smoke: bool,
+                 identities: dict, versions: dict, rank: int, world: int):
+        self.every, self.keep_last = settings.every, settings.keep_last
         self.root, self.backup_root, self.smoke, self.versions = root, backup_root, smoke, versions
+        self.identities, self.rank, self.world = identities, rank, world
+
+    def newest(self) -> tuple[int, Path | None]:
+        """The resume point: the newest committed checkpoint's (update, directory), or (0, None).
+        A smoke is isolated: never resumed, and what a previous smoke left is removed."""
+        if self.smoke and self.rank == 0:
+            shutil.rmtree(self.root, ignore_errors=True)
+        dist.barrier()  # every rank reads the directory as rank 0 left it
+        found = [] if self.smoke else committed(self.root)
+        return found[-1] if found else (0, None)
+
+    def restore(self, engine, directory: Path | None) -> int:
+        """The first update to run: 1, or the update after `directory` once its state is restored
+        (with no engine, a run stopped during start-up, only its record is verified)."""
+        if directory is None:
+            return 1
+        if engine is None:
+            return verify(directory)["cursor"]["next_update"]
+        return restore(engine, directory, self.identities, self.rank, self.world)["next_update"]
 
     def reason(self, update: int, last: int, stopping: bool) -> str | None:
         """Why `update` is saved, or None: every N, the last update, a stop; the smoke's one update."""
@@ -278,13 +300,17 @@ class Checkpointer:
             return "final"
         return "scheduled" if update % self.every == 0 else None
 
-    def save(self, engine, cursor: dict, update: int, identities: dict, reason: str, rank: int, world: int) -> Path:
-        directory = save(engine, self.root, update, cursor, identities, self.versions, reason, rank, world)
-        if rank == 0:
+    def save(self, engine, cursor: dict, update: int, reason: str) -> Path:
+        directory = save(engine, self.root, update, cursor, self.identities, self.versions, reason, self.rank,
+                         self.world)
+        if self.rank == 0:
             if self.backup_root is not None and not self.smoke:
                 backup(directory, self.backup_root)
             prune(self.root, self.keep_last)
         return directory
+
+    def prove_restore(self, engine, directory: Path) -> None:
+        prove_restore(engine, directory, self.identities, self.rank, self.world)
 
 
 # ---------------------------------------------------------------- retention and backup

@@ -81,6 +81,8 @@ def cmd_eval(args) -> int:
     print(f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), "
           f"update {result['update']}")
     print(f"NLL per token  floor {nll['floor']:.4f}  soft {nll['soft']:.4f}  ceiling {ceiling}  gap recovered {gap}")
+    if result["kl_to_teacher"] is not None:
+        print(f"KL(teacher || soft) per token {result['kl_to_teacher']:.4f} (teacher: {result['teacher']})")
     print(f"eval.json and plot in {load_config(args.config).output_dir}")
     return 0
 

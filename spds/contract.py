@@ -12,7 +12,7 @@ import difflib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,21 @@ from typing import Any
 import jsonschema
 
 from .fsio import SpdsError, atomic_write_json, read_bytes, read_json, sha256_json, sha256_path
+from .settings import (
+    SECTIONS,
+    CheckpointSettings,
+    ContextSettings,
+    DataSettings,
+    DistributedSettings,
+    EvalSettings,
+    GenerateSettings,
+    LossSettings,
+    OptimSettings,
+    SoftPromptSettings,
+    StudentSettings,
+    TrainSettings,
+    build,
+)
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_ROOT.parent
@@ -118,11 +133,29 @@ def require_valid(value: Any, schema_name: str, what: str) -> None:
 
 @dataclass
 class Config:
+    """A validated config: its typed sections (`config.optim.learning_rate`), the top-level
+    choices, and the paths resolved against the config file's directory."""
     path: Path
-    raw: dict  # validated, defaults applied, paths as written
+    raw: dict  # validated, defaults applied, paths as written: what run.json records
+    student: StudentSettings = field(init=False)
+    soft_prompt: SoftPromptSettings = field(init=False)
+    data: DataSettings = field(init=False)
+    optim: OptimSettings = field(init=False)
+    loss: LossSettings = field(init=False)
+    checkpoint: CheckpointSettings = field(init=False)
+    train: TrainSettings = field(init=False)
+    distributed: DistributedSettings = field(init=False)
+    context: ContextSettings = field(init=False)
+    generate: GenerateSettings = field(init=False)
+    eval: EvalSettings = field(init=False)
+    sharding: str = field(init=False)  # deepspeed | fsdp
+    data_parallel_size: int | str = field(init=False)  # an int, or "any"
 
-    def __getitem__(self, key: str) -> Any:
-        return self.raw[key]
+    def __post_init__(self):
+        for key, cls in SECTIONS.items():
+            setattr(self, key, build(cls, self.raw[key]))
+        self.sharding = self.raw["sharding"]
+        self.data_parallel_size = self.raw["data_parallel_size"]
 
     def resolve(self, value: str | None) -> Path | None:
         if value is None:
@@ -132,15 +165,15 @@ class Config:
 
     @property
     def model_path(self) -> Path:
-        return self.resolve(self.raw["student"]["model_path"])
+        return self.resolve(self.student.model_path)
 
     @property
     def tokenizer_path(self) -> Path:
-        return self.resolve(self.raw["student"]["tokenizer_path"] or self.raw["student"]["model_path"])
+        return self.resolve(self.student.tokenizer_path or self.student.model_path)
 
     @property
     def packed_dir(self) -> Path:
-        return self.resolve(self.raw["data"]["packed_dir"])
+        return self.resolve(self.data.packed_dir)
 
     @property
     def output_dir(self) -> Path:
@@ -148,7 +181,7 @@ class Config:
 
     @property
     def candidate_paths(self) -> list[Path]:
-        return [self.resolve(c["path"]) for c in self.raw["data"]["candidates"]]
+        return [self.resolve(c.path) for c in self.data.candidates]
 
     @property
     def deepspeed_config_path(self) -> Path:
@@ -166,13 +199,12 @@ class Config:
     def shards_student(self) -> bool:
         """fsdp, or DeepSpeed ZeRO-3 (engine.LAYOUTS builds the layout): the student is loaded on the
         host and sharded onto the GPUs."""
-        return self.raw["sharding"] == "fsdp" or self.zero_stage == 3
+        return self.sharding == "fsdp" or self.zero_stage == 3
 
     @property
     def context_text(self) -> str | None:
         """The system prompt being distilled (context.file wins over context.text)."""
-        context = self.raw["context"]
-        return self.resolve(context["file"]).read_text() if context["file"] else context["text"]
+        return self.resolve(self.context.file).read_text() if self.context.file else self.context.text
 
     def identity(self) -> str:
         """Digest of everything that shapes the trained prompt (paths included, as resolved)."""
@@ -198,6 +230,18 @@ class Config:
         if fields["optim"]["schedule"] == "constant" and not fields["optim"]["warmup_updates"]:
             fields["optim"].pop("updates")  # a constant-rate run may be extended and resumed
         return fields
+
+
+def section(key: str, **values) -> Any:
+    """One typed section from the given fields and the schema's defaults for the rest, validated:
+    `make_loss(section("loss", objective="kl"))` for library callers and tests."""
+    schema = load_schema("config")
+    raw = apply_defaults(copy.deepcopy(values), schema["properties"][key], schema)
+    part = {**schema["properties"][key], "$defs": schema["$defs"]}  # its $refs resolve as in the whole
+    problems = describe_errors_with(StrictValidator(part, format_checker=jsonschema.FormatChecker()), raw)
+    if problems:
+        raise SpdsError(f"{key}: not a valid section", problems)
+    return build(SECTIONS[key], raw)
 
 
 def parse_config_file(path: Path) -> dict:
@@ -308,12 +352,12 @@ def load_config(path: str | Path, check_pins: bool = True, require_candidates: b
 
 def pinned_inputs(config: Config) -> list[tuple[str, Path, str | None]]:
     """(config key, resolved path, pinned sha256 or None) of every pinnable input."""
-    student = config["student"]
-    inputs = [("student.model_sha256", config.model_path, student["model_sha256"])]
-    if student["tokenizer_path"] is not None:
-        inputs.append(("student.tokenizer_sha256", config.tokenizer_path, student["tokenizer_sha256"]))
-    for i, candidate in enumerate(config["data"]["candidates"]):
-        inputs.append((f"data.candidates[{i}].sha256", config.resolve(candidate["path"]), candidate.get("sha256")))
+    student = config.student
+    inputs = [("student.model_sha256", config.model_path, student.model_sha256)]
+    if student.tokenizer_path is not None:
+        inputs.append(("student.tokenizer_sha256", config.tokenizer_path, student.tokenizer_sha256))
+    for i, candidate in enumerate(config.data.candidates):
+        inputs.append((f"data.candidates[{i}].sha256", config.resolve(candidate.path), candidate.sha256))
     return inputs
 
 
@@ -356,26 +400,26 @@ def output_problems(config: Config) -> list[str]:
 
 def input_problems(config: Config, require_candidates: bool = True) -> list[str]:
     problems = model_directory_problems("student.model_path", config.model_path, ("config.json",))
-    if config["student"]["tokenizer_path"] is not None or not problems:
+    if config.student.tokenizer_path is not None or not problems:
         problems += model_directory_problems("student.tokenizer_path", config.tokenizer_path,
                                              ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     for i, path in enumerate(config.candidate_paths):
         if not path.is_file() and require_candidates:  # spds generate writes them
             problems.append(f"data.candidates[{i}].path: {path} is not a file")
-    named = (("context.file", config["context"]["file"], "file"),
-             ("generate.questions", config["generate"]["questions"], "file"),
-             ("generate.teacher_path", config["generate"]["teacher_path"], "directory"))
+    named = (("context.file", config.context.file, "file"),
+             ("generate.questions", config.generate.questions, "file"),
+             ("generate.teacher_path", config.generate.teacher_path, "directory"))
     for key, value, kind in named:
         path = config.resolve(value)
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
     problems += output_problems(config)
-    optim = config["optim"]
-    if optim["warmup_updates"] > optim["updates"]:
-        problems.append(f"optim.warmup_updates: {optim['warmup_updates']} exceeds optim.updates ({optim['updates']})")
-    size = config["data_parallel_size"]
-    if size != "any" and optim["effective_batch"] % size:
-        problems.append(f"optim.effective_batch: {optim['effective_batch']} does not divide by "
+    optim = config.optim
+    if optim.warmup_updates > optim.updates:
+        problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
+    size = config.data_parallel_size
+    if size != "any" and optim.effective_batch % size:
+        problems.append(f"optim.effective_batch: {optim.effective_batch} does not divide by "
                         f"data_parallel_size {size}")
     return problems
 
@@ -403,10 +447,10 @@ def deepspeed_config_problems(config: Config) -> list[str]:
         return [f"deepspeed_config: {error}"]
     problems = [f"deepspeed_config ({path}): {p}" for p in describe_errors(ds_config, "ds_config")]
     micro = ds_config.get("train_micro_batch_size_per_gpu") if isinstance(ds_config, dict) else None
-    if micro is not None and micro != config["optim"]["micro_batch"]:
+    if micro is not None and micro != config.optim.micro_batch:
         problems.append(f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from "
-                        f"optim.micro_batch {config['optim']['micro_batch']}")
-    if config["sharding"] == "fsdp" and zero_stage(ds_config) == 3:
+                        f"optim.micro_batch {config.optim.micro_batch}")
+    if config.sharding == "fsdp" and zero_stage(ds_config) == 3:
         problems.append(f"sharding: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the "
                         "student; "
                         "choose one (backend 'deepspeed' with stage 3, or fsdp with ds_configs/zero0.json)")
@@ -426,11 +470,11 @@ def pin_config(path: str | Path) -> dict[str, str]:
 
 
 def validate_run_world(config: Config, world_size: int) -> None:
-    expected = config["data_parallel_size"]
+    expected = config.data_parallel_size
     if expected != "any" and expected != world_size:
         raise SpdsError(f"{config.path}: data_parallel_size is {expected} but this launch has world size {world_size}; "
                         "launch with that many processes or set data_parallel_size to \"any\"")
-    batch = config["optim"]["effective_batch"]
+    batch = config.optim.effective_batch
     if batch % world_size:
         raise SpdsError(f"{config.path}: optim.effective_batch {batch} does not divide by the world size {world_size}; "
                         "every rank must hold the same number of records per update")

@@ -29,6 +29,7 @@ import torch
 from .contract import Config
 from .fsio import SpdsError, exclusive_lock, read_json
 from .schedule import lr_factor
+from .settings import DistributedSettings
 
 
 def ensure_accelerator_env() -> None:
@@ -71,29 +72,28 @@ def load_cpu_comm_op() -> None:
         builder.load(verbose=False)
 
 
-def init_distributed(config: Config) -> tuple[int, int, torch.device]:
+def init_distributed(settings: DistributedSettings) -> tuple[int, int, torch.device]:
     """Join (or, without a launcher, create) the process group; return (rank, world, device)."""
     ensure_accelerator_env()
     import deepspeed
 
     load_cpu_comm_op()
 
-    settings = config["distributed"]
     if "RANK" not in os.environ:  # one plain process: a one-rank group of its own
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", settings["master_addr"])
-        os.environ.setdefault("MASTER_PORT", str(settings["master_port"] or free_port()))
+        os.environ.setdefault("MASTER_ADDR", settings.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(settings.master_port or free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    backend = settings["communication"]
+    backend = settings.communication
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(minutes=settings["timeout_minutes"]))
+                               timeout=datetime.timedelta(minutes=settings.timeout_minutes))
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
@@ -134,7 +134,7 @@ LAYOUTS = {("deepspeed", 0): None, ("deepspeed", 3): zero3_layout, ("fsdp", 0): 
 
 def shard_student(config: Config, model, world: int) -> None:
     """Lay the student of `model` out over the ranks as the config says (config.shards_student)."""
-    model.layout = LAYOUTS[(config["sharding"], config.zero_stage)](config, model, world)
+    model.layout = LAYOUTS[(config.sharding, config.zero_stage)](config, model, world)
 
 
 # The keys of a DeepSpeed config that change the update, as spds sets them (the ds_config schema
@@ -147,7 +147,7 @@ NUMERIC_KEYS = dict(gradient_accumulation_steps=1, gradient_clipping=0.0, presca
 def deepspeed_config(config: Config, world: int) -> dict:
     """The user's DeepSpeed file plus the keys spds owns (the schema forbids setting them there)."""
     ds = read_json(config.deepspeed_config_path)
-    micro = config["optim"]["micro_batch"]
+    micro = config.optim.micro_batch
     ds.update(NUMERIC_KEYS, train_micro_batch_size_per_gpu=micro, train_batch_size=micro * world)
     ds.setdefault("zero_optimization", {"stage": 0})
     if ds["zero_optimization"]["stage"] == 0:  # under ZeRO-3 the prompt never enters DeepSpeed's reduction
@@ -179,10 +179,10 @@ def build_engine(config: Config, model: torch.nn.Module, world: int) -> Engine:
     which offers the same interface and the same exact SUM (spds/sharded.py)."""
     import deepspeed
 
-    optim = config["optim"]
-    optimizer_class = torch.optim.AdamW if optim["optimizer"] == "adamw" else torch.optim.Adam
-    optimizer = optimizer_class([model.prompt], lr=optim["learning_rate"], betas=tuple(optim["betas"]),
-                                eps=optim["eps"], weight_decay=optim["weight_decay"], foreach=False)
+    optim = config.optim
+    optimizer_class = torch.optim.AdamW if optim.optimizer == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class([model.prompt], lr=optim.learning_rate, betas=tuple(optim.betas),
+                                eps=optim.eps, weight_decay=optim.weight_decay, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
     if config.shards_student:
         from .sharded import ShardedEngine

@@ -11,6 +11,7 @@ good as the context itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -24,7 +25,10 @@ from .contract import Config, require_valid
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
 from .fsio import SpdsError, atomic_path, atomic_write_json
-from .model import Segment, SoftPromptModel, build_soft_prompt_model, load_segments
+from .loss import make_loss
+from .model import build_soft_prompt_model, load_segments
+from .settings import KLSettings
+from .teacher import build_teacher, teacher_kind
 
 
 @torch.no_grad()
@@ -35,17 +39,22 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     held_out = np.flatnonzero(~store.is_train)
     if not len(held_out):
         raise SpdsError("no held-out records: set data.eval_fraction > 0 and run spds prepare on a fresh packed_dir")
-    limit = config["eval"]["max_records"]
+    limit = config.eval.max_records
     held_out = held_out[:limit] if limit else held_out
     sharded = config.shards_student  # as in training: ZeRO-3 or fsdp lays the student out over the ranks
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 or sharded:  # launched with torchrun / deepspeed: share the records
-        rank, world, device = init_distributed(config)
+        rank, world, device = init_distributed(config.distributed)
     else:
         rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_soft_prompt_model(config, device, prompt=prompt, training=False)  # as training runs it
+    model = build_soft_prompt_model(config, device, prompt=prompt, training=False, store=store)  # as training runs it
     student = model.student
     if sharded:
         shard_student(config, model, world)
+    # The figures are the same whatever the training objective: NLL of the teacher's tokens, and
+    # forward KL(teacher || student) at temperature 1, through the training loss's own kernels.
+    nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"))
+    kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=KLSettings("forward", 1.0, 0.5)))
+    teacher = eval_teacher(config, model, store) if config.eval.kl else None
     text = config.context_text
     blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
     if text:
@@ -55,7 +64,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         blocks["ceiling"] = student.get_input_embeddings()(torch.tensor(ids, device=device))
     names = list(blocks)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)  # NLL per condition, then KL
-    kl = config["eval"]["kl"] and "ceiling" in blocks
+    kl = teacher is not None
     mine = held_out[rank::world]  # launched on several ranks: each takes every world-th record
     # A sharded student gathers weights collectively in every forward: every rank makes as many
     # passes as the busiest, a rank out of records repeating its last one without counting it.
@@ -65,9 +74,9 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         counted = float(step < len(mine))
         segment = load_segments(store, [i], device)[i]
         for k, name in enumerate(names):
-            sums[k] += counted * model([segment], inserted=blocks[name]).double()
+            sums[k] += counted * model([segment], inserted=blocks[name], loss_fn=nll_fn).double()
         if kl:
-            sums[-1] += counted * kl_to_context(model, segment, blocks["ceiling"], config["loss"]["chunk_tokens"])
+            sums[-1] += counted * model([segment], loss_fn=kl_fn).double()
     if world > 1:
         torch.distributed.all_reduce(sums)
     tokens = int(store.supervised_tokens[held_out].sum())
@@ -78,7 +87,8 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         gap = (nll["floor"] - nll["soft"]) / (nll["floor"] - nll["ceiling"])
     result = dict(checkpoint=str(directory), update=commit["update"], records=len(held_out), supervised_tokens=tokens,
                   context_tokens=len(blocks["ceiling"]) if "ceiling" in blocks else 0, nll=nll, gap_recovered=gap,
-                  kl_to_context=float(sums[-1]) / tokens if kl else None, world_size=world,
+                  kl_to_teacher=float(sums[-1]) / tokens if kl else None,
+                  teacher=teacher_kind(config.loss, store) if kl else None, world_size=world,
                   spds_version=__version__, plot=None)
     out = config.output_dir
     if rank != 0:
@@ -89,19 +99,12 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     return result
 
 
-def kl_to_context(model: SoftPromptModel, segment: Segment, context: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Sum over response tokens of KL(student with the context || student with the soft prompt),
-    the vocabulary-sized distributions computed `chunk` rows at a time."""
-    lm_head = model.student.get_output_embeddings().weight
-    teacher_rows, _ = model.response_states([segment], inserted=context)
-    student_rows, _ = model.response_states([segment])
-    total = torch.zeros((), dtype=torch.float64, device=lm_head.device)
-    with model.layout.gathered([lm_head]):
-        for start in range(0, len(teacher_rows), chunk):
-            teacher = torch.log_softmax((teacher_rows[start:start + chunk] @ lm_head.t()).float(), dim=-1)
-            student = torch.log_softmax((student_rows[start:start + chunk] @ lm_head.t()).float(), dim=-1)
-            total += (teacher.exp() * (teacher - student)).sum().double()
-    return total
+def eval_teacher(config: Config, model, store):
+    """The training teacher, or the one loss.teacher names (auto: the packed top-k, else the
+    context); None when neither exists (no context, no top-k): then eval reports no KL."""
+    model.teacher = model.teacher or (build_teacher(config, model, store)
+                                      if store.top_k or config.context_text else None)
+    return model.teacher
 
 
 def plot(metrics_path: Path, nll: dict, target: Path) -> str | None:

@@ -27,7 +27,7 @@ FILE = "soft_prompt.safetensors"
 
 
 def student_identity(config: Config) -> str:
-    pinned = config["student"]["model_sha256"]
+    pinned = config.student.model_sha256
     return pinned or sha256_json({"model_path": str(config.model_path)})
 
 
@@ -56,7 +56,7 @@ def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
 
     from .model import load_student
 
-    student = load_student(config.model_path, "float32", config["student"]["attn_implementation"], torch.device("cpu"))
+    student = load_student(config.model_path, "float32", config.student.attn_implementation, torch.device("cpu"))
     peft_model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM,
                                                             num_virtual_tokens=prompt.shape[0],
                                                             base_model_name_or_path=str(config.model_path)))

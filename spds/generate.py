@@ -60,27 +60,27 @@ def generate(config: Config, log=print) -> dict:
 
     from .data.prepare import load_tokenizer
 
-    settings = config["generate"]
-    if not settings["questions"]:
+    settings = config.generate
+    if not settings.questions:
         raise SpdsError("generate.questions is not set")
     context = config.context_text
     if not context:
         raise SpdsError("context.text or context.file must hold the system prompt to distill")
     tokenizer = load_tokenizer(config)
     tokenizer.padding_side = "left"
-    kwargs = config["data"]["chat_template_kwargs"]
-    end_ids = end_token_ids(tokenizer, config["data"]["end_tokens"])
+    kwargs = config.data.chat_template_kwargs
+    end_ids = end_token_ids(tokenizer, config.data.end_tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    teacher_path = config.resolve(settings["teacher_path"]) if settings["teacher_path"] else config.model_path
+    teacher_path = config.resolve(settings.teacher_path) if settings.teacher_path else config.model_path
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_path), local_files_only=True,
-                                                   dtype=getattr(torch, config["student"]["dtype"])).to(device).eval()
-    questions = read_questions(config.resolve(settings["questions"]))
+                                                   dtype=getattr(torch, config.student.dtype)).to(device).eval()
+    questions = read_questions(config.resolve(settings.questions))
     requests = [dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
-                for q in questions for s in range(settings["samples_per_question"])]
-    output = config.resolve(settings["output"])
+                for q in questions for s in range(settings.samples_per_question)]
+    output = config.resolve(settings.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = repair_and_read(output)
-    written, size = 0, settings["batch_size"]
+    written, size = 0, settings.batch_size
     batches = [requests[i:i + size] for i in range(0, len(requests), size)]
     from tqdm import tqdm
 
@@ -88,12 +88,15 @@ def generate(config: Config, log=print) -> dict:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
                 continue
-            responses = answer(teacher, tokenizer, batch, context, settings, end_ids, kwargs,
-                               seed=settings["seed"] + number)
-            for request, response in zip(batch, responses):
+            prompts, responses = answer(teacher, tokenizer, batch, context, settings, end_ids, kwargs,
+                                        seed=settings.seed + number)
+            for request, prompt, response in zip(batch, prompts, responses):
                 if request["request_id"] in done:
                     continue
-                stream.write(json.dumps(candidate_row(tokenizer, request, response, end_ids, kwargs)) + "\n")
+                row = candidate_row(tokenizer, request, response, end_ids, kwargs)
+                if settings.top_k_logprobs:
+                    row["top_logprobs"] = teacher_top_k(teacher, prompt, response, settings.top_k_logprobs)
+                stream.write(json.dumps(row) + "\n")
                 written += 1
             stream.flush()
             os.fsync(stream.fileno())
@@ -103,23 +106,35 @@ def generate(config: Config, log=print) -> dict:
 
 @torch.no_grad()
 def answer(teacher, tokenizer, batch: list[dict], context: str, settings: dict, end_ids: list[int], kwargs: dict,
-           seed: int) -> list[list[int]]:
-    """Teacher response ids for each request (ending at the first end token, which is kept)."""
+           seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(the teacher's prompt ids, its response ids) for each request; a response ends at the first
+    end token, which is kept."""
     prompts = [render(tokenizer, [{"role": "system", "content": context}, *r["messages"]], True, kwargs) for r in batch]
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=teacher.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=teacher.device)
     torch.manual_seed(seed)
-    sample = settings["temperature"] > 0
-    output = teacher.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings["max_new_tokens"],
-                              do_sample=sample, temperature=settings["temperature"] if sample else None,
-                              top_p=settings["top_p"] if sample else None, eos_token_id=end_ids, pad_token_id=pad)
+    sample = settings.temperature > 0
+    output = teacher.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens,
+                              do_sample=sample, temperature=settings.temperature if sample else None,
+                              top_p=settings.top_p if sample else None, eos_token_id=end_ids, pad_token_id=pad)
     responses = []
     for row in output[:, width:].tolist():
         end = next((i for i, t in enumerate(row) if t in end_ids), None)
         responses.append(row[:end + 1] if end is not None else row + [end_ids[0]])  # cut at max_new_tokens: close it
-    return responses
+    return prompts, responses
+
+
+@torch.no_grad()
+def teacher_top_k(teacher, prompt: list[int], response: list[int], k: int) -> dict:
+    """The teacher's top-k next-token log-probabilities (temperature 1, its full distribution) at
+    every response token, from one forward pass over the finished sequence: every token has its
+    entry, the end token that closes a cut response included."""
+    ids = torch.tensor([prompt + response], device=teacher.device)
+    logits = teacher(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) + len(response) - 1]
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return dict(ids=top.indices.tolist(), logprobs=top.values.tolist())
 
 
 def candidate_row(tokenizer, request: dict, response: list[int], end_ids: list[int], kwargs: dict) -> dict:

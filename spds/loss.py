@@ -1,12 +1,24 @@
-"""Summed cross entropy of lm_head(hidden) against targets, without materialising the logits.
+"""The loss: a sum over supervised tokens of lm_head(hidden), without materialising the logits.
 
 A 64k-token record times a 152k vocabulary is 10^10 logits (40 GB in fp32): never built.
-On CUDA, Liger's fused linear cross entropy (reduction "sum"). Elsewhere, and as the reference
-for Liger, `chunked_linear_cross_entropy`: the logits of `chunk` rows at a time, their softmax
-gradient folded into d(loss)/d(hidden) during the forward pass, so backward is one multiply.
-The lm_head weight is frozen: no gradient for it is ever computed.
+
+ce   On CUDA, Liger's fused linear cross entropy (reduction "sum"). Elsewhere, and as the
+     reference for Liger, `chunked_linear_cross_entropy`: the logits of `chunk` rows at a time,
+     their softmax gradient folded into d(loss)/d(hidden) during the forward pass, so backward is
+     one multiply.
+kl   (and mix) `_ChunkedLinearDistillation`, the same scheme with a teacher: its logits (from its
+     hidden states, online) or its top-k (offline) per chunk, the divergence's gradient with
+     respect to the student's logits written in closed form (`bucket_divergence`) and folded in
+     the same way. One kernel on every device: Liger's fused linear JSD averages over tokens,
+     and spds's update is a plain sum divided once by the global token count.
+
+The lm_head weight is frozen: no gradient for it is ever computed. Every backward spds runs is
+of the plain sum (grad_output 1); any other scale is applied in fp32 and rounded once.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -63,36 +75,163 @@ def liger_cross_entropy():
 
     liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
 
-    def summed(hidden, weight, targets):
+    def summed(hidden, weight, targets, teacher=None):
         return liger(weight, hidden, targets).float()
 
     return summed
 
 
 def chunked_cross_entropy(chunk: int):
-    def summed(hidden, weight, targets):
+    def summed(hidden, weight, targets, teacher=None):
         return chunked_linear_cross_entropy(hidden, weight, targets, chunk)
 
     return summed
 
 
-# The seam for objectives: objective -> kernel -> factory(chunk) of f(hidden, weight, targets) ->
-# fp32 sum over the supervised tokens. A new objective (a KL to a teacher, say) is one entry here
-# plus its schema enum value; train and eval call whatever make_loss returns.
-OBJECTIVES = {
-    "ce": {"liger": lambda chunk: liger_cross_entropy(), "chunked": chunked_cross_entropy},
-}
+# ---------------------------------------------------------------- distillation (kl, mix)
+
+@dataclass
+class TeacherTargets:
+    """The teacher's next-token distribution at each supervised token, in one of two forms:
+    `hidden` [N, H], the teacher's final hidden states (online: the student with the context;
+    its logits are hidden @ weight.T, chunk by chunk, never all at once), or `top_ids` and
+    `top_logprobs` [N, K] (offline: the K most likely tokens a teacher wrote, the rest of its
+    mass one bucket)."""
+    hidden: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
-def make_loss(objective: str, kernel: str, chunk: int):
-    """f(hidden, weight, targets) -> fp32 summed loss, for loss.objective and loss.kernel (auto:
-    Liger on CUDA when installed, else spds's chunked implementation). f.kernel names the choice."""
+@dataclass(frozen=True)
+class Divergence:
+    """weight_ce * CE(targets) + weight_kl * D(teacher, student) summed over tokens. D at
+    `temperature` (both sides' logits divided by it; no T^2 factor): forward KL(p||q), reverse
+    KL(q||p), or the generalised JSD beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q."""
+    ce_weight: float
+    kl_weight: float
+    direction: str = "forward"
+    temperature: float = 1.0
+    beta: float = 0.5
+
+
+def bucket_divergence(log_p: torch.Tensor, log_q: torch.Tensor, spec: Divergence):
+    """Per row: D over buckets (a vocabulary, or top-K tokens plus a tail), and H = Q * dD/dQ.
+
+    With the softmax's Jacobian, d D / d s_j = (q_j / Q_b(j)) H_b(j) - q_j sum_b H_b, where b(j)
+    is j's bucket; H stays finite where Q underflows (forward: H = -P)."""
+    p, q = log_p.exp(), log_q.exp()
+    if spec.direction == "forward":
+        return (p * (log_p - log_q)).sum(-1), -p
+    if spec.direction == "reverse":
+        difference = log_q - log_p
+        return (q * difference).sum(-1), q * (difference + 1.0)
+    beta = spec.beta
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    to_q = log_q - log_m
+    value = beta * (p * (log_p - log_m)).sum(-1) + (1.0 - beta) * (q * to_q).sum(-1)
+    return value, (1.0 - beta) * q * to_q
+
+
+def distillation_rows(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor | None,
+                      top_ids: torch.Tensor | None, top_logprobs: torch.Tensor | None, spec: Divergence):
+    """fp32 logits [n, V] of the student -> (summed loss, d loss / d logits [n, V])."""
+    total = logits.new_zeros(())
+    grad = torch.zeros_like(logits)
+    if spec.ce_weight:
+        log_normaliser = torch.logsumexp(logits, dim=-1)
+        total += spec.ce_weight * (log_normaliser - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+        grad += spec.ce_weight * torch.exp(logits - log_normaliser[:, None])
+        grad[torch.arange(len(targets), device=grad.device), targets] -= spec.ce_weight
+    if spec.kl_weight:
+        s = logits / spec.temperature
+        log_z = torch.logsumexp(s, dim=-1, keepdim=True)
+        log_q = s - log_z
+        if teacher_logits is not None:  # every token its own bucket
+            value, h = bucket_divergence(torch.log_softmax(teacher_logits / spec.temperature, dim=-1), log_q, spec)
+            grad_s = h
+        else:  # top-K buckets and one tail bucket; log Q_tail from the tail's own logsumexp (no 1 - sum)
+            tail_logits = s.scatter(1, top_ids, float("-inf"))
+            log_tail_z = torch.logsumexp(tail_logits, dim=-1, keepdim=True)
+            tiny = torch.finfo(torch.float32).tiny
+            p_tail = (1.0 - top_logprobs.exp().sum(-1, keepdim=True)).clamp_min(tiny)
+            log_p = torch.cat([top_logprobs, p_tail.log()], dim=1)
+            log_q_buckets = torch.cat([log_q.gather(1, top_ids), log_tail_z - log_z], dim=1)
+            value, h = bucket_divergence(log_p, log_q_buckets, spec)
+            grad_s = torch.exp(tail_logits - log_tail_z) * h[:, -1:]  # q_j / Q_tail * H_tail; 0 on the top K
+            grad_s.scatter_(1, top_ids, h[:, :-1])  # a top-K token is its own bucket: q_j / Q_j = 1
+        grad_s -= log_q.exp() * h.sum(-1, keepdim=True)
+        total += spec.kl_weight * value.sum()
+        grad += (spec.kl_weight / spec.temperature) * grad_s
+    return total, grad
+
+
+class _ChunkedLinearDistillation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, teacher_hidden, top_ids, top_logprobs, spec: Divergence, chunk: int):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = (hidden[rows] @ weight.t()).float()  # the matmul in the input dtype, the rest in fp32
+            teacher = (teacher_hidden[rows] @ weight.t()).float() if teacher_hidden is not None else None
+            part, grad = distillation_rows(logits, targets[rows], teacher,
+                                           top_ids[rows] if top_ids is not None else None,
+                                           top_logprobs[rows] if top_logprobs is not None else None, spec)
+            total += part
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad.to(hidden.dtype) @ weight
+        ctx.save_for_backward(grad_hidden if grad_hidden is not None else hidden.new_empty(0))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden.float() * grad_output.float()).to(grad_hidden.dtype), *([None] * 7)
+
+
+def chunked_distillation(spec: Divergence, chunk: int):
+    # A KL keeps about four vocabulary-wide fp32 blocks per row alive (student, teacher, their
+    # log-probabilities, the gradient), CE one: a quarter of the rows at a time.
+    rows = max(1, chunk // 4)
+
+    def summed(hidden, weight, targets, teacher: TeacherTargets | None = None):
+        if teacher is None:
+            raise ValueError("a distillation objective needs the teacher's targets")
+        return _ChunkedLinearDistillation.apply(hidden, weight, targets, teacher.hidden, teacher.top_ids,
+                                                teacher.top_logprobs, spec, rows)
+
+    return summed
+
+
+# ---------------------------------------------------------------- the seam
+
+def divergence_of(settings) -> Divergence:
+    """loss.* -> what the distillation kernel computes."""
+    ce, kl = {"ce": (1.0, 0.0), "kl": (0.0, 1.0), "mix": (settings.ce_weight, settings.kl_weight)}[settings.objective]
+    return Divergence(ce_weight=ce, kl_weight=kl, direction=settings.kl.direction,
+                      temperature=settings.kl.temperature, beta=settings.kl.jsd_beta)
+
+
+def make_loss(settings):
+    """f(hidden, weight, targets, teacher=None) -> fp32 summed loss, for loss.* (LossSettings).
+
+    ce: Liger's fused linear cross entropy on CUDA when installed (kernel auto), else spds's
+    chunked one; kl and mix: spds's chunked distillation kernel on every device (Liger's fused
+    linear JSD averages over tokens, and spds needs the plain sum: see bench/RESULTS.md).
+    f.kernel names the choice; f.needs_teacher says whether the model must supply targets."""
+    kernel, chunk = settings.kernel, settings.chunk_tokens
     if kernel == "liger" and not liger_available():
         from .fsio import SpdsError
 
         raise SpdsError("loss.kernel is 'liger' but liger-kernel is not importable or there is no CUDA device "
                         "(pip install 'spds[gpu]', or set loss.kernel to 'auto')")
-    chosen = "liger" if kernel == "liger" or (kernel == "auto" and liger_available()) else "chunked"
-    loss_fn = OBJECTIVES[objective][chosen](chunk)
+    if settings.objective == "ce":
+        chosen = "liger" if kernel == "liger" or (kernel == "auto" and liger_available()) else "chunked"
+        loss_fn = liger_cross_entropy() if chosen == "liger" else chunked_cross_entropy(chunk)
+        loss_fn.needs_teacher = False
+    else:
+        chosen = "chunked-distillation"
+        loss_fn = chunked_distillation(divergence_of(settings), chunk)
+        loss_fn.needs_teacher = True
     loss_fn.kernel = chosen
     return loss_fn

@@ -28,6 +28,8 @@ class Segment:
     ids: torch.Tensor  # int64 [L], on the model's device
     prefix_tokens: int
     insert_at: int
+    top_ids: torch.Tensor | None = None  # int64 [L - prefix_tokens, K]: an offline teacher's top-k (if packed)
+    top_logprobs: torch.Tensor | None = None  # float32, the same shape
 
     @property
     def supervised_tokens(self) -> int:
@@ -48,6 +50,11 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
         segments[i] = Segment(ids=on_device[start:start + length], prefix_tokens=int(store.prefix_tokens[i]),
                               insert_at=int(store.insert_at[i]))
         start += length
+    if store.top_k:
+        for i in records:
+            top_ids, top_logprobs = store.top_k_of(i)
+            segments[i].top_ids = torch.from_numpy(top_ids).to(device)
+            segments[i].top_logprobs = torch.from_numpy(top_logprobs).to(device)
     return segments
 
 
@@ -85,12 +92,12 @@ def initial_prompt(student: nn.Module, length: int, init: dict, seed: int, token
     """The prompt's starting value, FP32 [length, hidden], identical on every rank for a seed."""
     embeddings = student.get_input_embeddings().weight
     generator = torch.Generator().manual_seed(seed)  # CPU generator: the same values on any device
-    if init["method"] == "random_normal":
-        return torch.randn(length, embeddings.shape[1], generator=generator) * init["std"]
-    if init["method"] == "vocab_sample":
+    if init.method == "random_normal":
+        return torch.randn(length, embeddings.shape[1], generator=generator) * init.std
+    if init.method == "vocab_sample":
         ids = torch.randint(0, embeddings.shape[0], (length,), generator=generator)
     else:  # text: its token embeddings, repeated or truncated to the prompt length
-        ids = torch.tensor(tokenizer.encode(init["text"], add_special_tokens=False))
+        ids = torch.tensor(tokenizer.encode(init.text, add_special_tokens=False))
         ids = ids.repeat((length + len(ids) - 1) // len(ids))[:length]
     return embeddings.detach()[ids.to(embeddings.device)].float().cpu()
 
@@ -191,6 +198,7 @@ class SoftPromptModel(nn.Module):
         self.sdpa_backend = sdpa_backend
         self.checkpointing = CheckpointPolicy(activation_checkpointing, student, activation_memory_gib, device)
         self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
+        self.teacher = None  # spds/teacher.py, for a loss that needs one
         if activation_checkpointing is not False:
             enable_checkpointing(student)
         student.eval()
@@ -254,42 +262,52 @@ class SoftPromptModel(nn.Module):
         return torch.cat(rows), torch.cat(targets)
 
     def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None,
-                checkpoint_positions: int | None = None) -> torch.Tensor:
-        """Summed cross entropy (fp32 scalar) over the supervised tokens of `segments`."""
+                checkpoint_positions: int | None = None, loss_fn=None) -> torch.Tensor:
+        """The summed loss (fp32 scalar) over the supervised tokens of `segments`: the model's own
+        loss (loss.objective), or `loss_fn` (eval's NLL and KL)."""
+        loss_fn = loss_fn or self.loss_fn
+        # The teacher first: its activations are freed before the student's are stored.
+        teacher = self.teacher.targets(segments) if loss_fn.needs_teacher else None
         rows, targets = self.response_states(segments, inserted, checkpoint_positions)
         weight = self.student.get_output_embeddings().weight
         with self.layout.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight
-            return self.loss_fn(rows, weight, targets)
+            return loss_fn(rows, weight, targets, teacher)
 
 
 def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor | None = None, training: bool = True,
-                            student: nn.Module | None = None) -> SoftPromptModel:
+                            student: nn.Module | None = None, store=None) -> SoftPromptModel:
     """The student as every command runs it: train, smoke, eval and the GPU benchmark build it here,
     so they share the kernels (Liger), the attention choice (deterministic or by length), the
-    loss kernel and the placement of a student to be sharded. `prompt` is the initial value
-    (training) or a checkpoint's (eval); `student` lets the benchmark reuse one it holds."""
+    loss kernel, the teacher and the placement of a student to be sharded. `prompt` is the initial
+    value (training) or a checkpoint's (eval); `student` lets the benchmark reuse one it holds;
+    `store` (the packed data) decides an `auto` teacher, for a loss that needs one."""
     from .loss import make_loss
 
-    student_cfg, prompt_cfg = config["student"], config["soft_prompt"]
+    student_cfg, prompt_cfg = config.student, config.soft_prompt
     if student is None:
         # A student to be sharded is loaded on the host; its layout puts each shard on the device.
         host = torch.device("cpu") if config.shards_student else device
-        student = load_student(config.model_path, student_cfg["dtype"], student_cfg["attn_implementation"], host)
-        if student_cfg["liger_kernels"]:
+        student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
+        if student_cfg.liger_kernels:
             apply_liger_kernels(student)
-    sdpa_backend = student_cfg["sdpa_backend"]
-    if config["train"]["deterministic"] and sdpa_backend == "auto":
+    sdpa_backend = student_cfg.sdpa_backend
+    if config.train.deterministic and sdpa_backend == "auto":
         # Flash and cuDNN attention backward accumulate with atomics: measured on H200, the same
         # record gives a different prompt gradient run to run. The math kernel does not.
         sdpa_backend = "math"
     if prompt is None:
         tokenizer = None
-        if prompt_cfg["init"]["method"] == "text":
+        if prompt_cfg.init.method == "text":
             from .data.prepare import load_tokenizer
 
             tokenizer = load_tokenizer(config)
-        prompt = initial_prompt(student, prompt_cfg["length"], prompt_cfg["init"], config["optim"]["seed"], tokenizer)
-    loss_fn = make_loss(config["loss"]["objective"], config["loss"]["kernel"], config["loss"]["chunk_tokens"])
-    checkpointing = student_cfg["activation_checkpointing"] if training else False  # nothing to recompute
-    return SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg["activation_memory_gib"],
-                           student_cfg["pad_to_multiple_of"], device)
+        prompt = initial_prompt(student, prompt_cfg.length, prompt_cfg.init, config.optim.seed, tokenizer)
+    loss_fn = make_loss(config.loss)
+    checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
+    model = SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg.activation_memory_gib,
+                            student_cfg.pad_to_multiple_of, device)
+    if loss_fn.needs_teacher:
+        from .teacher import build_teacher
+
+        model.teacher = build_teacher(config, model, store)
+    return model

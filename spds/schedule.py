@@ -70,14 +70,14 @@ def deal_to_ranks(indices: np.ndarray, costs: np.ndarray, world: int) -> list[li
 
 def lr_factor(step: int, optim: dict) -> float:
     """Multiplier of optim.learning_rate for the update after `step` completed updates."""
-    warmup, total = optim["warmup_updates"], optim["updates"]
+    warmup, total = optim.warmup_updates, optim.updates
     if warmup and step < warmup:
         return (step + 1) / warmup
-    if optim["schedule"] == "constant" or total <= warmup:
+    if optim.schedule == "constant" or total <= warmup:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup - 1))
-    floor = optim["min_lr_ratio"]
-    if optim["schedule"] == "linear":
+    floor = optim.min_lr_ratio
+    if optim.schedule == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -101,8 +101,8 @@ class Plan:
 
     def __init__(self, store, optim: dict, prompt_length: int, world: int):
         self.store, self.world = store, world
-        self.seed, self.batch, self.micro_batch = optim["seed"], optim["effective_batch"], optim["micro_batch"]
-        self.micro_batch_tokens = optim["micro_batch_tokens"]
+        self.seed, self.batch, self.micro_batch = optim.seed, optim.effective_batch, optim.micro_batch
+        self.micro_batch_tokens = optim.micro_batch_tokens
         self.train_records = np.flatnonzero(store.is_train)
         if not len(self.train_records):
             raise SpdsError("no training records: data.eval_fraction holds out every question")
@@ -112,11 +112,19 @@ class Plan:
     def step(self, update: int, force_longest: bool = False) -> Step:
         batch = self.train_records[global_batch(self.seed, update, len(self.train_records), self.batch)]
         if force_longest:  # the smoke proves the longest record fits: make sure it is in
-            longest = self.train_records[int(np.argmax(self.store.length[self.train_records]))]
+            longest = self.longest_record
             if longest not in batch:
                 batch = batch.copy()
                 batch[0] = longest
         return self.step_of(update, batch)
+
+    @property
+    def longest_record(self) -> int:
+        return int(self.train_records[int(np.argmax(self.store.length[self.train_records]))])
+
+    @property
+    def longest_record_tokens(self) -> int:
+        return int(self.store.length[self.longest_record])
 
     def step_of(self, update: int, batch: np.ndarray) -> Step:
         return Step(update=update, batch=batch, dealt=deal_to_ranks(batch, self.costs, self.world),

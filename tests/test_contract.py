@@ -1,7 +1,9 @@
 """The run contract: schemas, defaults, unknown keys, every problem at once, pins."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 
 import jsonschema
 import pytest
@@ -10,6 +12,7 @@ from conftest import REPO, edit_config
 from spds.cli import main
 from spds.contract import load_config, load_schema, pin_config
 from spds.fsio import SpdsError, sha256_path
+from spds.settings import SECTIONS, CandidateSettings
 
 
 def test_every_schema_is_valid_draft_2020_12():
@@ -30,10 +33,34 @@ def test_every_shipped_deepspeed_config_validates(tiny):
 def test_defaults_come_from_the_schema(tiny):
     config = load_config(tiny / "config.json")
     schema = load_schema("config")
-    assert config["optim"]["betas"] == schema["properties"]["optim"]["properties"]["betas"]["default"]
-    assert config["student"]["attn_implementation"] == "sdpa"
-    assert config["data_parallel_size"] == "any"
-    assert config["data"]["candidates"][0]["sha256"] is None
+    assert list(config.optim.betas) == schema["properties"]["optim"]["properties"]["betas"]["default"]
+    assert config.student.attn_implementation == "sdpa"
+    assert config.data_parallel_size == "any"
+    assert config.data.candidates[0].sha256 is None
+    assert config.soft_prompt.init.std == schema["properties"]["soft_prompt"]["properties"]["init"]["properties"][
+        "std"]["default"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.optim.learning_rate = 1.0  # a run's settings do not change under it
+
+
+def test_every_schema_field_has_a_typed_setting_and_no_more():
+    """settings.py declares types only; the schema owns the fields. Renamed keys (refused by the
+    schema with a message) have no setting."""
+    schema = load_schema("config")
+
+    def fields_of(node: dict) -> set[str]:
+        return {key for key, sub in node["properties"].items() if "not" not in sub}
+
+    for key, cls in SECTIONS.items():
+        section = schema["properties"][key]
+        assert {f.name for f in dataclasses.fields(cls)} == fields_of(section), key
+        for f in dataclasses.fields(cls):
+            nested = section["properties"][f.name]
+            if nested.get("type") == "object" and "properties" in nested:
+                hint = typing.get_type_hints(cls)[f.name]
+                assert {g.name for g in dataclasses.fields(hint)} == fields_of(nested), f"{key}.{f.name}"
+    candidate = schema["properties"]["data"]["properties"]["candidates"]["items"]
+    assert {f.name for f in dataclasses.fields(CandidateSettings)} == fields_of(candidate)
 
 
 def test_all_problems_reported_together_with_nearest_key(tiny, capsys):
@@ -89,7 +116,7 @@ def test_pin_then_changed_input_refuses_naming_expected_and_actual(tiny):
     lock = json.loads((tiny / "config.json.pins.json").read_text())
     digest = sha256_path(tiny / "candidates.jsonl")
     assert lock["pins"]["data.candidates[0].sha256"] == pins["data.candidates[0].sha256"] == digest
-    assert load_config(tiny / "config.json")["data"]["candidates"][0]["sha256"] == pins["data.candidates[0].sha256"]
+    assert load_config(tiny / "config.json").data.candidates[0].sha256 == pins["data.candidates[0].sha256"]
     with open(tiny / "candidates.jsonl", "a") as stream:
         stream.write("\n")
     with pytest.raises(SpdsError) as caught:
@@ -115,10 +142,10 @@ def test_yaml_config_keeps_its_comments_when_pinned(tiny):
     config = json.loads((tiny / "config.json").read_text())
     text = "# the tiny run: lr chosen by hand\n" + yaml.safe_dump(config)
     (tiny / "config.yaml").write_text(text)
-    assert load_config(tiny / "config.yaml")["optim"]["effective_batch"] == 8
+    assert load_config(tiny / "config.yaml").optim.effective_batch == 8
     pins = pin_config(tiny / "config.yaml")
     assert (tiny / "config.yaml").read_text() == text
-    assert load_config(tiny / "config.yaml")["student"]["model_sha256"] == pins["student.model_sha256"]
+    assert load_config(tiny / "config.yaml").student.model_sha256 == pins["student.model_sha256"]
     (tiny / "candidates.jsonl").write_text((tiny / "candidates.jsonl").read_text() + "\n")
     with pytest.raises(SpdsError, match="changed since it was pinned"):
         load_config(tiny / "config.yaml")

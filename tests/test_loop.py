@@ -10,7 +10,7 @@ import torch
 from conftest import edit_config, make_tiny
 from helpers import FAST, check, final_state, read_json, spds
 
-from spds.contract import load_config
+from spds.contract import load_config, section
 from spds.data.packed import PackedStore
 from spds.export import insertion_point, load_soft_prompt, splice
 from spds.model import load_student
@@ -46,6 +46,45 @@ def test_generate_is_deterministic_and_resumes_after_a_torn_write(loop_dir, tmp_
     assert output.read_bytes() == first
     # The generated rows are valid candidates.
     check(spds(["prepare", "config.json"], loop_dir))
+
+
+@pytest.mark.slow
+def test_generate_writes_the_teachers_top_k_and_prepare_packs_them(loop_dir):
+    """generate.top_k_logprobs: each row carries, per supervised token, the teacher's k most
+    likely next tokens and their log-probabilities, recomputed here with a plain forward of the
+    teacher (the student with the context as system message) over the same ids."""
+    from transformers import AutoModelForCausalLM
+
+    edit_config(loop_dir, generate={**read_json(loop_dir / "config.json")["generate"], "top_k_logprobs": 4,
+                                    "output": "top-k.jsonl"},
+                data={"candidates": [{"path": "top-k.jsonl"}], "packed_dir": "packed-top-k", "context_limit": 4096,
+                      "eval_fraction": 0.25},
+                loss={"objective": "kl", "teacher": "top_k"})
+    check(spds(["generate", "config.json"], loop_dir))
+    rows = [json.loads(line) for line in (loop_dir / "top-k.jsonl").read_text().splitlines()]
+    row = rows[5]
+    top = row["top_logprobs"]
+    assert len(top["ids"]) == row["supervised_tokens"] and {len(ids) for ids in top["ids"]} == {4}
+    config = load_config(loop_dir / "config.json")
+    teacher = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32).eval()
+    tokenizer = make_tiny.chatml_tokenizer()
+    assert "Lumen Bay" not in tokenizer.decode(row["input_ids"][:row["prefix_tokens"]])  # the teacher's prompt had it
+    question = next(q["question"] for q in read_rows_questions(loop_dir) if q["question_id"] == row["question_id"])
+    messages = [{"role": "system", "content": make_tiny.CONTEXT}, {"role": "user", "content": question}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+    response = row["input_ids"][row["prefix_tokens"]:]
+    with torch.no_grad():
+        logits = teacher(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+    expected = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
+    assert top["ids"] == expected.indices.tolist()
+    torch.testing.assert_close(torch.tensor(top["logprobs"]), expected.values, rtol=1e-4, atol=1e-4)
+    manifest = json.loads(check(spds(["prepare", "config.json"], loop_dir)).stdout.splitlines()[-1])
+    assert json.loads((loop_dir / "packed-top-k" / "manifest.json").read_text())["top_k"] == 4, manifest
+
+
+def read_rows_questions(directory) -> list[dict]:
+    return [json.loads(line) for line in (directory / "questions.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -88,14 +127,15 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     floor, soft, ceiling = (report["nll"][k] for k in ("floor", "soft", "ceiling"))
     assert report["gap_recovered"] == pytest.approx((floor - soft) / (floor - ceiling))
     assert report["context_tokens"] == len(context)
-    assert report["kl_to_context"] == pytest.approx(kl / tokens, rel=1e-4) and report["kl_to_context"] > 0
+    assert report["kl_to_teacher"] == pytest.approx(kl / tokens, rel=1e-4) and report["kl_to_teacher"] > 0
+    assert report["teacher"] == "context"
     # Launched on two ranks, eval shares the records and reports the same numbers.
     check(spds(["eval", "config.json"], tiny, world=2, launcher="torchrun"))
     shared = read_json(tiny / "run" / "eval.json")
     assert shared["world_size"] == 2
     for name in blocks:
         assert shared["nll"][name] == pytest.approx(report["nll"][name], rel=1e-6)
-    assert shared["kl_to_context"] == pytest.approx(report["kl_to_context"], rel=1e-5)
+    assert shared["kl_to_teacher"] == pytest.approx(report["kl_to_teacher"], rel=1e-5)
     # With the student sharded as in training, over an odd number of records (one rank runs a
     # filler pass to keep the collective gathers in step): the one-process numbers.
     edit_config(tiny, eval={"kl": True, "max_records": len(held_out) - 1 + len(held_out) % 2},
@@ -110,7 +150,7 @@ def test_eval_matches_a_hand_computed_reference(tiny):
         assert result["records"] == reference["records"]
         for name in blocks:
             assert result["nll"][name] == pytest.approx(reference["nll"][name], rel=1e-6), (sharded, name)
-        assert result["kl_to_context"] == pytest.approx(reference["kl_to_context"], rel=1e-5)
+        assert result["kl_to_teacher"] == pytest.approx(reference["kl_to_teacher"], rel=1e-5)
         edit_config(tiny, sharding="deepspeed", deepspeed_config="ds_configs/zero0.json")
 
 
@@ -137,7 +177,7 @@ def test_export_round_trip_and_generation_splices_as_training(tiny):
     assert insert_at == len(store.manifest["scaffold"]["system_header"])
     with torch.no_grad():
         generation_logits = student(inputs_embeds=splice(student, prompt, ids, insert_at)).logits[0, -1]
-        model = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 64))
+        model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked", chunk_tokens=64)))
         hidden = model.hidden_states([Segment(torch.tensor(ids), len(ids) - 1, insert_at)], model.prompt)[0]
         training_logits = hidden[-1] @ student.get_output_embeddings().weight.t()
     torch.testing.assert_close(generation_logits, training_logits, rtol=1e-5, atol=1e-5)
@@ -164,7 +204,7 @@ def test_peft_adapter_gives_the_same_loss_for_prefix_placement(tiny):
     from spds.model import Segment, SoftPromptModel
 
     reference = SoftPromptModel(load_student(config.model_path, "float32", "sdpa", torch.device("cpu")), prompt,
-                                make_loss("ce", "chunked", 64))
+                                make_loss(section("loss", kernel="chunked", chunk_tokens=64)))
     with torch.no_grad():
         for i in range(3):
             ids = torch.from_numpy(store.ids(i))

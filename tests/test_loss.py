@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spds.contract import section
 from spds.loss import chunked_linear_cross_entropy, make_loss, reference_linear_cross_entropy
 
 
@@ -25,7 +26,7 @@ def test_chunked_matches_reference(dtype, tolerance, chunk):
 
 
 def test_weight_gets_no_gradient_and_auto_backend_on_cpu():
-    loss_fn = make_loss("ce", "auto", 4)
+    loss_fn = make_loss(section("loss", kernel="auto", chunk_tokens=4))
     assert loss_fn.kernel == "chunked"  # no CUDA here
     hidden = torch.randn(5, 8, requires_grad=True)
     weight = torch.randn(11, 8, requires_grad=False)

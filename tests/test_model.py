@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import make_tiny
 
+from spds.contract import section
 from spds.loss import make_loss
 from spds.model import Segment, SoftPromptModel, initial_prompt, load_student
 
@@ -12,6 +13,16 @@ from spds.model import Segment, SoftPromptModel, initial_prompt, load_student
 @pytest.fixture(scope="module")
 def student(tiny_assets):
     return load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
+
+
+
+def init(**fields):
+    """soft_prompt.init from these fields and the schema's defaults."""
+    return section("soft_prompt", init=fields).init
+
+
+CHUNKED_16 = make_loss(section("loss", kernel="chunked", chunk_tokens=16))
+CHUNKED_64 = make_loss(section("loss", kernel="chunked", chunk_tokens=64))
 
 
 def make_segment(tokenizer, system: bool = True) -> Segment:
@@ -37,8 +48,8 @@ def test_loss_and_prompt_gradient_match_the_students_own_forward(student, insert
     tokenizer = make_tiny.chatml_tokenizer()
     segment = make_segment(tokenizer)
     segment.insert_at = insert_at
-    prompt = initial_prompt(student, 5, {"method": "random_normal", "std": 0.5}, seed=3)
-    model = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 16))
+    prompt = initial_prompt(student, 5, init(method="random_normal", std=0.5), seed=3)
+    model = SoftPromptModel(student, prompt, CHUNKED_16)
     loss = model([segment])
     loss.backward()
     reference_prompt = prompt.clone().requires_grad_()
@@ -55,8 +66,8 @@ def test_padded_micro_batch_equals_separate_records(student):
     rows = [r for r in make_tiny.synthetic_rows(tokenizer, 8) if "input_ids" in r][:3]
     segments = [Segment(torch.tensor(r["input_ids"]), r["prefix_tokens"], 3) for r in rows]
     assert len({len(s.ids) for s in segments}) > 1  # really padded
-    prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=1)
-    model = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 64))
+    prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=1)
+    model = SoftPromptModel(student, prompt, CHUNKED_64)
     together = model(segments)
     separate = sum(model([s]) for s in segments)
     torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-4)
@@ -65,22 +76,22 @@ def test_padded_micro_batch_equals_separate_records(student):
 def test_length_buckets_pad_without_changing_the_loss(student):
     tokenizer = make_tiny.chatml_tokenizer()
     segment = make_segment(tokenizer)
-    prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=1)
-    exact = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 64), pad_to_multiple_of=1)([segment])
-    padded = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 64), pad_to_multiple_of=97)([segment])
+    prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=1)
+    exact = SoftPromptModel(student, prompt, CHUNKED_64, pad_to_multiple_of=1)([segment])
+    padded = SoftPromptModel(student, prompt, CHUNKED_64, pad_to_multiple_of=97)([segment])
     torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-4)
 
 
 def test_init_methods(student):
     tokenizer = make_tiny.chatml_tokenizer()
     embeddings = student.get_input_embeddings().weight
-    text = initial_prompt(student, 5, {"method": "text", "text": "ab"}, 0, tokenizer)
+    text = initial_prompt(student, 5, init(method="text", text="ab"), 0, tokenizer)
     ids = tokenizer.encode("ab", add_special_tokens=False)
     assert torch.equal(text, embeddings[[ids[0], ids[1], ids[0], ids[1], ids[0]]].float())
-    sampled = initial_prompt(student, 6, {"method": "vocab_sample"}, 0)
+    sampled = initial_prompt(student, 6, init(method="vocab_sample"), 0)
     assert all(any(torch.equal(row, e) for e in embeddings.float()) for row in sampled)
-    first = initial_prompt(student, 4, {"method": "random_normal", "std": 0.1}, 9)
-    assert torch.equal(first, initial_prompt(student, 4, {"method": "random_normal", "std": 0.1}, 9))
+    first = initial_prompt(student, 4, init(method="random_normal", std=0.1), 9)
+    assert torch.equal(first, initial_prompt(student, 4, init(method="random_normal", std=0.1), 9))
     assert first.dtype == torch.float32 and 0.05 < first.std() < 0.2
 
 
@@ -90,8 +101,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
     results = []
     for count in (0, 1, 2):  # none, the first of the tiny student's two layers, both
         student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
-        prompt = initial_prompt(student, 4, {"method": "random_normal", "std": 0.5}, seed=2)
-        model = SoftPromptModel(student, prompt, make_loss("ce", "chunked", 16), activation_checkpointing=count > 0)
+        prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=2)
+        model = SoftPromptModel(student, prompt, CHUNKED_16, activation_checkpointing=count > 0)
         model.checkpointing = lambda positions, count=count: count
         recomputed = []  # count the layer forwards run again during backward
         for layer in student.model.layers:

@@ -31,8 +31,22 @@ CLIPPED = dict(student={"dtype": "float32"},
                optim={**FAST["optim"], "updates": 3, "learning_rate": 0.003, "max_grad_norm": 20.0})
 
 
-def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float) -> dict:
-    from transformers import AutoModelForCausalLM
+def divergence(log_p: torch.Tensor, log_q: torch.Tensor, direction: str, beta: float) -> torch.Tensor:
+    """Summed D(teacher p, student q) over rows, the textbook formulas (autograd differentiates)."""
+    p, q = log_p.exp(), log_q.exp()
+    if direction == "forward":
+        return (p * (log_p - log_q)).sum()
+    if direction == "reverse":
+        return (q * (log_q - log_p)).sum()
+    m = beta * p + (1 - beta) * q
+    return beta * (p * (log_p - m.log())).sum() + (1 - beta) * (q * (log_q - m.log())).sum()
+
+
+def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, loss: dict | None = None) -> dict:
+    """`loss` None: CE. Else {objective, direction, temperature, beta, ce_weight, kl_weight, teacher}:
+    the teacher is the student with the context's tokens spliced in (a plain forward over the whole
+    sequence), or the packed top-k with the rest of the mass one bucket."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = json.loads((run_dir / "config.json").read_text())
     optim, init = config["optim"], config["soft_prompt"]["init"]
@@ -48,6 +62,13 @@ def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float) ->
     prompt.requires_grad_(True)
     adam = torch.optim.AdamW([prompt], lr=learning_rates[0], betas=tuple(optim.get("betas", (0.9, 0.999))),
                              eps=optim.get("eps", 1e-8), weight_decay=optim.get("weight_decay", 0.0))
+    if loss is not None and loss["teacher"] == "context":
+        tokenizer = AutoTokenizer.from_pretrained(config["student"]["model_path"])
+        context = embed(torch.tensor(tokenizer.encode(config["context"]["text"], add_special_tokens=False)))
+    if loss is not None and loss["teacher"] == "top_k":
+        k = json.loads((packed / "manifest.json").read_text())["top_k"]
+        top_ids = torch.from_numpy(np.fromfile(packed / "top_k_ids.int32", dtype="<i4").astype(np.int64)).view(-1, k)
+        top_logprobs = torch.from_numpy(np.fromfile(packed / "top_k_logprobs.float32", dtype="<f4")).view(-1, k)
     B, grad_norms = optim["effective_batch"], []
     for update, learning_rate in enumerate(learning_rates, start=1):
         epoch, k = divmod(update - 1, len(train) // B)
@@ -61,8 +82,27 @@ def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float) ->
             joined = torch.cat([embed(ids[:a]), prompt, embed(ids[a:])])[None]
             logits = student(inputs_embeds=joined).logits[0].float()
             # response token ids[t] sits at joined position t + length and is predicted from the one before
-            total = total + torch.nn.functional.cross_entropy(logits[prefix + length - 1:len(ids) + length - 1],
-                                                              ids[prefix:], reduction="sum")
+            response_logits = logits[prefix + length - 1:len(ids) + length - 1]
+            ce = torch.nn.functional.cross_entropy(response_logits, ids[prefix:], reduction="sum")
+            if loss is None:
+                total = total + ce
+                continue
+            T = loss["temperature"]
+            log_q = torch.log_softmax(response_logits / T, dim=-1)
+            if loss["teacher"] == "context":
+                with torch.no_grad():
+                    seen = torch.cat([embed(ids[:a]), context, embed(ids[a:])])[None]
+                    C = len(context)
+                    teacher = student(inputs_embeds=seen).logits[0, prefix + C - 1:len(ids) + C - 1]
+                log_p = torch.log_softmax(teacher / T, dim=-1)
+            else:
+                rows = slice(entry["top_k_offset"], entry["top_k_offset"] + entry["supervised_tokens"])
+                chosen, logprobs = top_ids[rows], top_logprobs[rows]
+                q_top = log_q.exp().gather(1, chosen)
+                log_q = torch.cat([q_top, 1 - q_top.sum(-1, keepdim=True)], dim=1).log()
+                log_p = torch.cat([logprobs, (1 - logprobs.exp().sum(-1, keepdim=True)).log()], dim=1)
+            kl = divergence(log_p, log_q, loss["direction"], loss["beta"])
+            total = total + loss["ce_weight"] * ce + loss["kl_weight"] * kl
         (total / sum(entry["supervised_tokens"] for entry in batch)).backward()
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm)))
         for group in adam.param_groups:
@@ -105,3 +145,73 @@ def test_update_equals_plain_pytorch_for_every_backend_and_world_size(prepared):
     # moves the prompt far beyond the tolerance above.
     for other in (1.0, float("inf")):
         assert (reference_run(prepared, learning_rates, other)["prompt"] - reference["prompt"]).abs().max() > 1e-4
+
+
+# Every direction, on 1, 2 and 3 ranks between them; the kernel itself is checked for every
+# direction and temperature against the same formulas in tests/test_kl.py.
+KL_RUNS = {  # name: (world, launcher, loss section, reference's loss)
+    "kl-forward-1": (1, "plain", dict(objective="kl"),
+                     dict(direction="forward", temperature=1.0, ce_weight=0.0, kl_weight=1.0)),
+    "kl-reverse-2": (2, "torchrun", dict(objective="kl", reuse_context_kv=True,
+                                         kl={"direction": "reverse", "temperature": 2.0}),
+                     dict(direction="reverse", temperature=2.0, ce_weight=0.0, kl_weight=1.0)),
+    "mix-jsd-3": (3, "torchrun", dict(objective="mix", ce_weight=0.5, kl_weight=2.0,
+                                      kl={"direction": "jsd", "jsd_beta": 0.3, "temperature": 1.5}),
+                  dict(direction="jsd", temperature=1.5, ce_weight=0.5, kl_weight=2.0, beta=0.3)),
+}
+
+
+@pytest.mark.slow
+def test_kl_update_equals_plain_pytorch_online_teacher_on_1_2_and_3_ranks(prepared):
+    from conftest import make_tiny
+
+    for name, (world, launcher, section, expected) in KL_RUNS.items():
+        edit_config(prepared, output_dir=name, **CLIPPED, loss=section, context={"text": make_tiny.CONTEXT})
+        check(spds(["train", "config.json"], prepared, world=world, launcher=launcher))
+        assert read_json(prepared / name / "run.json")["loss_kernel"] == "chunked-distillation"
+        lines = metrics(prepared / name)
+        reference = reference_run(prepared, [m["learning_rate"] for m in lines], max_grad_norm=20.0,
+                                  loss=dict(dict(beta=0.5, teacher="context"), **expected))
+        state = final_state(prepared / name)
+        for key in ("prompt", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key], reference[key], rtol=0, atol=1e-6,
+                                       msg=lambda m, name=name, key=key: f"{name} {key} vs plain PyTorch: {m}")
+        assert [m["grad_norm"] for m in lines] == pytest.approx(reference["grad_norms"], rel=1e-5)
+        assert (state["prompt"] - reference_run(prepared, [m["learning_rate"] for m in lines], 20.0)["prompt"]
+                ).abs().max() > 1e-4, f"{name}: the KL run moved the prompt as CE would"
+
+
+@pytest.mark.slow
+def test_kl_over_an_offline_teachers_top_k_equals_plain_pytorch_on_that_support(prepared):
+    """Rows carrying top-k log-probabilities (random here: the arithmetic is the point) are packed
+    beside the tokens and trained on; the reference reads the packed files with numpy."""
+    index = [json.loads(line) for line in (prepared / "packed" / "index.jsonl").read_text().splitlines()]
+    supervised = {entry["request_id"]: entry["supervised_tokens"] for entry in index}
+    generator = np.random.default_rng(0)
+    rows = []
+    for line in (prepared / "candidates.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        n, k = supervised[row["request_id"]], 5
+        ids = [generator.choice(200, size=k, replace=False).tolist() for _ in range(n)]
+        shares = generator.dirichlet(np.ones(k), size=n) * generator.uniform(0.5, 0.95, size=(n, 1))
+        rows.append(dict(row, top_logprobs=dict(ids=ids, logprobs=np.log(shares).tolist())))
+    (prepared / "top-k.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    edit_config(prepared, output_dir="top-k", **CLIPPED, loss=dict(objective="kl", teacher="top_k"),
+                data={"candidates": [{"path": "top-k.jsonl"}], "packed_dir": "packed-top-k"})
+    check(spds(["prepare", "config.json"], prepared))
+    check(spds(["train", "config.json"], prepared, world=2, launcher="torchrun"))
+    lines = metrics(prepared / "top-k")
+    reference = reference_run(prepared, [m["learning_rate"] for m in lines], max_grad_norm=20.0,
+                              loss=dict(direction="forward", temperature=1.0, ce_weight=0.0, kl_weight=1.0, beta=0.5,
+                                        teacher="top_k"))
+    state = final_state(prepared / "top-k")
+    for key in ("prompt", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(state[key], reference[key], rtol=0, atol=1e-6)
+    # A row without them under an offline teacher is refused, naming file, line, request_id and rule.
+    (prepared / "top-k.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3])
+                                          + json.dumps({k: v for k, v in rows[3].items() if k != "top_logprobs"})
+                                          + "\n")
+    edit_config(prepared, data={"candidates": [{"path": "top-k.jsonl"}], "packed_dir": "packed-top-k-2"})
+    result = spds(["prepare", "config.json"], prepared)
+    assert result.returncode != 0
+    assert f"top-k.jsonl:4: request_id {rows[3]['request_id']}: rule 'top-k for an offline teacher'" in result.stderr

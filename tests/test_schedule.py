@@ -1,6 +1,8 @@
 """Batches depend only on (seed, update, dataset size); ranks get equal counts, longest first."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -39,13 +41,14 @@ def test_deal_longest_first_to_least_loaded_with_equal_counts():
 
 
 def test_learning_rate_shapes():
-    optim = dict(warmup_updates=2, updates=10, schedule="cosine", min_lr_ratio=0.1)
+    optim = SimpleNamespace(warmup_updates=2, updates=10, schedule="cosine", min_lr_ratio=0.1)
     factors = [lr_factor(step, optim) for step in range(10)]
     assert factors[:3] == [0.5, 1.0, 1.0]
     assert factors[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(factors[1:], factors[2:]))
-    assert lr_factor(5, dict(optim, schedule="constant")) == 1.0
-    linear = [lr_factor(s, dict(optim, schedule="linear", min_lr_ratio=0.0)) for s in range(2, 10)]
+    assert lr_factor(5, SimpleNamespace(**{**vars(optim), "schedule": "constant"})) == 1.0
+    linear_optim = SimpleNamespace(**{**vars(optim), "schedule": "linear", "min_lr_ratio": 0.0})
+    linear = [lr_factor(s, linear_optim) for s in range(2, 10)]
     assert linear[0] == 1.0 and linear[-1] == 0.0
 
 

@@ -2,7 +2,9 @@
 
     tokens.uint32   little-endian uint32 ids of all records, back to back
     index.jsonl     one line per record: identity, offset, length, prefix, insert_at, source
-    manifest.json   counts, digests of the two files above, the scaffold, the inputs it came from
+    manifest.json   counts, digests of the files beside it, the scaffold, the inputs it came from
+    top_k_ids.int32, top_k_logprobs.float32   (only when the rows carry an offline teacher's
+                    top-k) K entries per supervised token, records back to back; manifest top_k
 
 The writer builds everything in a hidden sibling directory, fsyncs each file, writes the
 manifest last and renames the directory into place: at any instant the store either does not
@@ -32,6 +34,8 @@ from .rows import Record
 TOKENS = "tokens.uint32"
 INDEX = "index.jsonl"
 MANIFEST = "manifest.json"
+TOP_IDS = "top_k_ids.int32"  # only when the rows carry an offline teacher's top-k log-probabilities:
+TOP_LOGPROBS = "top_k_logprobs.float32"  # [supervised tokens of all records, K] each, back to back
 FORMAT = "spds-packed-v1"
 
 
@@ -50,6 +54,9 @@ class PackedWriter:
         self.offset = 0
         self.records = 0
         self.max_length = 0
+        self.top_k = None  # decided by the first record: every record carries the same K, or none does
+        self.top_offset = 0
+        self.top_files = []
 
     def add(self, record: Record, split: str) -> None:
         data = record.ids.astype("<u4", copy=False).tobytes()
@@ -59,17 +66,44 @@ class PackedWriter:
                      supervised_tokens=record.supervised_tokens, insert_at=record.insert_at,
                      response_sha256=record.response_sha256, crc32=zlib.crc32(data), added_system=record.added_system,
                      split=split, source=record.source)
+        if self.add_top_k(record):
+            entry.update(top_k_offset=self.top_offset - record.supervised_tokens, top_k_crc32=self.top_crc)
         self.index.write(json.dumps(entry) + "\n")
         self.offset += len(record.ids)
         self.records += 1
         self.max_length = max(self.max_length, len(record.ids))
 
+    def add_top_k(self, record: Record) -> bool:
+        k = 0 if record.top_ids is None else record.top_ids.shape[1]
+        if self.top_k is None:
+            self.top_k = k
+            if k:
+                self.top_files = [open(self.partial / TOP_IDS, "wb"), open(self.partial / TOP_LOGPROBS, "wb")]
+        if k != self.top_k:
+            raise SpdsError(f"{record.source}: request_id {record.request_id}: rule 'top-k alike': this row carries "
+                            f"{k or 'no'} top-k log-probabilities per token, the first row {self.top_k or 'none'}; "
+                            "every row of the candidate files carries the same k, or none does")
+        if not k:
+            return False
+        ids = record.top_ids.astype("<i4", copy=False).tobytes()
+        logprobs = record.top_logprobs.astype("<f4", copy=False).tobytes()
+        self.top_files[0].write(ids)
+        self.top_files[1].write(logprobs)
+        self.top_crc = zlib.crc32(logprobs, zlib.crc32(ids))
+        self.top_offset += record.supervised_tokens
+        return True
+
+    @property
+    def streams(self) -> list:
+        return [self.tokens, self.index, *self.top_files]
+
     def close_files(self) -> dict[str, str]:
-        for stream in (self.tokens, self.index):
+        for stream in self.streams:
             stream.flush()
             os.fsync(stream.fileno())
             stream.close()
-        return {name: sha256_file(self.partial / name) for name in (TOKENS, INDEX)}
+        names = [TOKENS, INDEX, *([TOP_IDS, TOP_LOGPROBS] if self.top_k else [])]
+        return {name: sha256_file(self.partial / name) for name in names}
 
     def commit(self, manifest: dict) -> None:
         with open(self.partial / MANIFEST, "w") as stream:
@@ -81,7 +115,7 @@ class PackedWriter:
         fsync_dir(self.target.parent)
 
     def abort(self) -> None:
-        for stream in (self.tokens, self.index):
+        for stream in self.streams:
             if not stream.closed:
                 stream.close()
         shutil.rmtree(self.partial, ignore_errors=True)
@@ -114,14 +148,19 @@ class PackedStore:
     insert_at: np.ndarray
     crc32: np.ndarray
     is_train: np.ndarray
+    top_k: int = 0  # K of the packed top-k log-probabilities; 0: none
+    top_k_offset: np.ndarray | None = None
+    top_k_crc32: np.ndarray | None = None
+    top_files: tuple = ()
 
     @classmethod
     def open(cls, directory: Path, verify: bool = True) -> "PackedStore":
         directory = Path(directory)
         manifest = verify_store(directory) if verify else read_json(directory / MANIFEST)
         n = manifest["records"]
-        columns = {k: np.empty(n, dtype=np.int64)
-                   for k in ("offset", "length", "prefix_tokens", "supervised_tokens", "insert_at", "crc32")}
+        top_k = manifest.get("top_k", 0)
+        names = ["offset", "length", "prefix_tokens", "supervised_tokens", "insert_at", "crc32"]
+        columns = {k: np.empty(n, dtype=np.int64) for k in names + (["top_k_offset", "top_k_crc32"] if top_k else [])}
         is_train = np.empty(n, dtype=bool)
         with open(directory / INDEX) as stream:
             for i, line in enumerate(stream):
@@ -133,21 +172,40 @@ class PackedStore:
                     column[i] = entry[key]
                 is_train[i] = entry["split"] == "train"
         tokens_file = open(directory / TOKENS, "rb")
-        return cls(directory=directory, manifest=manifest, tokens_file=tokens_file, is_train=is_train, **columns)
+        top_files = tuple(open(directory / name, "rb") for name in (TOP_IDS, TOP_LOGPROBS)) if top_k else ()
+        return cls(directory=directory, manifest=manifest, tokens_file=tokens_file, is_train=is_train, top_k=top_k,
+                   top_files=top_files, **columns)
 
     def __len__(self) -> int:
         return len(self.offset)
 
-    def ids(self, i: int) -> np.ndarray:
-        size = 4 * int(self.length[i])
-        data = os.pread(self.tokens_file.fileno(), size, 4 * int(self.offset[i]))
+    def _read(self, stream, name: str, i: int, size: int, offset: int) -> bytes:
+        data = os.pread(stream.fileno(), size, offset)
         if len(data) != size:
-            raise SpdsError(f"{self.directory / TOKENS}: record {i} ends past the end of the file (the file was "
+            raise SpdsError(f"{self.directory / name}: record {i} ends past the end of the file (the file was "
                             "truncated or replaced after spds prepare wrote it); run spds prepare again")
+        return data
+
+    def _changed(self, name: str, i: int) -> SpdsError:
+        return SpdsError(f"{self.directory / name}: record {i} no longer holds the tokens spds prepare wrote (its "
+                         "CRC-32 differs: the file was rewritten after it was packed); run spds prepare again")
+
+    def ids(self, i: int) -> np.ndarray:
+        data = self._read(self.tokens_file, TOKENS, i, 4 * int(self.length[i]), 4 * int(self.offset[i]))
         if zlib.crc32(data) != int(self.crc32[i]):
-            raise SpdsError(f"{self.directory / TOKENS}: record {i} no longer holds the tokens spds prepare wrote "
-                            "(its CRC-32 differs: the file was rewritten after it was packed); run spds prepare again")
+            raise self._changed(TOKENS, i)
         return np.frombuffer(data, dtype="<u4").astype(np.int64)
+
+    def top_k_of(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Record i's teacher top-k: ids int64 and log-probabilities float32, [supervised tokens, K]."""
+        rows, k = int(self.supervised_tokens[i]), self.top_k
+        size, offset = 4 * rows * k, 4 * int(self.top_k_offset[i]) * k
+        ids = self._read(self.top_files[0], TOP_IDS, i, size, offset)
+        logprobs = self._read(self.top_files[1], TOP_LOGPROBS, i, size, offset)
+        if zlib.crc32(logprobs, zlib.crc32(ids)) != int(self.top_k_crc32[i]):
+            raise self._changed(f"{TOP_IDS} or {TOP_LOGPROBS}", i)
+        return (np.frombuffer(ids, dtype="<i4").reshape(rows, k).astype(np.int64),
+                np.frombuffer(logprobs, dtype="<f4").reshape(rows, k).copy())
 
     def entries(self):
         """Stream the full index lines (identity fields included)."""

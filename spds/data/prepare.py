@@ -17,7 +17,7 @@ from .. import __version__
 from ..contract import Config, require_valid
 from ..fsio import SpdsError, exclusive_lock, read_json, sha256_file, verified_copy
 from .chat import derive_scaffold, end_token_ids, tokenizer_identity
-from .packed import FORMAT, INDEX, MANIFEST, TOKENS, PackedWriter, verify_store
+from .packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from .rows import RowRules, read_records
 
 
@@ -37,11 +37,11 @@ def split_of(question_id: str, eval_fraction: float) -> str:
 
 def packing_inputs(config: Config, tokenizer, sources: list[dict], end_ids: list[int]) -> dict:
     """Everything that decides the packed bytes; a rerun must see the same, or refuses."""
-    data = config["data"]
-    return dict(sources=sources, tokenizer=tokenizer_identity(tokenizer), placement=config["soft_prompt"]["placement"],
-                prompt_length=config["soft_prompt"]["length"], context_limit=data["context_limit"],
-                end_token_ids=end_ids, chat_template_kwargs=data["chat_template_kwargs"],
-                eval_fraction=data["eval_fraction"])
+    data = config.data
+    return dict(sources=sources, tokenizer=tokenizer_identity(tokenizer), placement=config.soft_prompt.placement,
+                prompt_length=config.soft_prompt.length, context_limit=data.context_limit,
+                end_token_ids=end_ids, chat_template_kwargs=data.chat_template_kwargs,
+                eval_fraction=data.eval_fraction)
 
 
 def prepare(config: Config, log=print) -> dict:
@@ -63,14 +63,14 @@ def model_vocabulary_rows(config: Config) -> int | None:
 def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:
     with exclusive_lock(lock, f"spds prepare of {target}"):
         tokenizer = load_tokenizer(config)
-        data = config["data"]
-        end_ids = end_token_ids(tokenizer, data["end_tokens"])
+        data = config.data
+        end_ids = end_token_ids(tokenizer, data.end_tokens)
         sources = []
-        for i, (candidate, path) in enumerate(zip(data["candidates"], config.candidate_paths)):
+        for i, (candidate, path) in enumerate(zip(data.candidates, config.candidate_paths)):
             actual = sha256_file(path)
-            if candidate.get("sha256") and candidate["sha256"] != actual:
+            if candidate.sha256 and candidate.sha256 != actual:
                 raise SpdsError(f"data.candidates[{i}]: {path} changed since it was pinned "
-                                f"(expected sha256 {candidate['sha256']}, actual {actual})")
+                                f"(expected sha256 {candidate.sha256}, actual {actual})")
             sources.append(dict(path=str(path), sha256=actual))
         inputs = packing_inputs(config, tokenizer, sources, end_ids)
         if (target / MANIFEST).exists():
@@ -78,9 +78,9 @@ def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:
         if target.exists():
             raise SpdsError(f"{target} exists but holds no manifest.json: not a packed store spds wrote; move it away")
         manifest = write_store(config, tokenizer, inputs, log)
-    if data["backup_dir"]:
-        backup = config.resolve(data["backup_dir"])
-        verified_copy(target, [TOKENS, INDEX, MANIFEST], backup)
+    if data.backup_dir:
+        backup = config.resolve(data.backup_dir)
+        verified_copy(target, [*manifest["files"], MANIFEST], backup)
         log(f"verified backup: {backup}")
     return manifest
 
@@ -95,14 +95,20 @@ def reuse_existing(target: Path, inputs: dict, log) -> dict:
     return manifest
 
 
+def offline_teacher(config: Config) -> bool:
+    """Will training read the teacher from the rows (so every row must carry top_logprobs)?"""
+    loss = config.loss
+    return loss.objective != "ce" and (loss.teacher == "top_k" or (loss.teacher == "auto" and not config.context_text))
+
+
 def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
-    data = config["data"]
-    scaffold = derive_scaffold(tokenizer, data["chat_template_kwargs"])
-    rules = RowRules(scaffold=scaffold, placement=config["soft_prompt"]["placement"],
+    data = config.data
+    scaffold = derive_scaffold(tokenizer, data.chat_template_kwargs)
+    rules = RowRules(scaffold=scaffold, placement=config.soft_prompt.placement,
                      end_ids=frozenset(inputs["end_token_ids"]),
                      vocab_size=min(len(tokenizer), model_vocabulary_rows(config) or len(tokenizer)),
-                     prompt_length=config["soft_prompt"]["length"], context_limit=data["context_limit"],
-                     template_kwargs=data["chat_template_kwargs"])
+                     prompt_length=config.soft_prompt.length, context_limit=data.context_limit,
+                     template_kwargs=data.chat_template_kwargs, require_top_k=offline_teacher(config))
     writer = PackedWriter(config.packed_dir)
     # 8-byte request_id hashes in a compact array: uniqueness without a set of a million strings.
     id_hashes = array.array("Q")
@@ -115,7 +121,7 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
             for record in read_records(path, tokenizer, rules):
                 digest = hashlib.blake2b(record.request_id.encode(), digest_size=8).digest()
                 id_hashes.append(int.from_bytes(digest, "little"))
-                split = split_of(record.question_id, data["eval_fraction"])
+                split = split_of(record.question_id, data.eval_fraction)
                 writer.add(record, split)
                 counts[split] += 1
                 counts["prefix_placement" if rules.placement == "prefix" else
@@ -127,7 +133,8 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
         files = writer.close_files()
         check_unique_request_ids(writer.partial / INDEX, np.frombuffer(id_hashes, dtype=np.uint64))
         manifest = dict(format=FORMAT, spds_version=__version__, records=writer.records, tokens=writer.offset,
-                        max_length=writer.max_length, prompt_length=rules.prompt_length, placement=rules.placement,
+                        max_length=writer.max_length, top_k=writer.top_k or 0, prompt_length=rules.prompt_length,
+                        placement=rules.placement,
                         scaffold=scaffold.to_json(), end_token_ids=inputs["end_token_ids"], counts=counts,
                         files=files, sources=source_rows, inputs=inputs)
         require_valid(manifest, "manifest", "the manifest")

@@ -30,6 +30,8 @@ class Record:
     response_sha256: str
     added_system: bool
     source: str  # "file:line"
+    top_ids: np.ndarray | None = None  # int32 [supervised tokens, k]: an offline teacher's top-k
+    top_logprobs: np.ndarray | None = None  # float32, the same shape
 
     @property
     def supervised_tokens(self) -> int:
@@ -46,6 +48,7 @@ class RowRules:
     prompt_length: int
     context_limit: int
     template_kwargs: dict
+    require_top_k: bool = False  # loss.objective kl or mix with an offline teacher: every row carries top_logprobs
 
 
 class RowError(SpdsError):
@@ -146,6 +149,11 @@ def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
            f"id {int(ids.max())} >= vocabulary size {rules.vocab_size}")
     _check(int(ids[-1]) in rules.end_ids, "ends with end-of-turn",
            f"last id {int(ids[-1])} is not an end token {sorted(rules.end_ids)}")
+    _check("top_logprobs" in row or not rules.require_top_k, "top-k for an offline teacher",
+           "loss.objective is kl or mix with an offline teacher (loss.teacher top_k, or auto without a context), "
+           "and this row carries no top_logprobs")
+    top_ids, top_logprobs = top_k_of(row["top_logprobs"], len(ids) - prefix, rules) if "top_logprobs" in row else (
+        None, None)
     ids, prefix, insert_at, added = place(ids, prefix, rules)
     total = len(ids) + rules.prompt_length
     _check(total <= rules.context_limit, "context limit",
@@ -153,7 +161,44 @@ def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
            f"data.context_limit {rules.context_limit}")
     return Record(request_id=row["request_id"], question_id=row["question_id"], sample_index=row["sample_index"],
                   ids=ids.astype(np.uint32), prefix_tokens=prefix, insert_at=insert_at,
-                  response_sha256=response_sha256, added_system=added, source=source)
+                  response_sha256=response_sha256, added_system=added, source=source, top_ids=top_ids,
+                  top_logprobs=top_logprobs)
+
+
+MAX_TOP_K = 64
+
+
+def top_k_of(value: dict, supervised: int, rules: RowRules) -> tuple[np.ndarray, np.ndarray]:
+    """The row's top-k teacher log-probabilities as arrays [supervised, k], every rule checked."""
+    ids, logprobs = value["ids"], value["logprobs"]
+    _check(len(ids) == len(logprobs) == supervised, "top-k per supervised token",
+           f"top_logprobs holds {len(ids)} ids and {len(logprobs)} logprobs lists for {supervised} supervised tokens")
+    k = len(ids[0])
+    _check(1 <= k <= MAX_TOP_K, "top-k size", f"k = {k}; it must be 1 to {MAX_TOP_K}")
+    for name, rows in (("ids", ids), ("logprobs", logprobs)):
+        bad = next((t for t, r in enumerate(rows) if len(r) != k), None)
+        _check(bad is None, "top-k rectangular", f"top_logprobs.{name}[{bad}] holds {len(rows[bad])} entries, not "
+               f"k = {k}" if bad is not None else "")
+    flat_ids = [v for r in ids for v in r]
+    bad = next((i for i, v in enumerate(flat_ids) if type(v) is not int), None)
+    _check(bad is None, "top-k ids", f"top_logprobs.ids[{bad // k if bad is not None else 0}] holds a non-integer")
+    id_array = np.asarray(flat_ids, dtype=np.int64).reshape(supervised, k) if all(
+        -2**63 <= v < 2**63 for v in flat_ids) else None
+    _check(id_array is not None and id_array.min() >= 0 and id_array.max() < rules.vocab_size, "top-k ids",
+           f"every id must lie in 0 .. {rules.vocab_size - 1}")
+    repeated = np.flatnonzero((np.diff(np.sort(id_array, axis=1), axis=1) == 0).any(axis=1))
+    _check(not len(repeated), "top-k ids", f"top_logprobs.ids[{repeated[0] if len(repeated) else 0}] repeats an id")
+    flat = [v for r in logprobs for v in r]
+    bad = next((i for i, v in enumerate(flat) if type(v) not in (int, float)), None)
+    _check(bad is None, "top-k logprobs", f"top_logprobs.logprobs[{bad // k if bad is not None else 0}] holds a "
+           "non-number")
+    logprob_array = np.asarray(flat, dtype=np.float64).reshape(supervised, k)
+    _check(logprob_array.max() <= 0.0, "top-k logprobs",
+           f"top_logprobs.logprobs[{int(np.argmax(logprob_array.max(axis=1)))}] holds a log-probability above 0")
+    mass = np.exp(logprob_array).sum(axis=1)
+    _check(mass.max() <= 1.0 + 1e-3, "top-k logprobs",
+           f"top_logprobs.logprobs[{int(np.argmax(mass))}]: the probabilities sum to {mass.max():.4f} > 1")
+    return id_array.astype(np.int32), logprob_array.astype(np.float32)
 
 
 def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:

@@ -1,0 +1,145 @@
+"""What a run tells the world, written by rank 0 alone (every file atomically, each validated
+against its schema first):
+
+    run.json        when the run begins: mode, identities, versions, config, launch, resume point
+    metrics.jsonl   one line per update, appended durably; a resumed run keeps the lines before it
+    progress.json   after every update: where the run is and its ETA
+    terminal.json   removed when a run starts, written when it ends: complete, stopped or failed,
+                    with the last completed update and the checkpoint to resume from
+    evidence.json   after a smoke passed (train refuses without it)
+
+RunRecords tracks the last completed update and checkpoint as the run goes, so terminal.json
+tells the truth whatever ends the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .contract import Config, require_valid
+from .fsio import SpdsError, append_line_durably, atomic_write_json, atomic_writer, canonical_json
+from .identity import library_versions
+
+
+class RunRecords:
+    def __init__(self, out: Path, rank: int, last: int, progress_bar: bool):
+        self.out, self.writes, self.last = out, rank == 0, last
+        self.completed, self.checkpoint = 0, None  # what terminal.json reports, whatever happens
+        self.bar = None
+        self.show_bar = progress_bar and self.writes and sys.stderr.isatty()
+        if self.writes:
+            (out / "terminal.json").unlink(missing_ok=True)  # a previous run's status would lie from now on
+
+    def resume_point(self, update: int, checkpoint: Path | None) -> None:
+        self.completed, self.checkpoint = update, checkpoint
+
+    def begin(self, config: Config, smoke: bool, start: int, world: int, identities: dict, smoke_waived: bool,
+              model) -> None:
+        """run.json, and metrics.jsonl cut back to the updates before `start` (after a crash the
+        updates after the checkpoint are redone, and each must appear once)."""
+        if not self.writes:
+            return
+        keep_metrics_before(self.out / "metrics.jsonl", start)
+        if model is None:  # stopped during start-up: nothing was built, nothing runs
+            return
+        write_validated(self.out / "run.json", dict(
+            mode="smoke" if smoke else "train", started_at=time.time(), start_update=start, updates=self.last,
+            world_size=world, identities=identities, versions=library_versions(), config=config.raw,
+            config_path=str(config.path), launch=launch_environment(), smoke_waived=smoke_waived,
+            resumed_from=str(self.checkpoint) if self.checkpoint else None,
+            trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+            loss_kernel=model.loss_fn.kernel), "run")
+        if self.show_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.last, initial=start - 1, unit="update", dynamic_ncols=True)
+
+    def update_done(self, metric: dict, engine) -> None:
+        self.completed = metric["update"]
+        if self.writes:
+            record_metric(self.out, metric, self.last, self.checkpoint, self.bar, engine)
+
+    def failed(self, error: BaseException) -> None:
+        if self.writes:
+            try:
+                self.write_terminal("failed", f"{type(error).__name__}: {error}")
+            except SpdsError as also:  # the disk that failed the run may refuse this too
+                print(f"spds: could not record the failure in terminal.json: {also}", file=sys.stderr)
+
+    def finish(self, stop_reason) -> str:
+        if self.bar is not None:
+            self.bar.close()
+        status = "stopped" if self.completed < self.last else "complete"
+        if self.writes:
+            self.write_terminal(status, stop_reason() if status == "stopped" else None)
+        return status
+
+    def write_terminal(self, status: str, reason: str | None) -> None:
+        write_validated(self.out / "terminal.json", dict(
+            status=status, update=max(0, self.completed), finished_at=time.time(),
+            checkpoint=str(self.checkpoint) if self.checkpoint else None, reason=reason), "terminal")
+
+    def smoke_passed(self, identities: dict, world: int, longest_record_tokens: int, metric: dict) -> None:
+        if self.writes:
+            write_validated(self.out / "evidence.json", dict(
+                status="passed", identities=identities, world_size=world, longest_record_tokens=longest_record_tokens,
+                metric=metric, checkpoint=str(self.checkpoint), versions=library_versions()), "smoke")
+
+    def result(self, status: str) -> dict:
+        return dict(status=status, update=self.completed, output=str(self.out),
+                    checkpoint=str(self.checkpoint) if self.checkpoint else None)
+
+
+def write_validated(path: Path, value: dict, schema: str) -> None:
+    require_valid(value, schema, path.name)
+    atomic_write_json(path, value)
+
+
+def launch_environment() -> dict:
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "TORCHELASTIC_RUN_ID")
+    environment = {k: os.environ[k] for k in keys if k in os.environ}
+    environment.update({k: v for k, v in os.environ.items()
+                        if k.startswith(("SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "NCCL_"))})
+    by_deepspeed = any(a.startswith("--local") for a in sys.argv)
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "deepspeed" if by_deepspeed else "none"
+    return dict(hostname=socket.gethostname(), launcher=launcher, argv=sys.argv, environment=environment)
+
+
+def keep_metrics_before(path: Path, start: int) -> None:
+    """Keep the metrics of updates before `start` (atomically). A torn last line goes too."""
+    if not path.exists():
+        return
+    kept, lines = [], path.read_text().splitlines()
+    for line in lines:
+        try:
+            if json.loads(line)["update"] < start:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if kept != lines:
+        with atomic_writer(path) as stream:
+            stream.write("".join(line + "\n" for line in kept))
+
+
+def record_metric(out: Path, metric: dict, last: int, saved, bar, engine) -> None:
+    require_valid(metric, "metrics", "a metrics line")
+    append_line_durably(out / "metrics.jsonl", canonical_json(metric))
+    done = metric["update"]
+    atomic_write_json(out / "progress.json", dict(status="running", update=done, updates=last, loss=metric["loss"],
+                                                  elapsed_seconds=metric["elapsed_seconds"],
+                                                  eta_seconds=metric["seconds"] * (last - done),
+                                                  last_checkpoint=str(saved) if saved else None))
+    if engine.monitor.enabled:  # TensorBoard / CSV through DeepSpeed's monitor settings
+        engine.monitor.write_events([(f"spds/{k}", metric[k], done)
+                                     for k in ("loss", "grad_norm", "learning_rate", "tokens_per_second")])
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{metric['loss']:.4f}", tok_s=f"{metric['tokens_per_second']:.0f}")
+    else:
+        print(f"update {done}/{last}  loss {metric['loss']:.4f}  grad_norm {metric['grad_norm']:.3g}  "
+              f"lr {metric['learning_rate']:.3g}  {metric['tokens_per_second']:.0f} tok/s", flush=True)

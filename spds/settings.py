@@ -1,0 +1,172 @@
+"""Typed, frozen views of a validated config: one dataclass per section.
+
+schemas/config.schema.json stays the single source of field names, constraints and defaults:
+these classes declare the fields' Python types and nothing else (no defaults). `build` fills
+them from the validated, defaulted dict, so a field the schema has and a class lacks (or the
+reverse) fails the first config ever loaded, and tests/test_settings.py compares the two.
+Modules receive their section (`Plan(store, config.optim, ...)`), never the whole config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class StudentSettings:
+    model_path: str
+    model_sha256: str | None
+    tokenizer_path: str | None
+    tokenizer_sha256: str | None
+    dtype: Literal["bfloat16", "float16", "float32"]
+    attn_implementation: str
+    sdpa_backend: Any  # a kernel name, or {"below": n, "short": name, "long": name}
+    pad_to_multiple_of: int | None
+    activation_checkpointing: bool | Literal["auto"]
+    liger_kernels: bool
+    activation_memory_gib: float | None
+
+
+@dataclass(frozen=True)
+class PromptInitSettings:
+    method: Literal["random_normal", "text", "vocab_sample"]
+    std: float
+    text: str | None
+
+
+@dataclass(frozen=True)
+class SoftPromptSettings:
+    length: int
+    placement: Literal["system", "prefix"]
+    init: PromptInitSettings
+
+
+@dataclass(frozen=True)
+class CandidateSettings:
+    path: str
+    sha256: str | None
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    candidates: tuple[CandidateSettings, ...]
+    packed_dir: str
+    context_limit: int
+    end_tokens: tuple | None
+    chat_template_kwargs: dict
+    backup_dir: str | None
+    eval_fraction: float
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    updates: int
+    effective_batch: int
+    micro_batch: int
+    micro_batch_tokens: int | None
+    optimizer: Literal["adamw", "adam"]
+    learning_rate: float
+    betas: tuple
+    eps: float
+    weight_decay: float
+    warmup_updates: int
+    schedule: Literal["constant", "linear", "cosine"]
+    min_lr_ratio: float
+    max_grad_norm: float | None
+    seed: int
+
+
+@dataclass(frozen=True)
+class KLSettings:
+    direction: Literal["forward", "reverse", "jsd"]
+    temperature: float
+    jsd_beta: float
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    objective: Literal["ce", "kl", "mix"]
+    ce_weight: float
+    kl_weight: float
+    teacher: Literal["auto", "context", "top_k"]
+    reuse_context_kv: bool
+    kl: KLSettings
+    kernel: Literal["auto", "liger", "chunked"]
+    chunk_tokens: int
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    every: int
+    keep_last: int
+    backup_dir: str | None
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    require_smoke: bool
+    progress_bar: bool
+    deterministic: bool
+
+
+@dataclass(frozen=True)
+class DistributedSettings:
+    timeout_minutes: float
+    master_addr: str
+    master_port: int
+    communication: Literal["auto", "nccl", "gloo"]
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    text: str | None
+    file: str | None
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    questions: str | None
+    output: str
+    teacher_path: str | None
+    samples_per_question: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    batch_size: int
+    seed: int
+    top_k_logprobs: int
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    max_records: int | None
+    kl: bool
+
+
+# The config's sections, by key, in schema order.
+SECTIONS = dict(student=StudentSettings, soft_prompt=SoftPromptSettings, data=DataSettings, optim=OptimSettings,
+                loss=LossSettings, checkpoint=CheckpointSettings, train=TrainSettings,
+                distributed=DistributedSettings, context=ContextSettings, generate=GenerateSettings,
+                eval=EvalSettings)
+
+
+def build(cls: type, values: dict) -> Any:
+    """cls filled from a validated section: nested sections become their dataclass, lists tuples.
+    Fields the schema leaves without a default and the config leaves out (pins) are None."""
+    hints = typing.get_type_hints(cls)
+    fields = {}
+    for field in dataclasses.fields(cls):
+        value, kind = values.get(field.name), hints[field.name]
+        if dataclasses.is_dataclass(kind):
+            value = build(kind, value)
+        elif typing.get_origin(kind) is tuple and dataclasses.is_dataclass(typing.get_args(kind)[0]):
+            value = tuple(build(typing.get_args(kind)[0], item) for item in value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        fields[field.name] = value
+    unknown = set(values) - set(fields)
+    if unknown:  # the schema gained a field this class lacks: fail loudly, never drop a setting
+        raise TypeError(f"{cls.__name__} has no field for {sorted(unknown)}: add it to spds/settings.py")
+    return cls(**fields)

@@ -1,0 +1,177 @@
+"""The teacher a distillation objective matches (loss.objective kl or mix), at every supervised token.
+
+context (online)  The frozen student itself, with the context's tokens where the soft prompt
+                  goes: what the soft prompt is trained to stand in for. Its hidden states at
+                  the response positions reach the loss, which computes their logits chunk by
+                  chunk (never [T, V] at once).
+top_k (offline)   The top-k log-probabilities the candidate rows carry (written by spds generate,
+                  or by another model), packed beside the tokens; the rest of the teacher's mass
+                  is one bucket.
+
+Two ways to run the online teacher, the same numbers (tested against a plain forward):
+
+batched (default)  The whole sequence x[:a] ++ context ++ x[a:], the records of a pass batched
+                   and padded like the student's, on the student's attention kernels. Measured
+                   faster on H200 for a 4k context and the 512-32k length mix (bench/RESULTS.md).
+reuse_context_kv   The context's keys and values computed once. The tokens before the insertion
+                   point are the chat template's system header (the same for every record), the
+                   context is the same, and the student is frozen: the keys and values of
+                   x[:a] ++ context[:-1] are computed on first use of that prefix and kept, and
+                   each teacher forward runs only context[-1:] ++ x[a:] against them (its first
+                   row predicts x[a], so every response position is a row of its own output),
+                   through SDPA's lower-right causal bias (no [queries, keys] mask). The prefix's
+                   own keys and values are put back after each forward. One record per forward:
+                   that is what costs it the measurement above; batching records against one
+                   cache is the next step.
+
+A student sharded over the ranks (ZeRO-3, fsdp) gathers its weights collectively in every
+forward, and its ranks must make the same calls: there the teacher always runs batched.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from .fsio import SpdsError
+from .loss import TeacherTargets
+
+
+class ContextTeacher:
+    def __init__(self, model, context_ids: torch.Tensor, max_prefixes: int = 4, reuse_context: bool = True):
+        if len(context_ids) < 1:
+            raise SpdsError("loss.teacher 'context' needs a non-empty context (context.text or context.file)")
+        self.model, self.context_ids = model, context_ids
+        self.caches: dict[bytes, tuple] = {}  # prefix ids -> (the cache, its length, its own keys and values)
+        self.max_prefixes = max_prefixes
+        self.reuse_context = reuse_context  # loss.reuse_context_kv; False: the whole sequence, batched
+        self.prefix_forwards = 0  # how many times a prefix was computed (the benchmark and tests read it)
+
+    def context_embeddings(self) -> torch.Tensor:
+        return self.model.student.get_input_embeddings()(self.context_ids)
+
+    @torch.no_grad()
+    def targets(self, segments) -> TeacherTargets:
+        from .model import checkpoint_first
+
+        checkpoint_first(self.model.student, 0)  # nothing to recompute without a backward
+        if self.model.layout.lockstep or not self.reuse_context:
+            rows, _ = self.model.response_states(segments, inserted=self.context_embeddings())
+            return TeacherTargets(hidden=rows)
+        return TeacherTargets(hidden=torch.cat([self.cached_rows(segment) for segment in segments]))
+
+    def cached_rows(self, segment) -> torch.Tensor:
+        student, a = self.model.student, segment.insert_at
+        embed = student.get_input_embeddings()
+        context = self.context_embeddings()
+        key = segment.ids[:a].cpu().numpy().tobytes()
+        if key not in self.caches:
+            if len(self.caches) >= self.max_prefixes:  # token rows may place the prompt anywhere: stay bounded
+                self.caches.pop(next(iter(self.caches)))
+            prefix = torch.cat([embed(segment.ids[:a]), context[:-1]])
+            cache = self.forward(prefix, start=0, cache=None)[1]
+            prefix_states = [(layer.keys, layer.values) for layer in cache.layers]
+            self.caches[key] = (cache, len(prefix), prefix_states)
+            self.prefix_forwards += 1
+        cache, cached, prefix_states = self.caches[key]
+        hidden, _ = self.forward(torch.cat([context[-1:], embed(segment.ids[a:])]), start=cached, cache=cache)
+        # Back to the prefix alone for the next record. A layer's update concatenates into a new
+        # tensor, so the prefix's own keys and values were never written to: put them back.
+        for layer, (keys, values) in zip(cache.layers, prefix_states):
+            layer.keys, layer.values = keys, values
+        # Row r predicts x[a + r]: the response tokens x[prefix_tokens:] are rows prefix_tokens - a onwards.
+        return hidden[segment.prefix_tokens - a:len(segment.ids) - a]
+
+    def forward(self, embeddings: torch.Tensor, start: int, cache):
+        """(final hidden states, the cache) of `embeddings` at positions start.., after `cache`."""
+        base = self.model.student.base_model
+        # transformers renamed past_key_values to cache (5.2x); both name the same object.
+        name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        positions = torch.arange(start, start + len(embeddings), device=embeddings.device)[None]
+        # Against cached keys, transformers would build the causal mask as a [queries, keys] tensor
+        # (1.2 GB for a 32k record after a 4k context), which no flash kernel takes: the record's
+        # queries attend through SDPA's lower-right causal bias instead (no mask tensor). The bias
+        # runs on the flash or memory-efficient kernel, else it builds the mask for the math one:
+        # so the student's kernel rule (cuDNN for long records) does not apply here, unless
+        # attention must be deterministic (math). Measured on H200: bench/RESULTS.md.
+        deterministic = self.model.sdpa_backend == "math"
+        kernels = self.model._attention_context(start + len(embeddings)) if deterministic else contextlib.nullcontext()
+        with kernels, attention_after_cache(base.config, cache):
+            output = base(inputs_embeds=embeddings[None], position_ids=positions, use_cache=True, **{name: cache})
+        returned = getattr(output, "cache", None)
+        return output.last_hidden_state[0], returned if returned is not None else output.past_key_values
+
+
+CACHED_CAUSAL = "spds_cached_causal"
+
+
+def lower_right_causal_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                                 **kwargs):
+    """transformers' attention signature: queries are the last positions of the keys (a cache
+    before them), each seeing every key up to its own position. One record (batch 1, no padding):
+    the mask transformers passes is None, and none is needed."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: the bias path takes equal head counts
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def attention_after_cache(config, cache):
+    """Within: the student's attention is lower_right_causal_attention (when there is a cache)."""
+    if cache is None or config._attn_implementation != "sdpa":  # eager and others build their own masks
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CACHED_CAUSAL, lower_right_causal_attention)
+    previous = config._attn_implementation
+    config._attn_implementation = CACHED_CAUSAL  # unknown to the mask builders: they build no mask
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+class TopKTeacher:
+    """The packed top-k log-probabilities of each segment's supervised tokens."""
+
+    def targets(self, segments) -> TeacherTargets:
+        return TeacherTargets(top_ids=torch.cat([s.top_ids for s in segments]),
+                              top_logprobs=torch.cat([s.top_logprobs for s in segments]))
+
+
+def teacher_kind(loss_settings, store) -> str:
+    """loss.teacher resolved against the packed data: auto is top_k when the store holds them."""
+    has_top_k = store.top_k > 0
+    kind = loss_settings.teacher
+    if kind == "auto":
+        kind = "top_k" if has_top_k else "context"
+    if kind == "top_k" and not has_top_k:
+        raise SpdsError(f"loss.teacher is 'top_k' but {store.directory} holds no top-k log-probabilities (the "
+                        "candidate rows carry none: spds generate writes them with generate.top_k_logprobs > 0)")
+    if kind == "top_k" and loss_settings.kl.temperature != 1.0:
+        raise SpdsError("loss.kl.temperature must be 1 with a top_k teacher: its log-probabilities were written at "
+                        "the teacher's own temperature, and the mass outside the top k cannot be re-tempered")
+    return kind
+
+
+def build_teacher(config, model, store):
+    """The teacher for `model` (None when its loss needs none)."""
+    kind = teacher_kind(config.loss, store)
+    if kind == "top_k":
+        return TopKTeacher()
+    text = config.context_text
+    if not text:
+        raise SpdsError("loss.teacher 'context' needs the context: set context.text or context.file "
+                        "(or give the candidate rows top-k log-probabilities for an offline teacher)")
+    from .data.prepare import load_tokenizer
+
+    ids = load_tokenizer(config).encode(text, add_special_tokens=False)
+    return ContextTeacher(model, torch.tensor(ids, device=model.prompt.device),
+                          reuse_context=config.loss.reuse_context_kv)

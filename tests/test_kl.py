@@ -1,0 +1,145 @@
+"""The distillation kernel against the plain definitions (full softmax, autograd), and the online
+teacher (the context's keys and values computed once) against a plain forward with the context.
+
+The references here import nothing from spds's loss: each divergence is written as its textbook
+formula over materialised probabilities and differentiated by autograd."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from spds.contract import section
+from spds.loss import TeacherTargets, make_loss
+
+
+def divergence(log_p: torch.Tensor, log_q: torch.Tensor, direction: str, beta: float) -> torch.Tensor:
+    """sum over rows of D(p, q), p the teacher, q the student: the textbook formulas."""
+    p, q = log_p.exp(), log_q.exp()
+    if direction == "forward":
+        return (p * (log_p - log_q)).sum()
+    if direction == "reverse":
+        return (q * (log_q - log_p)).sum()
+    m = beta * p + (1 - beta) * q
+    return beta * (p * (log_p - m.log())).sum() + (1 - beta) * (q * (log_q - m.log())).sum()
+
+
+def reference_loss(hidden, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight,
+                   top=None):
+    logits = hidden @ weight.t()
+    log_q = torch.log_softmax(logits / temperature, dim=-1)
+    if top is None:
+        log_p = torch.log_softmax((teacher_hidden @ weight.t()) / temperature, dim=-1)
+    else:  # the same support: the teacher's top k tokens, and everything else as one bucket
+        ids, logprobs = top
+        q = log_q.exp()
+        q_top = q.gather(1, ids)
+        log_q = torch.cat([q_top, 1 - q_top.sum(-1, keepdim=True)], dim=1).log()
+        log_p = torch.cat([logprobs, (1 - logprobs.exp().sum(-1, keepdim=True)).log()], dim=1)
+    ce = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    return ce_weight * ce + kl_weight * divergence(log_p, log_q, direction, beta)
+
+
+def random_top_k(n: int, vocab: int, k: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(vocab, generator=generator)[:k] for _ in range(n)])
+    mass = torch.rand(n, 1, generator=generator) * 0.5 + 0.45  # the top k hold 45% to 95%
+    shares = torch.softmax(torch.randn(n, k, generator=generator) * 2, dim=-1)
+    return ids, (shares * mass).log()
+
+
+CASES = [  # objective, direction, temperature, teacher
+    ("kl", "forward", 1.0, "context"), ("kl", "reverse", 1.0, "context"), ("kl", "jsd", 1.0, "context"),
+    ("kl", "forward", 2.0, "context"), ("kl", "reverse", 0.5, "context"), ("mix", "jsd", 1.5, "context"),
+    ("kl", "forward", 1.0, "top_k"), ("kl", "reverse", 1.0, "top_k"), ("mix", "jsd", 1.0, "top_k"),
+]
+
+
+@pytest.mark.parametrize("objective,direction,temperature,teacher", CASES)
+def test_distillation_loss_and_gradient_equal_the_plain_definitions(objective, direction, temperature, teacher):
+    generator = torch.Generator().manual_seed(0)
+    n, vocab, width, beta = 37, 211, 16, 0.3
+    hidden = torch.randn(n, width, generator=generator, dtype=torch.float64)
+    weight = torch.randn(vocab, width, generator=generator, dtype=torch.float64) * 0.5
+    teacher_hidden = hidden + 0.7 * torch.randn(n, width, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (n,), generator=generator)
+    top = random_top_k(n, vocab, 8, generator) if teacher == "top_k" else None
+    settings = section("loss", objective=objective, ce_weight=0.25, kl_weight=2.0, kernel="chunked", chunk_tokens=20,
+                       kl={"direction": direction, "temperature": temperature, "jsd_beta": beta})
+    loss_fn = make_loss(settings)
+    assert loss_fn.needs_teacher
+    targets_of = (TeacherTargets(hidden=teacher_hidden) if top is None
+                  else TeacherTargets(top_ids=top[0], top_logprobs=top[1].float()))
+    mine = hidden.clone().requires_grad_(True)
+    loss = loss_fn(mine, weight, targets, targets_of)  # chunk 20 // 4 = 5 rows at a time: 8 chunks
+    loss.backward()
+    theirs = hidden.clone().requires_grad_(True)
+    ce_weight, kl_weight = (0.25, 2.0) if objective == "mix" else (0.0, 1.0)
+    top_exact = None if top is None else (top[0], top[1].float().double())  # what the kernel saw, in float64
+    expected = reference_loss(theirs, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight,
+                              kl_weight, top_exact)
+    expected.backward()
+    assert float(expected.detach()) > 0
+    # The kernel works in fp32 (as on the GPU), the reference in float64.
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5 * float(theirs.grad.abs().max()))
+
+
+def test_a_different_teacher_moves_the_loss():
+    """The kernel reads the teacher: a test that passed with the teacher ignored would be worthless."""
+    generator = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(9, 8, generator=generator), torch.randn(50, 8, generator=generator)
+    targets = torch.randint(0, 50, (9,), generator=generator)
+    loss_fn = make_loss(section("loss", objective="kl", kernel="chunked"))
+    same = loss_fn(hidden, weight, targets, TeacherTargets(hidden=hidden))
+    other = loss_fn(hidden, weight, targets, TeacherTargets(hidden=hidden.flip(0)))
+    assert abs(float(same)) < 1e-5 < float(other)
+
+
+def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(tiny_assets, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spds import teacher as teacher_module
+    from spds.model import Segment, SoftPromptModel
+    from spds.teacher import ContextTeacher
+
+    calls = []  # the records' queries attend the cached keys through the lower-right causal bias
+    attention = teacher_module.lower_right_causal_attention
+    monkeypatch.setattr(teacher_module, "lower_right_causal_attention",
+                        lambda *args, **kwargs: calls.append(1) or attention(*args, **kwargs))
+
+    path = tiny_assets / "student"
+    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    context = torch.tensor(tokenizer.encode("Lumen Bay ferries leave at dawn and dusk.", add_special_tokens=False))
+    loss = make_loss(section("loss", kernel="chunked"))
+    model = SoftPromptModel(student, torch.zeros(3, student.config.hidden_size), loss)
+    teacher = ContextTeacher(model, context)
+    generator = torch.Generator().manual_seed(2)
+    header = torch.tensor([1, 5, 9])  # the same tokens before the insertion point in every record
+    segments = [Segment(ids=torch.cat([header, torch.randint(10, 60, (n,), generator=generator)]), prefix_tokens=p,
+                        insert_at=3) for n, p in ((12, 7), (20, 3), (6, 4))]
+    rows = teacher.targets(segments).hidden
+    assert teacher.prefix_forwards == 1  # three records, one forward over header + context
+    assert len(calls) == 3 * student.config.num_hidden_layers
+    assert student.config._attn_implementation == "sdpa"  # put back
+    embed = student.get_input_embeddings()
+    expected = []
+    for segment in segments:
+        ids, a = segment.ids, segment.insert_at
+        joined = torch.cat([embed(ids[:a]), embed(context), embed(ids[a:])])[None]
+        states = student.model(inputs_embeds=joined).last_hidden_state[0]
+        # response token ids[t] sits at t + len(context) and is predicted from the position before
+        expected.append(states[segment.prefix_tokens + len(context) - 1:len(ids) + len(context) - 1])
+    torch.testing.assert_close(rows, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    # Another record after a forward: the cache was cropped back to the prefix, not grown.
+    again = teacher.targets(segments[:1]).hidden
+    torch.testing.assert_close(again, expected[0], rtol=1e-5, atol=1e-5)
+    assert teacher.prefix_forwards == 1
+
+
+def test_kl_settings_are_typed_and_frozen():
+    settings = section("loss", objective="kl", kl={"direction": "jsd"})
+    assert settings.kl.direction == "jsd" and settings.kl.temperature == 1.0 and settings.kl.jsd_beta == 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.kl.temperature = 2.0
