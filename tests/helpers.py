@@ -110,3 +110,15 @@ def start_endless(run_dir: Path, output_dir: str = "run", every: int = 1000) -> 
     process = start(["train", "config.json"], run_dir)
     wait_for_lines(run_dir / output_dir / "metrics.jsonl", 2, process)
     return process
+
+
+def divergence(log_p, log_q, direction: str, beta: float):
+    """Summed D(teacher p, student q) over rows: the textbook formulas over materialised
+    probabilities, for references that autograd differentiates (no spds code)."""
+    p, q = log_p.exp(), log_q.exp()
+    if direction == "forward":
+        return (p * (log_p - log_q)).sum()
+    if direction == "reverse":
+        return (q * (log_q - log_p)).sum()
+    m = beta * p + (1 - beta) * q
+    return beta * (p * (log_p - m.log())).sum() + (1 - beta) * (q * (log_q - m.log())).sum()

@@ -9,20 +9,10 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import divergence
 
 from spds.contract import section
 from spds.loss import TeacherTargets, make_loss
-
-
-def divergence(log_p: torch.Tensor, log_q: torch.Tensor, direction: str, beta: float) -> torch.Tensor:
-    """sum over rows of D(p, q), p the teacher, q the student: the textbook formulas."""
-    p, q = log_p.exp(), log_q.exp()
-    if direction == "forward":
-        return (p * (log_p - log_q)).sum()
-    if direction == "reverse":
-        return (q * (log_q - log_p)).sum()
-    m = beta * p + (1 - beta) * q
-    return beta * (p * (log_p - m.log())).sum() + (1 - beta) * (q * (log_q - m.log())).sum()
 
 
 def reference_loss(hidden, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight,

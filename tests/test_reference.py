@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import edit_config
-from helpers import FAST, check, final_state, metrics, read_json, spds
+from helpers import FAST, check, divergence, final_state, metrics, read_json, spds
 
 # Gradient norms of about 50, 19 and 13 over the three updates on the tiny example (a small
 # prompt is far from anything useful): clipping at 20 changes the first update only. Adam is
@@ -29,17 +29,6 @@ from helpers import FAST, check, final_state, metrics, read_json, spds
 CLIPPED = dict(student={"dtype": "float32"},
                soft_prompt={"length": 4, "placement": "system", "init": {"method": "random_normal", "std": 0.002}},
                optim={**FAST["optim"], "updates": 3, "learning_rate": 0.003, "max_grad_norm": 20.0})
-
-
-def divergence(log_p: torch.Tensor, log_q: torch.Tensor, direction: str, beta: float) -> torch.Tensor:
-    """Summed D(teacher p, student q) over rows, the textbook formulas (autograd differentiates)."""
-    p, q = log_p.exp(), log_q.exp()
-    if direction == "forward":
-        return (p * (log_p - log_q)).sum()
-    if direction == "reverse":
-        return (q * (log_q - log_p)).sum()
-    m = beta * p + (1 - beta) * q
-    return beta * (p * (log_p - m.log())).sum() + (1 - beta) * (q * (log_q - m.log())).sum()
 
 
 def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, loss: dict | None = None) -> dict:
