@@ -99,11 +99,26 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_init(args) -> int:
+    from pathlib import Path
+
+    from .starter import init
+
+    written = init(args.model, args.data, Path(args.out))
+    print(f"wrote {written} (validated); next: spds pin {written.name}, spds prepare, spds smoke, spds train")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spds", description="Soft-prompt distillation on a frozen causal LM.")
     # The deepspeed launcher puts --local_rank=N before the verb; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     verbs = parser.add_subparsers(dest="verb", required=True)
+    p = verbs.add_parser("init", help="write a commented starter config for MODEL and DATA, validated")
+    p.add_argument("model", help="the student: a directory, or a hub id in the local Hugging Face cache")
+    p.add_argument("data", help="a candidate rows file (jsonl)")
+    p.add_argument("--out", default="run.yaml", help="the config to write (default run.yaml; never overwritten)")
+    p.set_defaults(run=cmd_init)
     p = verbs.add_parser("validate", help="validate configs, their DeepSpeed config and pinned inputs")
     p.add_argument("configs", nargs="+")
     p.set_defaults(run=cmd_validate)

@@ -20,6 +20,8 @@ from typing import Any
 import jsonschema
 
 from .fsio import SpdsError, atomic_write_json, read_bytes, read_json, sha256_json, sha256_path
+from .hub import is_hub_id
+from .hub import snapshot as hub_snapshot
 from .settings import (
     SECTIONS,
     CheckpointSettings,
@@ -163,13 +165,29 @@ class Config:
         path = Path(value).expanduser()
         return path if path.is_absolute() else (self.path.parent / path).resolve()
 
-    @property
-    def model_path(self) -> Path:
-        return self.resolve(self.student.model_path)
+    def resolve_model(self, value: str | None, key: str) -> Path | None:
+        """A model directory: a path, or a hub id found in the local Hugging Face cache (spds/hub.py)."""
+        path = self.resolve(value)
+        if path is None or path.exists() or not is_hub_id(value):
+            return path
+        return hub_snapshot(value, key)
 
-    @property
+    @cached_property
+    def model_path(self) -> Path:
+        return self.resolve_model(self.student.model_path, "student.model_path")
+
+    @cached_property
     def tokenizer_path(self) -> Path:
-        return self.resolve(self.student.tokenizer_path or self.student.model_path)
+        if self.student.tokenizer_path is None:
+            return self.model_path
+        return self.resolve_model(self.student.tokenizer_path, "student.tokenizer_path")
+
+    @cached_property
+    def teacher_path(self) -> Path:
+        """generate.teacher_path, default the student."""
+        if self.generate.teacher_path is None:
+            return self.model_path
+        return self.resolve_model(self.generate.teacher_path, "generate.teacher_path")
 
     @property
     def packed_dir(self) -> Path:
@@ -410,7 +428,7 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
              ("generate.questions", config.generate.questions, "file"),
              ("generate.teacher_path", config.generate.teacher_path, "directory"))
     for key, value, kind in named:
-        path = config.resolve(value)
+        path = config.teacher_path if key == "generate.teacher_path" and value else config.resolve(value)
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
     problems += output_problems(config)

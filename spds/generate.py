@@ -71,8 +71,7 @@ def generate(config: Config, log=print) -> dict:
     kwargs = config.data.chat_template_kwargs
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    teacher_path = config.resolve(settings.teacher_path) if settings.teacher_path else config.model_path
-    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_path), local_files_only=True,
+    teacher = AutoModelForCausalLM.from_pretrained(str(config.teacher_path), local_files_only=True,
                                                    dtype=getattr(torch, config.student.dtype)).to(device).eval()
     questions = read_questions(config.resolve(settings.questions))
     requests = [dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)

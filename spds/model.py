@@ -102,6 +102,27 @@ def initial_prompt(student: nn.Module, length: int, init: dict, seed: int, token
     return embeddings.detach()[ids.to(embeddings.device)].float().cpu()
 
 
+def quadratic_length(model_path) -> float | None:
+    """The record length at which attention's FLOPs equal the weights' (forward and input
+    gradients, causal): 4 P / (6 layers heads head_dim), P the matmul parameters, lm_head
+    included. From the student's config.json; None when its shapes are not all there."""
+    import json
+    from pathlib import Path
+
+    try:
+        value = json.loads((Path(model_path) / "config.json").read_text())
+        value = value.get("text_config", value)
+        hidden, layers, heads = value["hidden_size"], value["num_hidden_layers"], value["num_attention_heads"]
+        head_dim = value.get("head_dim") or hidden // heads
+        kv_heads = value.get("num_key_value_heads", heads)
+        per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * value[
+            "intermediate_size"]
+        matmul_parameters = layers * per_layer + value["vocab_size"] * hidden
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    return 4 * matmul_parameters / (6 * layers * heads * head_dim)
+
+
 # Stored activations of a bf16 decoder layer, in bytes per position per hidden unit, without
 # checkpointing (measured on H200 for Qwen3 1.7B and 8B shapes: 36-39; rounded up). A
 # checkpointed layer keeps only its bf16 input (2 bytes) and, while it is recomputed in

@@ -2,8 +2,9 @@
 learning-rate shape. Pure functions of the packed store's columns and the optim settings: no
 torch, no devices, no communication (every rank computes the same answers alone).
 
-    Plan.step(u) -> Step: update u's global batch, its deal to ranks (longest first to the least
-                   loaded, equal counts), the global supervised-token count; computed once
+    Plan.step(u) -> Step: update u's global batch, its deal to ranks (costliest first to the least
+                   loaded, by L + L^2/quadratic_length), the global supervised-token count;
+                   computed once
     Plan.passes(step, rank, lockstep) -> this rank's forward passes (micro-batches, checkpointing
                    decision, counted or a lockstep filler)
 
@@ -17,6 +18,7 @@ a resumed run continues where it stopped.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,6 +26,7 @@ from functools import lru_cache
 import numpy as np
 
 from .fsio import SpdsError, sha256_json
+from .settings import OptimSettings
 
 RECIPE = "spds-epoch-permutation-v2"  # in every checkpoint cursor; v2: whole batches per epoch
 
@@ -47,21 +50,36 @@ def batch_digest(indices) -> str:
     return sha256_json([int(i) for i in indices])
 
 
-def record_cost(length: np.ndarray) -> np.ndarray:
-    """Relative cost of a record of `length` positions, used to balance ranks."""
-    return np.asarray(length, dtype=np.float64)
+def record_cost(positions: np.ndarray, quadratic_length: float | None = None) -> np.ndarray:
+    """Relative cost of records of `positions` positions: L (the weights' matmuls, per position)
+    plus L^2 / quadratic_length (attention, per pair of positions). quadratic_length is the
+    length at which attention costs as much as everything else (model.quadratic_length derives
+    it from the student's shapes); None: linear."""
+    positions = np.asarray(positions, dtype=np.float64)
+    return positions if not quadratic_length else positions + positions * positions / quadratic_length
 
 
-def deal_to_ranks(indices: np.ndarray, costs: np.ndarray, world: int) -> list[list[int]]:
-    """Longest first, each record to the least-loaded rank that still has room; equal counts.
+def deal_to_ranks(indices: np.ndarray, costs: np.ndarray, world: int, equal_counts: bool = False) -> list[list[int]]:
+    """Costliest first, each record to the least-loaded rank (longest-processing-time first).
 
-    Ties go to the lower rank and to the lower index, so every rank computes the same deal."""
+    Ranks may hold different numbers of records: the gradient is an exact SUM over ranks whatever
+    the split, and a sharded student's ranks run lockstep fillers (Plan.passes). With
+    `equal_counts` a rank takes no more than its share (the rule before cost balancing, kept for
+    comparison). Every rank gets a record while records remain (an empty rank has the least
+    load). Ties go to the lower rank and to the lower index, so every rank computes the same deal."""
     if len(indices) % world:
         raise SpdsError(f"a global batch of {len(indices)} records does not divide by the world size {world}")
-    capacity = len(indices) // world
+    order = sorted((int(i) for i in indices), key=lambda i: (-costs[i], i))
     groups: list[list[int]] = [[] for _ in range(world)]
-    loads = [0.0] * world
-    for index in sorted((int(i) for i in indices), key=lambda i: (-costs[i], i)):
+    if not equal_counts:  # a heap of (load, rank): 512 ranks x 512 records in milliseconds
+        heap = [(0.0, rank) for rank in range(world)]
+        for index in order:
+            load, rank = heapq.heappop(heap)
+            groups[rank].append(index)
+            heapq.heappush(heap, (load + float(costs[index]), rank))
+        return groups
+    capacity, loads = len(indices) // world, [0.0] * world
+    for index in order:
         rank = min((r for r in range(world) if len(groups[r]) < capacity), key=lambda r: (loads[r], r))
         groups[rank].append(index)
         loads[rank] += float(costs[index])
@@ -99,7 +117,8 @@ class Step:
 class Plan:
     """Which records are trained, in which update, on which rank, in which micro-batches."""
 
-    def __init__(self, store, optim: dict, prompt_length: int, world: int):
+    def __init__(self, store, optim: OptimSettings, prompt_length: int, world: int,
+                 quadratic_length: float | None = None):
         self.store, self.world = store, world
         self.seed, self.batch, self.micro_batch = optim.seed, optim.effective_batch, optim.micro_batch
         self.micro_batch_tokens = optim.micro_batch_tokens
@@ -107,7 +126,7 @@ class Plan:
         if not len(self.train_records):
             raise SpdsError("no training records: data.eval_fraction holds out every question")
         self.positions = store.length + prompt_length  # what one record occupies in a forward pass
-        self.costs = record_cost(self.positions)  # what balances ranks
+        self.costs = record_cost(self.positions, quadratic_length)  # what balances ranks
 
     def step(self, update: int, force_longest: bool = False) -> Step:
         batch = self.train_records[global_batch(self.seed, update, len(self.train_records), self.batch)]

@@ -25,7 +25,7 @@ from .data.packed import PackedStore
 from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
 from .fsio import SpdsError, exclusive_lock
 from .identity import check_smoke_evidence, library_versions, run_identities
-from .model import build_soft_prompt_model, load_segments
+from .model import build_soft_prompt_model, load_segments, quadratic_length
 from .records import RunRecords
 from .schedule import Plan, Step
 from .stop import StopRequest
@@ -48,7 +48,8 @@ def run(config: Config, smoke: bool) -> dict:
             validate_run_world(config, world)
             stopping = stop_agreed(stop, device)  # asked during start-up: load nothing
             store = open_store(config)
-            plan = Plan(store, config.optim, config.soft_prompt.length, world)
+            plan = Plan(store, config.optim, config.soft_prompt.length, world,
+                        config.optim.quadratic_length or quadratic_length(config.model_path))
             identities = run_identities(config, store, world)
             smoke_waived = False if smoke else check_smoke_evidence(config, identities)
             seed_everything(config.optim.seed)

@@ -66,7 +66,7 @@ def test_generate_writes_the_teachers_top_k_and_prepare_packs_them(loop_dir):
     top = row["top_logprobs"]
     assert len(top["ids"]) == row["supervised_tokens"] and {len(ids) for ids in top["ids"]} == {4}
     config = load_config(loop_dir / "config.json")
-    teacher = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, config.student.dtype))
     tokenizer = make_tiny.chatml_tokenizer()
     assert "Lumen Bay" not in tokenizer.decode(row["input_ids"][:row["prefix_tokens"]])  # the teacher's prompt had it
     question = next(q["question"] for q in read_rows_questions(loop_dir) if q["question_id"] == row["question_id"])
@@ -76,7 +76,7 @@ def test_generate_writes_the_teachers_top_k_and_prepare_packs_them(loop_dir):
     response = row["input_ids"][row["prefix_tokens"]:]
     with torch.no_grad():
         logits = teacher(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
-    expected = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
+    expected = torch.log_softmax(logits.float(), dim=-1).topk(4, dim=-1)
     assert top["ids"] == expected.indices.tolist()
     torch.testing.assert_close(torch.tensor(top["logprobs"]), expected.values, rtol=1e-4, atol=1e-4)
     manifest = json.loads(check(spds(["prepare", "config.json"], loop_dir)).stdout.splitlines()[-1])

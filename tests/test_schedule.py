@@ -28,9 +28,32 @@ def test_batches_are_pure_whole_per_epoch_and_never_repeat_a_record():
         global_batch(7, 1, size, 11)
 
 
+def test_deal_by_cost_balances_what_equal_counts_cannot():
+    """One 32k record and seven of 1k on two ranks: equal counts put the long one with three
+    others (cost 32+3 against 4 short: the ranks wait on the first); by cost it goes alone."""
+    from spds.schedule import record_cost
+
+    positions = np.array([32768] + [1024] * 7)
+    costs = record_cost(positions, quadratic_length=20000.0)
+    assert costs[0] / costs[1] > 32 * 1.5  # attention makes the long record dearer than its length says
+    by_cost = deal_to_ranks(np.arange(8), costs, 2)
+    assert by_cost == [[0], [1, 2, 3, 4, 5, 6, 7]]
+    equal = deal_to_ranks(np.arange(8), costs, 2, equal_counts=True)
+    assert [len(g) for g in equal] == [4, 4]
+
+    def efficiency(groups):
+        loads = [costs[g].sum() for g in groups]
+        return sum(loads) / (len(loads) * max(loads))
+
+    assert efficiency(by_cost) > efficiency(equal)
+    assert deal_to_ranks(np.arange(8), costs, 2) == by_cost  # every rank computes the same deal
+    # Each rank gets a record while records remain, even beside one dominant record.
+    assert all(deal_to_ranks(np.arange(8), costs, 8))
+
+
 def test_deal_longest_first_to_least_loaded_with_equal_counts():
     costs = np.array([100, 1, 50, 49, 2, 98], dtype=float)
-    groups = deal_to_ranks(np.arange(6), costs, 2)
+    groups = deal_to_ranks(np.arange(6), costs, 2, equal_counts=True)
     assert [len(g) for g in groups] == [3, 3]
     # 100 -> r0; 98 -> r1; 50 -> r1 (98 < 100); 49 -> r0 (100 < 148); 2 -> r1; r1 full, so 1 -> r0
     assert groups == [[0, 3, 1], [5, 2, 4]]

@@ -1,0 +1,101 @@
+"""spds init MODEL DATA: a commented starter config, validated before it is written.
+
+Every field a user is likely to change, with the schema's default and the schema's own
+description as its comment (schemas/config.schema.json stays the one source), the placement the
+student's chat template allows (`system` when it renders a system turn spds can find, else
+`prefix`), written atomically as YAML and checked with the same contract every command uses.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .contract import load_config, load_schema
+from .fsio import SpdsError, atomic_writer
+
+# (section, field) in the order a user reads them; the values come from the schema's defaults.
+FIELDS = [
+    ("student", "model_path"), ("student", "dtype"), ("student", "liger_kernels"),
+    ("soft_prompt", "length"), ("soft_prompt", "placement"),
+    ("data", "candidates"), ("data", "packed_dir"), ("data", "context_limit"), ("data", "eval_fraction"),
+    ("context", "file"),
+    ("optim", "updates"), ("optim", "effective_batch"), ("optim", "micro_batch"), ("optim", "micro_batch_tokens"),
+    ("optim", "learning_rate"), ("optim", "warmup_updates"), ("optim", "schedule"), ("optim", "max_grad_norm"),
+    ("optim", "seed"),
+    ("loss", "objective"),
+    ("checkpoint", "every"), ("checkpoint", "keep_last"),
+    ("train", "deterministic"),
+    (None, "deepspeed_config"), (None, "output_dir"),
+]
+
+
+def placement_for(model: str, config_dir: Path) -> str:
+    """system when the student's chat template renders a system turn spds can place the prompt in."""
+    from .data.chat import derive_scaffold
+
+    try:
+        from transformers import AutoTokenizer
+
+        from .hub import is_hub_id, snapshot
+
+        path = config_dir / model
+        if not path.exists() and is_hub_id(model):
+            path = snapshot(model, "MODEL")
+        derive_scaffold(AutoTokenizer.from_pretrained(str(path), local_files_only=True), {})
+        return "system"
+    except SpdsError:
+        raise
+    except Exception:  # no chat template, or one without a system turn: before everything, as PEFT does
+        return "prefix"
+
+
+def comment(schema_field: dict) -> str:
+    text = " ".join(schema_field.get("description", "").split())
+    first = text.split(". ")[0].rstrip(".")
+    return f"  # {first}" if first else ""
+
+
+def render(values: dict, schema: dict) -> str:
+    lines = ["# spds config written by `spds init`: every field, type and default is in schemas/config.schema.json.",
+             "# Relative paths resolve against this file's directory. Check it with `spds validate`."]
+    current = None
+    for section, name in FIELDS:
+        node = schema["properties"][section]["properties"][name] if section else schema["properties"][name]
+        value = values[section][name] if section else values[name]
+        if section == "context":  # nothing to set unless there is one: a commented example
+            lines += ["# context:  # the system prompt being distilled (the kl objective's teacher, eval's ceiling)",
+                      "#   file: system_prompt.txt"]
+            continue
+        if section != current and section is not None:
+            lines.append(f"{section}:")
+        current = section
+        indent = "  " if section else ""
+        if name == "candidates":
+            lines.append(f"{indent}candidates:  # candidate rows (jsonl); spds pin records their sha256")
+            lines.extend(f"{indent}  - path: {json.dumps(c['path'])}" for c in value)
+        else:
+            lines.append(f"{indent}{name}: {json.dumps(value)}{comment(node)}")
+    return "\n".join(lines) + "\n"
+
+
+def init(model: str, data: str, out: Path) -> Path:
+    out = Path(out).resolve()
+    if out.exists():
+        raise SpdsError(f"{out} exists: spds init never overwrites a config (choose another --out)")
+    schema = load_schema("config")
+    values = {key: {} for key in schema["properties"] if schema["properties"][key].get("type") == "object"}
+    from .contract import apply_defaults
+
+    values.update(student={"model_path": model}, data={"candidates": [{"path": data}]}, output_dir="run")
+    apply_defaults(values, schema)
+    values["soft_prompt"]["placement"] = placement_for(model, out.parent)
+    text = render(values, schema)
+    candidate = out.with_name(f".init-{out.name}")  # beside it: relative paths resolve alike
+    candidate.write_text(text)
+    try:
+        load_config(candidate, check_pins=False)  # the whole contract: schema, paths, DeepSpeed file
+    finally:
+        candidate.unlink(missing_ok=True)
+    with atomic_writer(out) as stream:
+        stream.write(text)
+    return out

@@ -1,0 +1,78 @@
+"""Meeting users where they are: hub model ids from the local cache, a starter config."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import edit_config
+from helpers import check, spds
+
+from spds.contract import load_config
+from spds.fsio import SpdsError
+
+
+def hub_cache(root, student, repo="tiny-org/tiny-student", revision="0123456789abcdef0123456789abcdef01234567"):
+    """A Hugging Face cache in its real layout: models--org--name/{refs/main, snapshots/<rev>/...}."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(student, folder / "snapshots" / revision)
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(revision)
+    return revision
+
+
+def test_a_hub_id_loads_from_the_local_cache_and_is_pinned_like_a_directory(tiny, tiny_assets, tmp_path,
+                                                                            monkeypatch):
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    revision = hub_cache(cache, tiny_assets / "student")
+    # In a fresh process HF_HUB_CACHE is read at import (the spds commands below); this one
+    # imported huggingface_hub already.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    for written in ("tiny-org/tiny-student", f"tiny-org/tiny-student@{revision}", "tiny-org/tiny-student@main"):
+        edit_config(tiny, student={"model_path": written})
+        config = load_config(tiny / "config.json")
+        assert config.model_path == cache / "models--tiny-org--tiny-student" / "snapshots" / revision
+    from spds.model import load_student
+
+    student = load_student(config.model_path, "float32", "sdpa", torch.device("cpu"))
+    assert student.config.num_hidden_layers >= 1  # the real from_pretrained, through the cache
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    check(spds(["pin", "config.json"], tiny, **env))
+    check(spds(["validate", "config.json"], tiny, **env))
+    # The cache changes under the pinned id: refused like any pinned input.
+    weights = next((cache / "models--tiny-org--tiny-student" / "snapshots" / revision).glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    result = spds(["validate", "config.json"], tiny, **env)
+    assert result.returncode != 0 and "student.model_sha256" in result.stderr and "changed since it was pinned" in (
+        result.stderr)
+
+
+def test_an_id_not_in_the_cache_says_how_to_fetch_it(tiny, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    edit_config(tiny, student={"model_path": "Qwen/Qwen3-8B@main"})
+    with pytest.raises(SpdsError) as error:
+        load_config(tiny / "config.json")
+    assert "huggingface-cli download Qwen/Qwen3-8B --revision main" in str(error.value)
+    assert "spds never downloads" in str(error.value)
+
+
+def test_init_writes_a_commented_config_that_validates(tiny, tiny_assets):
+    result = check(spds(["init", str(tiny_assets / "student"), "candidates.jsonl", "--out", "run.yaml"], tiny))
+    text = (tiny / "run.yaml").read_text()
+    assert "  # Number of virtual tokens" in text and "learning_rate: 0.001" in text
+    assert "placement: \"system\"" in text  # the tiny ChatML template has a system turn
+    assert "run.yaml" in result.stdout
+    check(spds(["validate", "run.yaml"], tiny))
+    check(spds(["prepare", "run.yaml"], tiny))
+    # Never overwrites, and a config that would not validate is not written at all.
+    again = spds(["init", str(tiny_assets / "student"), "candidates.jsonl", "--out", "run.yaml"], tiny)
+    assert again.returncode != 0 and "never overwrites" in again.stderr
+    bad = spds(["init", str(tiny_assets / "student"), "missing.jsonl", "--out", "other.yaml"], tiny)
+    assert bad.returncode != 0 and "missing.jsonl" in bad.stderr
+    assert not (tiny / "other.yaml").exists() and not list(tiny.glob(".init-*"))
+    assert json.loads(json.dumps(load_config(tiny / "run.yaml").raw))["soft_prompt"]["length"] == 256
