@@ -422,8 +422,10 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
         problems += model_directory_problems("student.tokenizer_path", config.tokenizer_path,
                                              ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     for i, path in enumerate(config.candidate_paths):
-        if not path.is_file() and require_candidates:  # spds generate writes them
-            problems.append(f"data.candidates[{i}].path: {path} is not a file")
+        saved_dataset = path.is_dir() and (path / "state.json").is_file()  # datasets' save_to_disk
+        if not (path.is_file() or saved_dataset) and require_candidates:  # spds generate writes them
+            problems.append(f"data.candidates[{i}].path: {path} is not a file (jsonl, parquet) or a datasets "
+                            "save_to_disk directory")
     named = (("context.file", config.context.file, "file"),
              ("generate.questions", config.generate.questions, "file"),
              ("generate.teacher_path", config.generate.teacher_path, "directory"))

@@ -120,7 +120,7 @@ def plot(metrics_path: Path, nll: dict, target: Path) -> str | None:
     if metrics_path.exists():
         lines = [json.loads(line) for line in metrics_path.read_text().splitlines()]
         curve.plot([m["update"] for m in lines], [m["loss"] for m in lines])
-    curve.set(title="training loss (mean CE per supervised token)", xlabel="update", ylabel="loss")
+    curve.set(title="training loss (loss.objective per supervised token)", xlabel="update", ylabel="loss")
     names = [n for n in ("floor", "soft", "ceiling") if nll.get(n) is not None]
     values = [nll[n] for n in names]
     bars.bar(names, values, color=["#999999", "#3366cc", "#33aa55"][:len(names)])

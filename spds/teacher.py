@@ -20,9 +20,10 @@ reuse_context_kv   The context's keys and values computed once. The tokens befor
                    each teacher forward runs only context[-1:] ++ x[a:] against them (its first
                    row predicts x[a], so every response position is a row of its own output),
                    through SDPA's lower-right causal bias (no [queries, keys] mask). The prefix's
-                   own keys and values are put back after each forward. One record per forward:
-                   that is what costs it the measurement above; batching records against one
-                   cache is the next step.
+                   own keys and values are put back after each forward. Slower than the batched
+                   recompute on H200 although it computes 38% fewer positions there; batching the
+                   records against one cache did not change that (bench/RESULTS.md): the bias's
+                   attention kernel is the suspect, not yet profiled.
 
 A student sharded over the ranks (ZeRO-3, fsdp) gathers its weights collectively in every
 forward, and its ranks must make the same calls: there the teacher always runs batched.

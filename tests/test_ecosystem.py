@@ -76,3 +76,35 @@ def test_init_writes_a_commented_config_that_validates(tiny, tiny_assets):
     assert bad.returncode != 0 and "missing.jsonl" in bad.stderr
     assert not (tiny / "other.yaml").exists() and not list(tiny.glob(".init-*"))
     assert json.loads(json.dumps(load_config(tiny / "run.yaml").raw))["soft_prompt"]["length"] == 256
+
+
+def test_parquet_and_a_saved_dataset_pack_exactly_as_the_jsonl_of_the_same_rows(tiny):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    rows = [json.loads(line) for line in (tiny / "candidates.jsonl").read_text().splitlines()]
+    # Token and chat rows side by side: every column in every row (null where a row has none), as a
+    # table holds them; both libraries would otherwise take the columns from the first row alone.
+    columns = sorted({key for row in rows for key in row})
+    rows = [{key: row.get(key) for key in columns} for row in rows]
+    parquet.write_table(pa.Table.from_pylist(rows), tiny / "rows.parquet", row_group_size=7)  # several groups
+    datasets.Dataset.from_list(rows).save_to_disk(str(tiny / "rows-dataset"))
+    packed = {}
+    for name, path in (("jsonl", "candidates.jsonl"), ("parquet", "rows.parquet"), ("dataset", "rows-dataset")):
+        edit_config(tiny, data={"candidates": [{"path": path}], "packed_dir": f"packed-{name}"})
+        check(spds(["prepare", "config.json"], tiny))
+        index = [json.loads(line) for line in (tiny / f"packed-{name}" / "index.jsonl").read_text().splitlines()]
+        for entry in index:
+            entry["source"] = entry["source"].split(":")[1]  # the file's name differs; the row number does not
+        packed[name] = ((tiny / f"packed-{name}" / "tokens.uint32").read_bytes(), index)
+    assert packed["parquet"] == packed["jsonl"] and packed["dataset"] == packed["jsonl"]
+    # A bad row is named by file, row, request_id and rule, as in JSONL.
+    bad = [dict(row) for row in rows]
+    bad[4]["sample_index"] = -1
+    parquet.write_table(pa.Table.from_pylist(bad), tiny / "bad.parquet")
+    edit_config(tiny, data={"candidates": [{"path": "bad.parquet"}], "packed_dir": "packed-bad"})
+    result = spds(["prepare", "config.json"], tiny)
+    assert result.returncode != 0
+    assert f"bad.parquet: row 5: request_id {bad[4]['request_id']}: rule 'schema'" in result.stderr
+    assert not (tiny / "packed-bad").exists()

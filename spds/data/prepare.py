@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import __version__
 from ..contract import Config, require_valid
-from ..fsio import SpdsError, exclusive_lock, read_json, sha256_file, verified_copy
+from ..fsio import SpdsError, exclusive_lock, read_json, sha256_path, verified_copy
 from .chat import derive_scaffold, end_token_ids, tokenizer_identity
 from .packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from .rows import RowRules, read_records
@@ -67,7 +67,7 @@ def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:
         end_ids = end_token_ids(tokenizer, data.end_tokens)
         sources = []
         for i, (candidate, path) in enumerate(zip(data.candidates, config.candidate_paths)):
-            actual = sha256_file(path)
+            actual = sha256_path(path)  # a file, or a save_to_disk directory
             if candidate.sha256 and candidate.sha256 != actual:
                 raise SpdsError(f"data.candidates[{i}]: {path} changed since it was pinned "
                                 f"(expected sha256 {candidate.sha256}, actual {actual})")

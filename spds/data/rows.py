@@ -193,6 +193,8 @@ def top_k_of(value: dict, supervised: int, rules: RowRules) -> tuple[np.ndarray,
     _check(bad is None, "top-k logprobs", f"top_logprobs.logprobs[{bad // k if bad is not None else 0}] holds a "
            "non-number")
     logprob_array = np.asarray(flat, dtype=np.float64).reshape(supervised, k)
+    _check(bool(np.isfinite(logprob_array).all()), "top-k logprobs",
+           f"top_logprobs.logprobs[{int(np.argmin(np.isfinite(logprob_array).all(axis=1)))}] holds NaN or infinity")
     _check(logprob_array.max() <= 0.0, "top-k logprobs",
            f"top_logprobs.logprobs[{int(np.argmax(logprob_array.max(axis=1)))}] holds a log-probability above 0")
     mass = np.exp(logprob_array).sum(axis=1)
@@ -202,23 +204,62 @@ def top_k_of(value: dict, supervised: int, rules: RowRules) -> tuple[np.ndarray,
 
 
 def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
-    """Yield one checked Record per line; raise RowError naming file, line, request_id and rule."""
+    """Yield one checked Record per row; raise RowError naming file, line (or row), request_id and
+    rule. A .jsonl file, a .parquet file, or a directory written by datasets' save_to_disk."""
     schema = RowSchema()
+    rows, where = (json_lines(path), "{path}:{number}") if not is_table(path) else (table_rows(path),
+                                                                                  "{path}: row {number}")
+    for number, row in rows:
+        request_id = "?"
+        try:
+            if isinstance(row, Exception):
+                raise row
+            if isinstance(row, dict) and isinstance(row.get("request_id"), str):
+                request_id = row["request_id"]
+            problems = schema.problems(row)
+            if problems:
+                raise ValueError("rule 'schema' (schemas/candidate.schema.json): " + "; ".join(problems))
+            yield build_record(row, tokenizer, rules, f"{path.name}:{number}")
+        except json.JSONDecodeError as error:
+            raise RowError(f"{path}:{number}: rule 'one JSON object per line': {error.msg} "
+                           f"at column {error.colno}") from None
+        except ValueError as error:
+            raise RowError(f"{where.format(path=path, number=number)}: request_id {request_id}: {error}") from None
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed row or the error parsing it) of a JSONL file, one line in memory."""
     with open(path, "rb") as stream:
         for number, line in enumerate(stream, start=1):
             if not line.strip():
                 raise RowError(f"{path}:{number}: rule 'one JSON object per line': blank line")
-            request_id = "?"
             try:
-                row = parse_json(line)
-                if isinstance(row, dict) and isinstance(row.get("request_id"), str):
-                    request_id = row["request_id"]
-                problems = schema.problems(row)
-                if problems:
-                    raise ValueError("rule 'schema' (schemas/candidate.schema.json): " + "; ".join(problems))
-                yield build_record(row, tokenizer, rules, f"{path.name}:{number}")
-            except json.JSONDecodeError as error:
-                raise RowError(f"{path}:{number}: rule 'one JSON object per line': {error.msg} "
-                               f"at column {error.colno}") from None
-            except ValueError as error:
-                raise RowError(f"{path}:{number}: request_id {request_id}: {error}") from None
+                yield number, parse_json(line)
+            except ValueError as error:  # JSONDecodeError included: read_records names the line
+                yield number, error
+
+
+def is_table(path: Path) -> bool:
+    return path.is_dir() or path.suffix == ".parquet"
+
+
+def table_rows(path: Path, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
+    """(row number from 1, row) of a parquet file or a save_to_disk directory, streamed in
+    batches of `batch_rows` (memory flat, as for JSONL). Columns a row leaves empty (null) are
+    absent from it, as they would be from a JSON line; the schema then judges the row alike."""
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise SpdsError(f"{path}: reading parquet or datasets directories needs pyarrow and datasets "
+                        "(pip install 'spds[datasets]')") from None
+    if path.is_dir():
+        from datasets import load_from_disk
+
+        batches = (batch.to_pylist() for batch in load_from_disk(str(path)).data.to_batches(max_chunksize=batch_rows))
+    else:
+        batches = (batch.to_pylist() for batch in parquet.ParquetFile(path).iter_batches(batch_size=batch_rows))
+    number = 0
+    for batch in batches:
+        for row in batch:
+            number += 1
+            yield number, {key: value for key, value in row.items() if value is not None}
