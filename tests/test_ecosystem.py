@@ -108,3 +108,28 @@ def test_parquet_and_a_saved_dataset_pack_exactly_as_the_jsonl_of_the_same_rows(
     assert result.returncode != 0
     assert f"bad.parquet: row 5: request_id {bad[4]['request_id']}: rule 'schema'" in result.stderr
     assert not (tiny / "packed-bad").exists()
+
+
+@pytest.mark.slow
+def test_a_model_id_and_a_parquet_of_rows_are_enough_to_train(tiny, tiny_assets, tmp_path):
+    """Issue 17's user: only a model id in the HF cache and a parquet file of teacher rows.
+    init -> pin -> prepare -> smoke -> train, no path edited (only the sizes, for a CPU test)."""
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+
+    cache = tmp_path / "hub"
+    hub_cache(cache, tiny_assets / "student")
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    rows = [json.loads(line) for line in (tiny / "candidates.jsonl").read_text().splitlines()]
+    columns = sorted({key for row in rows for key in row})
+    parquet.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]),
+                        tiny / "teacher.parquet")
+    check(spds(["init", "tiny-org/tiny-student", "teacher.parquet", "--out", "run.yaml"], tiny, **env))
+    text = (tiny / "run.yaml").read_text()
+    for field, value in (("length", 4), ("updates", 2), ("effective_batch", 4)):  # CPU-sized, nothing else
+        text = "\n".join(f"  {field}: {value}" if line.startswith(f"  {field}:") else line
+                         for line in text.splitlines()) + "\n"
+    (tiny / "run.yaml").write_text(text)
+    for verb in ("pin", "prepare", "smoke", "train"):
+        check(spds([verb, "run.yaml"], tiny, **env))
+    assert json.loads((tiny / "run" / "terminal.json").read_text())["status"] == "complete"
