@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .fsio import SpdsError
+
+STARTED = time.time()  # `spds train` to update 1 is measured from here (run.json startup_seconds)
 
 
 def cmd_validate(args) -> int:
@@ -49,7 +52,7 @@ def cmd_prepare(args) -> int:
 def cmd_train(args) -> int:
     from .train import main as train_main
 
-    return train_main(args.config, smoke=args.verb == "smoke")
+    return train_main(args.config, smoke=args.verb == "smoke", started=STARTED)
 
 
 def cmd_stop(args) -> int:
@@ -83,6 +86,9 @@ def cmd_eval(args) -> int:
     print(f"NLL per token  floor {nll['floor']:.4f}  soft {nll['soft']:.4f}  ceiling {ceiling}  gap recovered {gap}")
     if result["kl_to_teacher"] is not None:
         print(f"KL(teacher || soft) per token {result['kl_to_teacher']:.4f} (teacher: {result['teacher']})")
+    if result["tokens_per_second"]:
+        print(f"{result['tokens_per_second']:,.0f} positions/s over {result['world_size']} rank(s), "
+              f"{result['seconds']:.1f} s")
     print(f"eval.json and plot in {load_config(args.config).output_dir}")
     return 0
 

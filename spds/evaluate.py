@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,14 +70,20 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     # A sharded student gathers weights collectively in every forward: every rank makes as many
     # passes as the busiest, a rank out of records repeating its last one without counting it.
     steps = -(-len(held_out) // world) if model.layout.lockstep else len(mine)
+    started, positions = time.monotonic(), 0  # positions forwarded on this rank, every condition
     for step in range(steps):
         i = int(mine[min(step, len(mine) - 1)] if len(mine) else held_out[0])
         counted = float(step < len(mine))
         segment = load_segments(store, [i], device)[i]
         for k, name in enumerate(names):
             sums[k] += counted * model([segment], inserted=blocks[name], loss_fn=nll_fn).double()
+            positions += len(segment.ids) + len(blocks[name] if blocks[name] is not None else prompt)
         if kl:
             sums[-1] += counted * model([segment], loss_fn=kl_fn).double()
+            positions += 2 * len(segment.ids) + len(prompt)  # the student, and the teacher's record
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.monotonic() - started
     if world > 1:
         torch.distributed.all_reduce(sums)
     tokens = int(store.supervised_tokens[held_out].sum())
@@ -89,6 +96,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
                   context_tokens=len(blocks["ceiling"]) if "ceiling" in blocks else 0, nll=nll, gap_recovered=gap,
                   kl_to_teacher=float(sums[-1]) / tokens if kl else None,
                   teacher=teacher_kind(config.loss, store) if kl else None, world_size=world,
+                  seconds=seconds, tokens_per_second=positions * world / seconds if seconds else None,
                   spds_version=__version__, plot=None)
     out = config.output_dir
     if rank != 0:

@@ -25,6 +25,18 @@ from .fsio import SpdsError, append_line_durably, atomic_write_json, atomic_writ
 from .identity import library_versions
 
 
+class StartupClock:
+    """Seconds from the start (`spds train`, or the call) to the end of each start-up phase:
+    process_group, data (store, plan, identities), student (load, kernels), engine (DeepSpeed),
+    resume. With metrics update 1's elapsed_seconds, where the time to the first update goes."""
+
+    def __init__(self, started: float | None = None):
+        self.started, self.seconds = started or time.time(), {}
+
+    def mark(self, phase: str) -> None:
+        self.seconds[phase] = round(time.time() - self.started, 3)
+
+
 class RunRecords:
     def __init__(self, out: Path, rank: int, last: int, progress_bar: bool):
         self.out, self.writes, self.last = out, rank == 0, last
@@ -38,7 +50,7 @@ class RunRecords:
         self.completed, self.checkpoint = update, checkpoint
 
     def begin(self, config: Config, smoke: bool, start: int, world: int, identities: dict, smoke_waived: bool,
-              model) -> None:
+              model, startup_seconds: dict) -> None:
         """run.json, and metrics.jsonl cut back to the updates before `start` (after a crash the
         updates after the checkpoint are redone, and each must appear once)."""
         if not self.writes:
@@ -52,7 +64,7 @@ class RunRecords:
             config_path=str(config.path), launch=launch_environment(), smoke_waived=smoke_waived,
             resumed_from=str(self.checkpoint) if self.checkpoint else None,
             trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
-            loss_kernel=model.loss_fn.kernel), "run")
+            loss_kernel=model.loss_fn.kernel, startup_seconds=startup_seconds), "run")
         if self.show_bar:
             from tqdm import tqdm
 

@@ -26,18 +26,20 @@ from .engine import all_reduce_sum, build_engine, check_precision, init_distribu
 from .fsio import SpdsError, exclusive_lock
 from .identity import check_smoke_evidence, library_versions, run_identities
 from .model import build_soft_prompt_model, load_segments, quadratic_length
-from .records import RunRecords
+from .records import RunRecords, StartupClock
 from .schedule import Plan, Step
 from .stop import StopRequest
 
 # ---------------------------------------------------------------- the loop
 
-def run(config: Config, smoke: bool) -> dict:
+def run(config: Config, smoke: bool, started: float | None = None) -> dict:
     stop = StopRequest.install()  # spds.cli installed it first thing; a library caller gets it here
+    clock = StartupClock(started)  # from `spds train` (or this call) to each start-up phase's end
     if config.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
         torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world, device = init_distributed(config.distributed)
+    clock.mark("process_group")
     out = config.output_dir / "smoke" if smoke else config.output_dir
     with rank_zero_lock(out, rank):  # before anything touches the run directory
         records = RunRecords(out, rank, last=1 if smoke else config.optim.updates,
@@ -53,14 +55,18 @@ def run(config: Config, smoke: bool) -> dict:
             identities = run_identities(config, store, world)
             smoke_waived = False if smoke else check_smoke_evidence(config, identities)
             seed_everything(config.optim.seed)
+            clock.mark("data")
             model = None if stopping else build_soft_prompt_model(config, device, store=store)
+            clock.mark("student")
             engine = None if stopping else build_engine(config, model, world)
+            clock.mark("engine")
             saver = Checkpointer(config.checkpoint, out / "checkpoints", config.resolve(config.checkpoint.backup_dir),
                                  smoke, identities, library_versions(), rank, world)
             records.resume_point(*saver.newest())  # what terminal.json names, should the restore be refused
             start = saver.restore(engine, records.checkpoint)
             records.resume_point(start - 1, records.checkpoint)
-            records.begin(config, smoke, start, world, identities, smoke_waived, model)
+            clock.mark("resume")
+            records.begin(config, smoke, start, world, identities, smoke_waived, model, clock.seconds)
             stopping = stopping or stop_agreed(stop, device)
             began, metric = time.monotonic(), None
             for update in range(start, records.last + 1):
@@ -167,9 +173,9 @@ class rank_zero_lock:
             self.lock.__exit__(*exc)
 
 
-def main(config_path: str, smoke: bool = False) -> int:
+def main(config_path: str, smoke: bool = False, started: float | None = None) -> int:
     config = load_config(config_path)
-    result = run(config, smoke)
+    result = run(config, smoke, started)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"spds {'smoke' if smoke else 'train'}: {result['status']} at update {result['update']}; "
               f"outputs in {result['output']}"

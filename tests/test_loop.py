@@ -129,6 +129,7 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     assert report["context_tokens"] == len(context)
     assert report["kl_to_teacher"] == pytest.approx(kl / tokens, rel=1e-4) and report["kl_to_teacher"] > 0
     assert report["teacher"] == "context"
+    assert report["tokens_per_second"] > 0 and report["seconds"] > 0
     # Launched on two ranks, eval shares the records and reports the same numbers.
     check(spds(["eval", "config.json"], tiny, world=2, launcher="torchrun"))
     shared = read_json(tiny / "run" / "eval.json")
