@@ -20,8 +20,7 @@ from typing import Any
 import jsonschema
 
 from .fsio import SpdsError, atomic_write_json, read_bytes, read_json, sha256_json, sha256_path
-from .hub import is_hub_id
-from .hub import snapshot as hub_snapshot
+from .hub import model_directory
 from .settings import (
     SECTIONS,
     CheckpointSettings,
@@ -167,10 +166,7 @@ class Config:
 
     def resolve_model(self, value: str | None, key: str) -> Path | None:
         """A model directory: a path, or a hub id found in the local Hugging Face cache (spds/hub.py)."""
-        path = self.resolve(value)
-        if path is None or path.exists() or not is_hub_id(value):
-            return path
-        return hub_snapshot(value, key)
+        return None if value is None else model_directory(value, self.resolve(value), key)
 
     @cached_property
     def model_path(self) -> Path:
@@ -426,11 +422,10 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
         if not (path.is_file() or saved_dataset) and require_candidates:  # spds generate writes them
             problems.append(f"data.candidates[{i}].path: {path} is not a file (jsonl, parquet) or a datasets "
                             "save_to_disk directory")
-    named = (("context.file", config.context.file, "file"),
-             ("generate.questions", config.generate.questions, "file"),
-             ("generate.teacher_path", config.generate.teacher_path, "directory"))
-    for key, value, kind in named:
-        path = config.teacher_path if key == "generate.teacher_path" and value else config.resolve(value)
+    named = (("context.file", config.resolve(config.context.file), "file"),
+             ("generate.questions", config.resolve(config.generate.questions), "file"),
+             ("generate.teacher_path", config.teacher_path if config.generate.teacher_path else None, "directory"))
+    for key, path, kind in named:
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
     problems += output_problems(config)

@@ -22,6 +22,14 @@ def is_hub_id(value: str) -> bool:
     return bool(HUB_ID.match(value)) and not value.startswith(("./", "../", "/", "~"))
 
 
+def model_directory(value: str, path: Path, key: str) -> Path:
+    """`value` as written at config key `key`, `path` its resolution as a path: that path if it
+    exists or `value` is no hub id, else the id's cached snapshot."""
+    if path.exists() or not is_hub_id(value):
+        return path
+    return snapshot(value, key)
+
+
 def snapshot(value: str, key: str) -> Path:
     """The cached snapshot directory of hub id `value` (config key `key`, for messages)."""
     from huggingface_hub import snapshot_download

@@ -41,20 +41,18 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
     asynchronous): a per-record copy from pageable memory would stall the host every time."""
     import numpy as np
 
-    ids = np.concatenate([store.ids(i) for i in records])
-    host = torch.from_numpy(ids)
-    on_device = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-    segments, start = {}, 0
-    for i in records:
-        length = int(store.length[i])
-        segments[i] = Segment(ids=on_device[start:start + length], prefix_tokens=int(store.prefix_tokens[i]),
-                              insert_at=int(store.insert_at[i]))
-        start += length
-    if store.top_k:
-        for i in records:
-            top_ids, top_logprobs = store.top_k_of(i)
-            segments[i].top_ids = torch.from_numpy(top_ids).to(device)
-            segments[i].top_logprobs = torch.from_numpy(top_logprobs).to(device)
+    def to_device(arrays: list) -> list[torch.Tensor]:
+        host = torch.from_numpy(np.concatenate(arrays))
+        whole = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        return list(whole.split([len(a) for a in arrays]))
+
+    ids = to_device([store.ids(i) for i in records])
+    segments = {i: Segment(ids=own, prefix_tokens=int(store.prefix_tokens[i]), insert_at=int(store.insert_at[i]))
+                for i, own in zip(records, ids)}
+    if store.top_k:  # an offline teacher's top-k: [supervised tokens, K] per record, likewise in one copy each
+        tops = [store.top_k_of(i) for i in records]
+        for i, top_ids, top_logprobs in zip(records, to_device([t[0] for t in tops]), to_device([t[1] for t in tops])):
+            segments[i].top_ids, segments[i].top_logprobs = top_ids, top_logprobs
     return segments
 
 
@@ -102,23 +100,30 @@ def initial_prompt(student: nn.Module, length: int, init: dict, seed: int, token
     return embeddings.detach()[ids.to(embeddings.device)].float().cpu()
 
 
+def student_config(model_path) -> dict:
+    """The student's config.json (a multimodal model's text part), read strictly; {} if not an object."""
+    from pathlib import Path
+
+    from .fsio import read_json
+
+    value = read_json(Path(model_path) / "config.json")
+    value = value.get("text_config", value) if isinstance(value, dict) else {}
+    return value if isinstance(value, dict) else {}
+
+
 def quadratic_length(model_path) -> float | None:
     """The record length at which attention's FLOPs equal the weights' (forward and input
     gradients, causal): 4 P / (6 layers heads head_dim), P the matmul parameters, lm_head
     included. From the student's config.json; None when its shapes are not all there."""
-    import json
-    from pathlib import Path
-
+    value = student_config(model_path)
     try:
-        value = json.loads((Path(model_path) / "config.json").read_text())
-        value = value.get("text_config", value)
         hidden, layers, heads = value["hidden_size"], value["num_hidden_layers"], value["num_attention_heads"]
         head_dim = value.get("head_dim") or hidden // heads
         kv_heads = value.get("num_key_value_heads", heads)
         per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * value[
             "intermediate_size"]
         matmul_parameters = layers * per_layer + value["vocab_size"] * hidden
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ZeroDivisionError):
         return None
     return 4 * matmul_parameters / (6 * layers * heads * head_dim)
 

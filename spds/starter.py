@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .contract import load_config, load_schema
+from .contract import apply_defaults, load_config, load_schema
 from .fsio import SpdsError, atomic_writer
+from .hub import model_directory
 
 # (section, field) in the order a user reads them; the values come from the schema's defaults.
 FIELDS = [
@@ -33,18 +34,12 @@ def placement_for(model: str, config_dir: Path) -> str:
     """system when the student's chat template renders a system turn spds can place the prompt in."""
     from .data.chat import derive_scaffold
 
+    path = model_directory(model, (config_dir / Path(model).expanduser()).resolve(), "MODEL")
     try:
         from transformers import AutoTokenizer
 
-        from .hub import is_hub_id, snapshot
-
-        path = config_dir / model
-        if not path.exists() and is_hub_id(model):
-            path = snapshot(model, "MODEL")
         derive_scaffold(AutoTokenizer.from_pretrained(str(path), local_files_only=True), {})
         return "system"
-    except SpdsError:
-        raise
     except Exception:  # no chat template, or one without a system turn: before everything, as PEFT does
         return "prefix"
 
@@ -84,8 +79,6 @@ def init(model: str, data: str, out: Path) -> Path:
         raise SpdsError(f"{out} exists: spds init never overwrites a config (choose another --out)")
     schema = load_schema("config")
     values = {key: {} for key in schema["properties"] if schema["properties"][key].get("type") == "object"}
-    from .contract import apply_defaults
-
     values.update(student={"model_path": model}, data={"candidates": [{"path": data}]}, output_dir="run")
     apply_defaults(values, schema)
     values["soft_prompt"]["placement"] = placement_for(model, out.parent)

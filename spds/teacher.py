@@ -48,9 +48,18 @@ class ContextTeacher:
         self.max_prefixes = max_prefixes
         self.reuse_context = reuse_context  # loss.reuse_context_kv; False: the whole sequence, batched
         self.prefix_forwards = 0  # how many times a prefix was computed (the benchmark and tests read it)
+        self.embedded = None
+        # transformers renamed past_key_values to cache (5.2x); both name the same object.
+        parameters = inspect.signature(model.student.base_model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
+    @torch.no_grad()
     def context_embeddings(self) -> torch.Tensor:
-        return self.model.student.get_input_embeddings()(self.context_ids)
+        """The context's token embeddings: the student is frozen, so once (on first use, when every
+        rank of a sharded student asks alike)."""
+        if self.embedded is None:
+            self.embedded = self.model.student.get_input_embeddings()(self.context_ids)
+        return self.embedded
 
     @torch.no_grad()
     def targets(self, segments) -> TeacherTargets:
@@ -87,8 +96,6 @@ class ContextTeacher:
     def forward(self, embeddings: torch.Tensor, start: int, cache):
         """(final hidden states, the cache) of `embeddings` at positions start.., after `cache`."""
         base = self.model.student.base_model
-        # transformers renamed past_key_values to cache (5.2x); both name the same object.
-        name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
         positions = torch.arange(start, start + len(embeddings), device=embeddings.device)[None]
         # Against cached keys, transformers would build the causal mask as a [queries, keys] tensor
         # (1.2 GB for a 32k record after a 4k context), which no flash kernel takes: the record's
@@ -99,7 +106,8 @@ class ContextTeacher:
         deterministic = self.model.sdpa_backend == "math"
         kernels = self.model._attention_context(start + len(embeddings)) if deterministic else contextlib.nullcontext()
         with kernels, attention_after_cache(base.config, cache):
-            output = base(inputs_embeds=embeddings[None], position_ids=positions, use_cache=True, **{name: cache})
+            output = base(inputs_embeds=embeddings[None], position_ids=positions, use_cache=True,
+                          **{self.cache_argument: cache})
         returned = getattr(output, "cache", None)
         return output.last_hidden_state[0], returned if returned is not None else output.past_key_values
 

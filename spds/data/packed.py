@@ -66,14 +66,16 @@ class PackedWriter:
                      supervised_tokens=record.supervised_tokens, insert_at=record.insert_at,
                      response_sha256=record.response_sha256, crc32=zlib.crc32(data), added_system=record.added_system,
                      split=split, source=record.source)
-        if self.add_top_k(record):
-            entry.update(top_k_offset=self.top_offset - record.supervised_tokens, top_k_crc32=self.top_crc)
+        top_k_crc32 = self.add_top_k(record)
+        if top_k_crc32 is not None:
+            entry.update(top_k_offset=self.top_offset - record.supervised_tokens, top_k_crc32=top_k_crc32)
         self.index.write(json.dumps(entry) + "\n")
         self.offset += len(record.ids)
         self.records += 1
         self.max_length = max(self.max_length, len(record.ids))
 
-    def add_top_k(self, record: Record) -> bool:
+    def add_top_k(self, record: Record) -> int | None:
+        """Write the record's top-k (if the rows carry them); return their CRC-32, or None."""
         k = 0 if record.top_ids is None else record.top_ids.shape[1]
         if self.top_k is None:
             self.top_k = k
@@ -84,14 +86,13 @@ class PackedWriter:
                             f"{k or 'no'} top-k log-probabilities per token, the first row {self.top_k or 'none'}; "
                             "every row of the candidate files carries the same k, or none does")
         if not k:
-            return False
+            return None
         ids = record.top_ids.astype("<i4", copy=False).tobytes()
         logprobs = record.top_logprobs.astype("<f4", copy=False).tobytes()
         self.top_files[0].write(ids)
         self.top_files[1].write(logprobs)
-        self.top_crc = zlib.crc32(logprobs, zlib.crc32(ids))
         self.top_offset += record.supervised_tokens
-        return True
+        return zlib.crc32(logprobs, zlib.crc32(ids))
 
     @property
     def streams(self) -> list:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import __version__
 from ..contract import Config, require_valid
-from ..fsio import SpdsError, exclusive_lock, read_json, sha256_path, verified_copy
+from ..fsio import SpdsError, exclusive_lock, sha256_path, verified_copy
 from .chat import derive_scaffold, end_token_ids, tokenizer_identity
 from .packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from .rows import RowRules, read_records
@@ -55,9 +55,10 @@ def prepare(config: Config, log=print) -> dict:
 
 def model_vocabulary_rows(config: Config) -> int | None:
     """The student's embedding rows (config.json vocab_size): an id past them crashes training."""
-    value = read_json(config.model_path / "config.json")
-    value = value.get("text_config", value) if isinstance(value, dict) else {}
-    return value.get("vocab_size") if isinstance(value.get("vocab_size"), int) else None
+    from ..model import student_config
+
+    rows = student_config(config.model_path).get("vocab_size")
+    return rows if isinstance(rows, int) else None
 
 
 def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:

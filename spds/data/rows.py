@@ -182,9 +182,11 @@ def top_k_of(value: dict, supervised: int, rules: RowRules) -> tuple[np.ndarray,
     flat_ids = [v for r in ids for v in r]
     bad = next((i for i, v in enumerate(flat_ids) if type(v) is not int), None)
     _check(bad is None, "top-k ids", f"top_logprobs.ids[{bad // k if bad is not None else 0}] holds a non-integer")
-    id_array = np.asarray(flat_ids, dtype=np.int64).reshape(supervised, k) if all(
-        -2**63 <= v < 2**63 for v in flat_ids) else None
-    _check(id_array is not None and id_array.min() >= 0 and id_array.max() < rules.vocab_size, "top-k ids",
+    try:
+        id_array = np.asarray(flat_ids, dtype=np.int64).reshape(supervised, k)
+    except OverflowError:  # beyond int64: beyond any vocabulary
+        id_array = np.full((supervised, k), -1, dtype=np.int64)
+    _check(id_array.min() >= 0 and id_array.max() < rules.vocab_size, "top-k ids",
            f"every id must lie in 0 .. {rules.vocab_size - 1}")
     repeated = np.flatnonzero((np.diff(np.sort(id_array, axis=1), axis=1) == 0).any(axis=1))
     _check(not len(repeated), "top-k ids", f"top_logprobs.ids[{repeated[0] if len(repeated) else 0}] repeats an id")
