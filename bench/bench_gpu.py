@@ -15,6 +15,7 @@ that over the measured bf16 matmul peak.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -133,6 +134,15 @@ VARIANTS = {
     # packed, but auto checkpointing all-or-nothing per micro-batch (spds before per-layer counts).
     "wholeckpt": ({"sdpa_backend": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
 }
+# train.deterministic (its kernel choice, strict deterministic algorithms) against liger; flash at
+# every length; flex at every length and for long records only, without the deterministic switches.
+VARIANTS["liger-det"] = ({"liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-det-flash"] = ({"sdpa_backend": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-flash"] = ({"sdpa_backend": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-flex"] = ({"sdpa_backend": "flex", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-flexlong"] = ({"sdpa_backend": {"below": 8192, "short": "flash", "long": "flex"},
+                               "liger_kernels": True}, VARIANTS["liger"][1])
+DETERMINISTIC = {"liger-det", "liger-det-flash"}
 # loss.objective kl with the online teacher (the student with a CONTEXT-token context): its keys
 # and values computed once (kl) or the whole sequence every time (kl-nocache).
 VARIANTS["liger-kl"] = VARIANTS["liger-kl-nocache"] = VARIANTS["liger"]
@@ -171,7 +181,8 @@ def spds_config(directory: Path, records: int, variant: str):
     raw = {"student": {"model_path": "random-weights", **student},
            "soft_prompt": {"length": PROMPT}, "data": {"candidates": [{"path": "synthetic"}]},
            "optim": {"effective_batch": records, "updates": 1, "learning_rate": 1e-3, **optim},
-           "train": {"require_smoke": False}, "output_dir": str(directory / "run")}
+           "train": {"require_smoke": False, "deterministic": variant in DETERMINISTIC},
+           "output_dir": str(directory / "run")}
     apply_defaults(raw, load_schema("config"))
     assert not describe_errors(raw, "config"), describe_errors(raw, "config")
     return Config(path=directory / "config.json", raw=raw)
@@ -196,6 +207,10 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
 
             apply_liger_kernels(student)
             student.liger_applied = True
+        if config.train.deterministic:
+            from spds.model import use_deterministic_kernels
+
+            use_deterministic_kernels()
         model = build_soft_prompt_model(config, torch.device(DEVICE), student=student)
         AFTER_BUILD.get(variant, lambda model: None)(model)
         engine = build_engine(config, model, 1)
@@ -208,14 +223,58 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         torch.cuda.reset_peak_memory_stats()
         batch = np.arange(len(warm_lengths), len(warm_lengths) + len(lengths))
         started = time.perf_counter()
-        metric, _ = train_step(engine, store, plan, plan.step_of(2, batch), 0, device, stop, None)
-        torch.cuda.synchronize()
+        with profiled(PROFILE):
+            metric, _ = train_step(engine, store, plan, plan.step_of(2, batch), 0, device, stop, None)
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         result = dict(seconds=seconds, positions=metric["tokens"], peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                       loss=metric["loss"], kernel=model.loss_fn.kernel)
         del engine, model
         torch.cuda.empty_cache()
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
         return result
+
+
+# ---------------------------------------------------------------- where the time goes
+
+PROFILE = False
+KERNEL_KINDS = (  # GPU kernel name pattern -> what it is (first match)
+    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("liger/triton", ("liger", "triton", "_rms", "rope", "swiglu")),
+    ("communication", ("nccl", "gloo")),
+    ("copy/fill", ("memcpy", "memset", "copy", "fill", "cat")),
+    ("reduction/softmax", ("reduce", "softmax", "logsumexp", "max", "sum")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in lowered for w in words)), "other")
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool):
+    """torch.profiler over the timed update: GPU time by kind of kernel, and the top kernels."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(t for _, t in kernels) or 1
+    by_kind: dict[str, float] = {}
+    for name, t in kernels:
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0) + t
+    print("GPU time by kind: " + ", ".join(f"{k} {v / 1e6:.2f} s ({100 * v / total:.0f}%)"
+                                          for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])), flush=True)
+    for name, t in sorted(kernels, key=lambda kv: -kv[1])[:12]:
+        print(f"  {t / 1e6:7.3f} s {100 * t / total:4.1f}%  {name[:110]}", flush=True)
+
 
 
 # ---------------------------------------------------------------- HF + PEFT
@@ -271,7 +330,10 @@ def main() -> None:
                         help="comma list of spds variants: " + ", ".join(VARIANTS))
     parser.add_argument("--no-peft", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler over each timed spds update")
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     liger = [v for v in args.variants.split(",") if VARIANTS[v][0].get("liger_kernels")]
     if liger and (len(liger) < len(args.variants.split(",")) or not args.no_peft):
         parser.error(f"{liger} patch the student in place: run them on their own, with --no-peft")

@@ -428,7 +428,7 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     for key, path, kind in named:
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
-    problems += output_problems(config)
+    problems += output_problems(config) + determinism_problems(config)
     optim = config.optim
     if optim.warmup_updates > optim.updates:
         problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
@@ -437,6 +437,22 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
         problems.append(f"optim.effective_batch: {optim.effective_batch} does not divide by "
                         f"data_parallel_size {size}")
     return problems
+
+
+def determinism_problems(config: Config) -> list[str]:
+    """train.deterministic against the attention kernels that have no deterministic backward."""
+    if not config.train.deterministic:
+        return []
+    from .attention import kernels_in
+
+    student = config.student
+    if student.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
+        return [f"student.attn_implementation: {student.attn_implementation!r} has no deterministic backward that "
+                "spds can switch on, and train.deterministic is true: use sdpa (its flex or flash kernel) or eager"]
+    if student.attn_implementation == "sdpa" and "cudnn" in kernels_in(student.sdpa_backend):
+        return ["student.sdpa_backend: cuDNN attention has no deterministic backward, and train.deterministic is "
+                "true: use auto (flex on CUDA), flex, flash, efficient or math"]
+    return []
 
 
 def pin_problems(config: Config) -> list[str]:

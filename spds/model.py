@@ -16,10 +16,16 @@ gradient accumulates in FP32).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .attention import NAME as SPDS_ATTENTION
+from .attention import QUADRATIC_ATTENTION_BYTES, kernel_for
+from .attention import install as install_attention
+from .attention import resolve as resolve_kernels
 
 
 @dataclass
@@ -54,10 +60,6 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
         for i, top_ids, top_logprobs in zip(records, to_device([t[0] for t in tops]), to_device([t[1] for t in tops])):
             segments[i].top_ids, segments[i].top_logprobs = top_ids, top_logprobs
     return segments
-
-
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "math": "MATH"}
 
 
 def load_student(model_path, dtype: str, attn_implementation: str, device: torch.device) -> nn.Module:
@@ -149,18 +151,44 @@ class CheckpointPolicy:
     """Decides per micro-batch how many decoder layers recompute their activations in backward.
 
     A recomputed layer costs another forward (about half again its forward plus input-gradient
-    backward), so spds recomputes only as many layers as memory needs: for "auto", the fewest
-    whose saving brings positions x hidden x (40 bytes per plain layer, 2 per checkpointed one,
-    plus one layer's recompute) under the activation budget. True and False: all layers, none."""
+    backward), so spds recomputes only as many layers as memory needs: for "auto", the fewest k
+    that bring the micro-batch's activations under the budget, counted as
 
-    def __init__(self, setting, student: nn.Module, budget_gib: float | None, device: torch.device):
+        positions x hidden x (40 bytes per plain layer, 2 per checkpointed one, + one layer's recompute)
+      + the attention kernel's memory: a quadratic kernel's score matrices (kept by each plain
+        layer, and one layer's transient), FlashAttention-2's deterministic dQ accumulators
+        (one fp32 copy of dQ per split of the SMs over the heads, during one layer's backward).
+
+    When even k = all layers cannot fit, it stops the run with the sizes and what to change,
+    rather than run out of memory mid-update (the smoke meets the longest micro-batch first).
+    True and False: all layers, none."""
+
+    def __init__(self, setting, student: nn.Module, budget_gib: float | None, device: torch.device,
+                 kernel_at=lambda length: "auto", deterministic: bool = False):
         self.setting = setting
         config = student.config
         self.layers, self.hidden = config.num_hidden_layers, config.hidden_size
+        self.heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.attn_implementation = config._attn_implementation
+        self.kernel_at = kernel_at  # padded sequence length -> the SDPA kernel name
+        self.deterministic = deterministic
         self.budget = budget_gib * 2**30 if budget_gib else None
         self.device = device
 
-    def __call__(self, positions: int) -> int:
+    def attention_bytes(self, positions: int, longest: int) -> tuple[float, float]:
+        """(bytes each plain layer keeps, bytes one running layer needs at most) for attention."""
+        implementation = self.attn_implementation
+        kernel = self.kernel_at(longest) if implementation in ("sdpa", SPDS_ATTENTION) else implementation
+        kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
+        square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
+        workspace = 0
+        if self.deterministic and kernel == "flash" and self.device.type == "cuda":  # its dQ accumulators
+            processors = torch.cuda.get_device_properties(self.device).multi_processor_count
+            workspace = positions * math.ceil(processors / self.heads) * self.heads * self.head_dim * 4
+        return kept * square, transient * square + workspace
+
+    def __call__(self, positions: int, longest: int | None = None) -> int:
         if self.setting in (True, False):
             return self.layers if self.setting else 0
         if self.device.type != "cuda" and self.budget is None:  # CPU: only with a budget given
@@ -168,11 +196,30 @@ class CheckpointPolicy:
         if self.budget is None:  # measured once, after the student and engine are in memory
             self.budget = 0.9 * torch.cuda.mem_get_info(self.device)[0]
         plain, kept = ACTIVATION_BYTES_PER_HIDDEN, CHECKPOINTED_BYTES_PER_HIDDEN
-        affordable = self.budget / (positions * self.hidden)  # bytes per position per hidden unit
-        if self.layers * plain <= affordable:
+        attention_kept, attention_transient = self.attention_bytes(positions, longest or positions)
+        per_plain_layer = positions * self.hidden * plain + attention_kept
+        per_kept_layer = positions * self.hidden * kept
+        running = positions * self.hidden * plain + attention_transient
+
+        def need(k: int) -> float:  # bytes with the first k layers recomputed
+            held = (self.layers - k) * per_plain_layer + k * per_kept_layer
+            return held + (running if k else attention_transient)
+
+        if need(0) <= self.budget:
             return 0
-        # (layers - k) * plain + k * kept + plain <= affordable
-        needed = -(-(self.layers * plain + plain - affordable) // (plain - kept))
+        if need(self.layers) > self.budget:
+            from .fsio import SpdsError
+
+            raise SpdsError(
+                f"a micro-batch of {positions} positions (longest sequence {longest or positions}) needs about "
+                f"{need(self.layers) / 2**30:.1f} GiB of activations with every layer recomputed, over the "
+                f"{self.budget / 2**30:.1f} GiB budget (student.activation_memory_gib, or 90% of the free GPU memory); "
+                f"attention kernel {self.kernel_at(longest or positions)!r}"
+                f"{' (memory quadratic in length)' if attention_kept else ''}: shorten the longest records, lower "
+                "optim.micro_batch or optim.micro_batch_tokens, or choose an O(L) kernel (student.sdpa_backend flex, "
+                "flash)")
+        # need(k) falls linearly in k from k = 1: the fewest layers that fit
+        needed = math.ceil((self.layers * per_plain_layer + running - self.budget) / (per_plain_layer - per_kept_layer))
         return int(min(self.layers, max(1, needed)))
 
 
@@ -212,7 +259,7 @@ class Replicated:
 class SoftPromptModel(nn.Module):
     def __init__(self, student: nn.Module, prompt: torch.Tensor, loss_fn, activation_checkpointing=False,
                  sdpa_backend="auto", activation_memory_gib: float | None = None, pad_to_multiple_of: int | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, deterministic: bool = False):
         super().__init__()
         device = device or student.device  # a student still on the host waits to be sharded onto `device`
         if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
@@ -222,22 +269,23 @@ class SoftPromptModel(nn.Module):
         self.prompt = nn.Parameter(prompt.to(torch.float32).to(device))
         self.loss_fn = loss_fn
         self.sdpa_backend = sdpa_backend
-        self.checkpointing = CheckpointPolicy(activation_checkpointing, student, activation_memory_gib, device)
+        self.kernel_choice = install_attention(student)  # None: the student's own attention (eager, ...)
+        self.checkpointing = CheckpointPolicy(activation_checkpointing, student, activation_memory_gib, device,
+                                              self.attention_kernel, deterministic)
         self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
         self.teacher = None  # spds/teacher.py, for a loss that needs one
         if activation_checkpointing is not False:
             enable_checkpointing(student)
         student.eval()
 
-    def _attention_context(self, positions: int):
-        backend = self.sdpa_backend
-        if isinstance(backend, dict):  # {"below": N, "short": kernel, "long": kernel}, chosen by measurement
-            backend = backend["short"] if positions < backend["below"] else backend["long"]
-        if backend == "auto":
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    def attention_kernel(self, positions: int) -> str:
+        """The attention kernel for a sequence of `positions` (padded): "auto" lets PyTorch choose."""
+        return kernel_for(self.sdpa_backend, positions)
 
-        return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
+    def use_kernel(self, positions: int) -> None:
+        """The kernel of the next forward (and of its recompute in backward)."""
+        if self.kernel_choice is not None:
+            self.kernel_choice.kernel = self.attention_kernel(positions)
 
     def joined_embeddings(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
         """embed(x[:a]) ++ block ++ embed(x[a:]) for each segment; one embedding call for all."""
@@ -267,9 +315,13 @@ class SoftPromptModel(nn.Module):
             inputs = torch.stack([nn.functional.pad(j, (0, 0, 0, longest - len(j))) for j in joined])
         positions = torch.arange(longest, device=self.prompt.device)[None].expand(len(joined), -1)
         # A sharded student's ranks decide alike, from the positions the plan agreed on.
-        checkpoint_first(self.student, self.checkpointing(checkpoint_positions or longest * len(joined)))
-        with self._attention_context(longest):
-            output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
+        if checkpoint_positions:  # the plan's figure, the same on every rank
+            count = self.checkpointing(checkpoint_positions)
+        else:
+            count = self.checkpointing(longest * len(joined), longest)
+        checkpoint_first(self.student, count)
+        self.use_kernel(longest)
+        output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
         return [output.last_hidden_state[i, :len(j)] for i, j in enumerate(joined)]
 
     def response_states(self, segments: list[Segment], inserted: torch.Tensor | None = None,
@@ -316,11 +368,7 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
         student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
         if student_cfg.liger_kernels:
             apply_liger_kernels(student)
-    sdpa_backend = student_cfg.sdpa_backend
-    if config.train.deterministic and sdpa_backend == "auto":
-        # Flash and cuDNN attention backward accumulate with atomics: measured on H200, the same
-        # record gives a different prompt gradient run to run. The math kernel does not.
-        sdpa_backend = "math"
+    sdpa_backend = resolve_kernels(student_cfg.sdpa_backend, config.train.deterministic, device)
     if prompt is None:
         tokenizer = None
         if prompt_cfg.init.method == "text":
@@ -331,7 +379,7 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
     loss_fn = make_loss(config.loss)
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
     model = SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg.activation_memory_gib,
-                            student_cfg.pad_to_multiple_of, device)
+                            student_cfg.pad_to_multiple_of, device, config.train.deterministic)
     if loss_fn.needs_teacher:
         from .teacher import build_teacher
 

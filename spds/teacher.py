@@ -19,7 +19,7 @@ reuse_context_kv   The context's keys and values computed once. The tokens befor
                    x[:a] ++ context[:-1] are computed on first use of that prefix and kept, and
                    each teacher forward runs only context[-1:] ++ x[a:] against them (its first
                    row predicts x[a], so every response position is a row of its own output),
-                   through SDPA's lower-right causal bias (no [queries, keys] mask). The prefix's
+                   causal from the lower right (no [queries, keys] mask; spds/attention.py). The prefix's
                    own keys and values are put back after each forward. Slower than the batched
                    recompute on H200 although it computes 38% fewer positions there; batching the
                    records against one cache did not change that (bench/RESULTS.md): the bias's
@@ -30,7 +30,6 @@ forward, and its ranks must make the same calls: there the teacher always runs b
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
@@ -98,53 +97,14 @@ class ContextTeacher:
         base = self.model.student.base_model
         positions = torch.arange(start, start + len(embeddings), device=embeddings.device)[None]
         # Against cached keys, transformers would build the causal mask as a [queries, keys] tensor
-        # (1.2 GB for a 32k record after a 4k context), which no flash kernel takes: the record's
-        # queries attend through SDPA's lower-right causal bias instead (no mask tensor). The bias
-        # runs on the flash or memory-efficient kernel, else it builds the mask for the math one:
-        # so the student's kernel rule (cuDNN for long records) does not apply here, unless
-        # attention must be deterministic (math). Measured on H200: bench/RESULTS.md.
-        deterministic = self.model.sdpa_backend == "math"
-        kernels = self.model._attention_context(start + len(embeddings)) if deterministic else contextlib.nullcontext()
-        with kernels, attention_after_cache(base.config, cache):
-            output = base(inputs_embeds=embeddings[None], position_ids=positions, use_cache=True,
-                          **{self.cache_argument: cache})
+        # (1.2 GB for a 32k record after a 4k context), which no flash kernel takes. spds's attention
+        # (spds/attention.py) needs none: its queries are causal from the lower right. A forward
+        # alone is deterministic on any kernel (no backward, no atomics).
+        self.model.use_kernel(start + len(embeddings))
+        output = base(inputs_embeds=embeddings[None], position_ids=positions, use_cache=True,
+                      **{self.cache_argument: cache})
         returned = getattr(output, "cache", None)
         return output.last_hidden_state[0], returned if returned is not None else output.past_key_values
-
-
-CACHED_CAUSAL = "spds_cached_causal"
-
-
-def lower_right_causal_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
-                                 **kwargs):
-    """transformers' attention signature: queries are the last positions of the keys (a cache
-    before them), each seeing every key up to its own position. One record (batch 1, no padding):
-    the mask transformers passes is None, and none is needed."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: the bias path takes equal head counts
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling)
-    return output.transpose(1, 2).contiguous(), None
-
-
-@contextlib.contextmanager
-def attention_after_cache(config, cache):
-    """Within: the student's attention is lower_right_causal_attention (when there is a cache)."""
-    if cache is None or config._attn_implementation != "sdpa":  # eager and others build their own masks
-        yield
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(CACHED_CAUSAL, lower_right_causal_attention)
-    previous = config._attn_implementation
-    config._attn_implementation = CACHED_CAUSAL  # unknown to the mask builders: they build no mask
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
 
 
 class TopKTeacher:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .attention import use_deterministic_kernels
 from .checkpoint import Checkpointer, fault_point
 from .contract import Config, load_config, validate_run_world
 from .data.packed import PackedStore
@@ -36,8 +37,7 @@ def run(config: Config, smoke: bool, started: float | None = None) -> dict:
     stop = StopRequest.install()  # spds.cli installed it first thing; a library caller gets it here
     clock = StartupClock(started)  # from `spds train` (or this call) to each start-up phase's end
     if config.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        use_deterministic_kernels()
     rank, world, device = init_distributed(config.distributed)
     clock.mark("process_group")
     out = config.output_dir / "smoke" if smoke else config.output_dir

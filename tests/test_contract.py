@@ -174,3 +174,20 @@ def test_the_three_old_backend_settings_are_refused_naming_their_new_names(tiny)
     for old, new in [("backend", "'sharding'"), ("loss.backend", "'loss.kernel'"),
                      ("distributed.backend", "'distributed.communication'")]:
         assert f"{old}: renamed to {new}" in text, text
+
+
+def test_deterministic_training_refuses_attention_without_a_deterministic_backward(tiny):
+    """cuDNN attention (named, or as one side of a by-length choice) has no deterministic
+    backward; train.deterministic with it would resume differently from the straight run."""
+    by_length = {"below": 8192, "short": "flash", "long": "cudnn"}
+    edit_config(tiny, train={"deterministic": True}, student={"sdpa_backend": by_length})
+    with pytest.raises(SpdsError) as caught:
+        load_config(tiny / "config.json")
+    assert "student.sdpa_backend: cuDNN attention has no deterministic backward" in str(caught.value)
+    edit_config(tiny, train={"deterministic": True}, student={"attn_implementation": "flex_attention"})
+    with pytest.raises(SpdsError, match="student.attn_implementation: 'flex_attention' has no deterministic"):
+        load_config(tiny / "config.json")
+    edit_config(tiny, train={"deterministic": True}, student={"sdpa_backend": "auto", "attn_implementation": "sdpa"})
+    load_config(tiny / "config.json")  # auto resolves to a deterministic kernel
+    edit_config(tiny, train={"deterministic": False}, student={"sdpa_backend": by_length})
+    load_config(tiny / "config.json")  # without the promise, cuDNN is the fast choice

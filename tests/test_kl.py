@@ -89,17 +89,18 @@ def test_a_different_teacher_moves_the_loss():
 def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(tiny_assets, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spds import teacher as teacher_module
+    from spds import attention as attention_module
     from spds.model import Segment, SoftPromptModel
     from spds.teacher import ContextTeacher
 
-    calls = []  # the records' queries attend the cached keys through the lower-right causal bias
-    attention = teacher_module.lower_right_causal_attention
-    monkeypatch.setattr(teacher_module, "lower_right_causal_attention",
+    calls = []  # the records' queries attend the cached keys causally from the lower right
+    attention = attention_module.lower_right_causal
+    monkeypatch.setattr(attention_module, "lower_right_causal",
                         lambda *args, **kwargs: calls.append(1) or attention(*args, **kwargs))
 
     path = tiny_assets / "student"
     student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     context = torch.tensor(tokenizer.encode("Lumen Bay ferries leave at dawn and dusk.", add_special_tokens=False))
     loss = make_loss(section("loss", kernel="chunked"))
@@ -112,13 +113,12 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(t
     rows = teacher.targets(segments).hidden
     assert teacher.prefix_forwards == 1  # three records, one forward over header + context
     assert len(calls) == 3 * student.config.num_hidden_layers
-    assert student.config._attn_implementation == "sdpa"  # put back
-    embed = student.get_input_embeddings()
+    embed = plain.get_input_embeddings()
     expected = []
     for segment in segments:
         ids, a = segment.ids, segment.insert_at
         joined = torch.cat([embed(ids[:a]), embed(context), embed(ids[a:])])[None]
-        states = student.model(inputs_embeds=joined).last_hidden_state[0]
+        states = plain.model(inputs_embeds=joined).last_hidden_state[0]
         # response token ids[t] sits at t + len(context) and is predicted from the position before
         expected.append(states[segment.prefix_tokens + len(context) - 1:len(ids) + len(context) - 1])
     torch.testing.assert_close(rows, torch.cat(expected), rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ import torch
 from conftest import make_tiny
 
 from spds.contract import section
+from spds.fsio import SpdsError
 from spds.loss import make_loss
 from spds.model import Segment, SoftPromptModel, initial_prompt, load_student
 
@@ -13,6 +14,14 @@ from spds.model import Segment, SoftPromptModel, initial_prompt, load_student
 @pytest.fixture(scope="module")
 def student(tiny_assets):
     return load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def plain_student(tiny_assets):
+    """The same weights for the references, never handed to spds (which installs its attention)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_assets / "student", dtype=torch.float32).requires_grad_(False)
 
 
 
@@ -44,7 +53,7 @@ def reference_loss(student, prompt, segment):
 
 
 @pytest.mark.parametrize("insert_at", [0, 3])
-def test_loss_and_prompt_gradient_match_the_students_own_forward(student, insert_at):
+def test_loss_and_prompt_gradient_match_the_students_own_forward(student, plain_student, insert_at):
     tokenizer = make_tiny.chatml_tokenizer()
     segment = make_segment(tokenizer)
     segment.insert_at = insert_at
@@ -53,7 +62,7 @@ def test_loss_and_prompt_gradient_match_the_students_own_forward(student, insert
     loss = model([segment])
     loss.backward()
     reference_prompt = prompt.clone().requires_grad_()
-    expected = reference_loss(student, reference_prompt, segment)
+    expected = reference_loss(plain_student, reference_prompt, segment)
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.prompt.grad, reference_prompt.grad, rtol=1e-4, atol=1e-6)
@@ -103,7 +112,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
         student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
         prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=2)
         model = SoftPromptModel(student, prompt, CHUNKED_16, activation_checkpointing=count > 0)
-        model.checkpointing = lambda positions, count=count: count
+        model.checkpointing = lambda positions, longest=None, count=count: count
         recomputed = []  # count the layer forwards run again during backward
         for layer in student.model.layers:
             layer.self_attn.register_forward_pre_hook(lambda *_: recomputed.append(True))
@@ -132,5 +141,26 @@ def test_auto_checkpointing_policy(student):
     assert 0 < partial < policy.layers
     need = lambda k: 1500 * policy.hidden * ((policy.layers - k) * 40 + k * 2 + 40)  # noqa: E731
     assert need(partial) <= policy.budget < need(partial - 1)
-    assert policy(100_000) == policy.layers  # beyond what checkpointing can save: all (and hope)
+    with pytest.raises(SpdsError, match="100000 positions.*every layer recomputed"):
+        policy(100_000)  # beyond what checkpointing can save: a clear stop, not an out-of-memory mid-update
+    # A kernel that materialises the scores (math SDPA): [heads, L, L] bf16 kept per plain layer,
+    # three while a layer runs. The same micro-batch needs more layers recomputed, and a length the
+    # linear model would accept is refused.
+    quadratic = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cpu"),
+                                 kernel_at=lambda length: "math")
+    quadratic.device, quadratic.layers, quadratic.budget = policy.device, policy.layers, policy.budget
+    heads, hidden, layers = quadratic.heads, quadratic.hidden, quadratic.layers
+
+    def quadratic_need(k, positions):
+        plain = positions * hidden * 40 + 2 * heads * positions**2
+        running = positions * hidden * 40 + 6 * heads * positions**2
+        return (layers - k) * plain + k * positions * hidden * 2 + (running if k else 6 * heads * positions**2)
+
+    assert quadratic(1500) > partial
+    assert quadratic_need(quadratic(1500), 1500) <= policy.budget < quadratic_need(quadratic(1500) - 1, 1500)
+    longest_linear = max(n for n in range(1000, 20_000, 50)  # every layer recomputed, linear model
+                         if n * policy.hidden * (2 * policy.layers + 40) <= policy.budget)
+    policy(longest_linear)  # the linear model accepts it...
+    with pytest.raises(SpdsError, match="quadratic in length"):
+        quadratic(longest_linear)  # ...the math kernel's scores do not fit
     assert CheckpointPolicy(True, student, None, torch.device("cpu"))(1) == student.config.num_hidden_layers

@@ -1,0 +1,101 @@
+"""The online teacher's attention against a cached context (loss.reuse_context_kv), CUDA.
+
+    python bench/check_cached_attention.py
+
+A record's L queries attend to C cached context keys plus its own L keys, causal from the lower
+right, grouped-query heads (Qwen3 1.7B: 16 query, 8 key heads; 8B: 32, 8). Three ways, forward
+only (the teacher has no backward):
+  bias     SDPA with torch's causal_lower_right bias, keys repeated to the query heads (spds before)
+  spds     spds.attention.lower_right_causal as it stands
+  batched  what the batched teacher pays instead: causal SDPA over all C + L positions
+Each is checked against an fp32 reference with an explicit mask where that fits, and timed; the
+kernels the bias path launched are listed.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from spds.attention import lower_right_causal  # noqa: E402
+
+CONTEXT, HEAD_DIM = 4096, 128
+
+
+def bias_path(q, k, v):
+    from torch.nn.attention.bias import causal_lower_right
+
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    bias = causal_lower_right(q.shape[2], k.shape[2])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def spds_path(q, k, v):
+    return lower_right_causal(q, k, v, None)
+
+
+def batched_path(q_all, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q_all, k, v, is_causal=True, enable_gqa=True)
+
+
+def reference(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(groups, dim=1), v.float().repeat_interleave(groups, dim=1)
+    L, S = q.shape[2], k.shape[2]
+    allowed = torch.arange(S, device=q.device)[None] <= torch.arange(L, device=q.device)[:, None] + (S - L)
+    scores = (q.float() @ k.transpose(-1, -2)) / HEAD_DIM**0.5
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def timed(fn, *args, repeats: int = 5) -> float:
+    fn(*args)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+@torch.no_grad()
+def main() -> None:
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
+    for name, heads, kv_heads in (("1.7b", 16, 8), ("8b", 32, 8)):
+        for length in (1024, 8192, 32768):
+            g = torch.Generator(device="cuda").manual_seed(length)
+            def draw(h, n):
+                return torch.randn(1, h, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+            k, v = draw(kv_heads, CONTEXT + length), draw(kv_heads, CONTEXT + length)
+            q_all = draw(heads, CONTEXT + length)
+            q = q_all[:, :, CONTEXT:].contiguous()
+            row = {}
+            outputs = {"bias": bias_path(q, k, v), "spds": spds_path(q, k, v)}
+            if length <= 8192:
+                expected = reference(q, k, v)
+                for key, out in outputs.items():
+                    row[f"{key} max|err| vs fp32"] = f"{float((out.float() - expected).abs().max()):.2e}"
+                del expected
+            row["spds == bias bitwise"] = torch.equal(outputs["spds"], outputs["bias"])
+            row["bias ms"] = round(timed(bias_path, q, k, v), 2)
+            row["spds ms"] = round(timed(spds_path, q, k, v), 2)
+            row["batched ms"] = round(timed(batched_path, q_all, k, v), 2)
+            print(f"{name} C={CONTEXT} L={length}: {row}", flush=True)
+            if name == "1.7b" and length == 8192:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    bias_path(q, k, v)
+                    torch.cuda.synchronize()
+                names = [e.key[:90] for e in prof.key_averages() if e.self_device_time_total > 0]
+                print(f"  kernels of the bias path: {names}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

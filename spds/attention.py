@@ -1,0 +1,204 @@
+"""The student's attention: which kernel runs it, chosen by spds, the same in forward and recompute.
+
+When student.attn_implementation is sdpa, spds installs one attention function in the student
+(transformers' AttentionInterface, "spds_causal"). Every sequence spds runs is causal and right
+padded (a position never attends to a later one, so padding after a record's end changes
+nothing, and no mask is needed), and its queries are the last positions of its keys: all of
+them in a training pass, the record after a cached context in the teacher's (spds/teacher.py).
+So the function is causal from the lower right, and takes no mask.
+
+The kernel is a per-forward choice (student.sdpa_backend, by length): SoftPromptModel sets
+`KernelChoice.kernel` before each forward. A checkpointed layer recomputes its forward during
+backward, after any `with sdpa_kernel(...)` around the forward has ended; reading the choice
+from the module makes the recompute run the forward's kernel (with a context manager it ran
+PyTorch's default one).
+
+Kernels:
+  auto, flash, efficient, cudnn, math   PyTorch SDPA (grouped-query heads passed through where
+                                        the kernel takes them, repeated where it does not)
+  flex                                  torch's flex_attention, compiled once for every length
+                                        (dynamic shapes), on a causal block mask built from
+                                        block indices. Deterministic by construction (dQ and
+                                        dK/dV in separate passes, no atomics) and O(L) memory:
+                                        train.deterministic's choice on CUDA (bench/RESULTS.md)
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
+NAME = "spds_causal"
+
+# Attention's own memory beyond a layer's activations. Kernels that materialise the scores
+# (math SDPA, eager) keep a [heads, L, L] probability matrix per plain layer and hold about three
+# such matrices while a layer runs forward or backward: (kept per plain layer, transient) bytes
+# per head per position x sequence length. Flash, memory-efficient, cuDNN and flex keep O(L).
+QUADRATIC_ATTENTION_BYTES = {"math": (2, 6), "eager": (6, 10)}
+
+
+def use_deterministic_kernels() -> None:
+    """train.deterministic: every kernel on its deterministic algorithm, for a bit-exact GPU resume.
+
+    Strict mode, not warn_only: under warn_only PyTorch keeps the atomic (run-to-run varying)
+    backward of flash and memory-efficient attention and only warns; strict mode switches them to
+    their deterministic algorithms and leaves cuDNN attention out, and an op with no deterministic
+    algorithm stops the run with PyTorch's error instead of drifting silently. transformers'
+    enable_full_determinism sets the same switches."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+    os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"  # attn_implementation flash_attention_2 reads it
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+def resolve(setting, deterministic: bool, device: torch.device):
+    """student.sdpa_backend as the student runs it. Under train.deterministic, "auto" is flex on
+    CUDA (measured on H200: bit-identical backward, twice as fast as flash's deterministic one
+    at 32k) and math on the CPU (its kernels reduce in a fixed order anyway; math is what the
+    tests compare with)."""
+    if deterministic and setting == "auto":
+        return "flex" if device.type == "cuda" else "math"
+    return setting
+
+
+def kernels_in(setting) -> set[str]:
+    """The kernel names a student.sdpa_backend setting can choose."""
+    return {setting["short"], setting["long"]} if isinstance(setting, dict) else {setting}
+
+
+def kernel_for(setting, positions: int) -> str:
+    """The kernel for a sequence of `positions` (padded) under a resolved setting."""
+    if isinstance(setting, dict):  # {"below": N, "short": kernel, "long": kernel}, chosen by measurement
+        return setting["short"] if positions < setting["below"] else setting["long"]
+    return setting
+
+
+class KernelChoice:
+    """The kernel of the forward in flight, shared by the student's attention modules."""
+
+    def __init__(self, kernel: str = "auto"):
+        self.kernel = kernel
+
+
+def install(student) -> KernelChoice | None:
+    """spds's attention in `student` (an sdpa student; others keep their own), and its choice."""
+    config = student.config
+    if config._attn_implementation not in ("sdpa", NAME):
+        return None
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, causal_attention)
+    choice = KernelChoice()
+    modules = [m for m in student.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
+    if len(modules) != config.num_hidden_layers:  # transformers' attention modules, one per layer
+        from .fsio import SpdsError
+
+        raise SpdsError(f"cannot find the attention modules of {type(student).__name__} (found {len(modules)} "
+                        f"for {config.num_hidden_layers} layers): set student.attn_implementation to eager")
+    for module in modules:
+        module.spds_kernel = choice
+    config._attn_implementation = NAME  # unknown to transformers' mask builders: they build no mask
+    return choice
+
+
+def causal_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention signature: query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D] with
+    Lk >= Lq, each query at position Lk - Lq + i seeing keys up to its own. Returns [B, Lq, Hq, D]."""
+    choice = getattr(module, "spds_kernel", None)
+    kernel = choice.kernel if choice is not None else "auto"
+    if kernel == "flex":
+        output = flex_causal(query, key, value, scaling)
+    elif query.shape[2] == key.shape[2]:
+        output = sdpa_causal(kernel, query, key, value, scaling)
+    else:
+        output = lower_right_causal(query, key, value, scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def sdpa_causal(kernel: str, query, key, value, scaling):
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and kernel == "efficient":  # the memory-efficient kernel takes no grouped-query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        groups = 1
+    call = functools.partial(torch.nn.functional.scaled_dot_product_attention, query, key, value, is_causal=True,
+                             scale=scaling, enable_gqa=groups > 1)
+    if kernel == "auto":
+        return call()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[kernel])):
+        return call()
+
+
+def lower_right_causal(query, key, value, scaling):
+    """Queries after cached keys (the teacher's record after its context), forward only."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0:
+        # FlashAttention-2 aligns a causal mask to the lower right when keys outnumber queries and
+        # takes grouped-query keys as they are: the kernel torch's lower-right bias calls, without
+        # repeating the keys to the query heads first (bench/check_cached_attention.py).
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
+                                                                  scale=scaling)[0]
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: the bias path takes equal head counts
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling)
+
+
+# ---------------------------------------------------------------- flex
+
+BLOCK = 128  # flex_attention's default sparse block
+
+
+@functools.cache
+def compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not torch.cuda.is_available():
+        return flex_attention  # the CPU runs it eagerly (the tests: tiny lengths)
+    return torch.compile(flex_attention, dynamic=True)  # one compilation for every length and batch
+
+
+def flex_causal(query, key, value, scaling):
+    mask = causal_block_mask(query.shape[2], key.shape[2], query.device)
+    return compiled_flex()(query, key, value, block_mask=mask, scale=scaling,
+                           enable_gqa=query.shape[1] != key.shape[1])
+
+
+@functools.lru_cache(maxsize=256)
+def causal_block_mask(queries: int, keys: int, device: torch.device):
+    """flex_attention's BlockMask for queries at positions keys - queries + i, each seeing keys up
+    to its own position, built from block indices (create_block_mask would evaluate the mask
+    over every [query, key] pair: a gigabyte at 32k, or another compilation per length).
+
+    Row tile i (queries qs..qe-1, key offset `o` = keys - queries) sees key block j fully when
+    the block's last key (j+1)·B-1 <= qs + o, and partly up to j <= (qe-1+o) // B."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    offset = keys - queries
+    query_blocks, key_blocks = math.ceil(queries / BLOCK), math.ceil(keys / BLOCK)
+    first = torch.arange(query_blocks) * BLOCK  # each row tile's first query
+    last = torch.clamp(first + BLOCK, max=queries) - 1
+    # key blocks 0..full-1 are wholly visible to the tile's first query (so to all of it); a last
+    # block cut short by the key count stays partial (the mask bounds it)
+    full = torch.clamp((first + offset + 1) // BLOCK, 0, keys // BLOCK)
+    seen = torch.clamp((last + offset) // BLOCK + 1, 0, key_blocks)  # key blocks 0..seen-1 at least partly
+    columns = torch.arange(key_blocks)
+    full_indices = torch.where(columns[None] < full[:, None], columns[None], 0)
+    partial_count = seen - full
+    partial_indices = torch.where(columns[None] < partial_count[:, None], full[:, None] + columns[None], 0)
+
+    def causal(batch, head, q, k):
+        return k <= q + offset
+
+    def shaped(t):
+        return t.to(device=device, dtype=torch.int32)[None, None].contiguous()
+
+    return BlockMask.from_kv_blocks(shaped(partial_count), shaped(partial_indices), shaped(full), shaped(full_indices),
+                                    BLOCK_SIZE=BLOCK, mask_mod=causal, seq_lengths=(queries, keys))

@@ -1,0 +1,98 @@
+"""spds's attention function: the flex kernel's block mask, its numbers, and the kernel a
+checkpointed layer recomputes with. References are plain transformers forwards and masks
+computed element by element with numpy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny
+
+from spds import attention
+from spds.contract import section
+from spds.loss import make_loss
+from spds.model import Segment, SoftPromptModel, initial_prompt
+
+BLOCK = attention.BLOCK
+
+
+def block_sets(mask) -> tuple[set, set]:
+    """(partial, full) as sets of (query tile, key block) from a BlockMask's indices."""
+    def read(counts, indices):
+        counts, indices = counts[0, 0].tolist(), indices[0, 0].tolist()
+        return {(row, indices[row][i]) for row in range(len(counts)) for i in range(counts[row])}
+
+    return read(mask.kv_num_blocks, mask.kv_indices), read(mask.full_kv_num_blocks, mask.full_kv_indices)
+
+
+@pytest.mark.parametrize("queries,keys", [(1, 1), (5, 5), (128, 128), (130, 130), (300, 300), (100, 400),
+                                          (257, 1000), (128, 256), (1000, 1000), (129, 4000)])
+def test_causal_block_mask_covers_exactly_the_allowed_pairs(queries, keys):
+    allowed = np.arange(keys)[None] <= np.arange(queries)[:, None] + (keys - queries)  # element by element
+    partial, full = block_sets(attention.causal_block_mask(queries, keys, torch.device("cpu")))
+    assert not partial & full
+    for row in range(-(-queries // BLOCK)):
+        for column in range(-(-keys // BLOCK)):
+            tile = allowed[row * BLOCK:(row + 1) * BLOCK, column * BLOCK:(column + 1) * BLOCK]
+            # every block with an allowed pair is visited; a block skips the mask only when whole and all allowed
+            assert ((row, column) in partial | full) == bool(tile.any()), (row, column)
+            if (row, column) in full:
+                assert tile.shape[1] == BLOCK and tile.all(), (row, column)
+
+
+def reference_loss(student, prompt, segment):
+    embeddings = student.get_input_embeddings()(segment.ids)
+    a, P = segment.insert_at, prompt.shape[0]
+    joined = torch.cat([embeddings[:a], prompt, embeddings[a:]])[None]
+    logits = student(inputs_embeds=joined).logits[0].float()
+    rows = logits[segment.prefix_tokens + P - 1:len(segment.ids) + P - 1]
+    return torch.nn.functional.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
+
+
+@pytest.mark.parametrize("kernel", ["flex", "math", {"below": 20, "short": "math", "long": "flex"}])
+def test_each_kernel_gives_the_plain_forwards_loss_and_gradient(tiny_assets, kernel):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_assets / "student"
+    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).requires_grad_(False)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).requires_grad_(False)
+    rows = [r for r in make_tiny.synthetic_rows(make_tiny.chatml_tokenizer(), 4) if "input_ids" in r]
+    segment = Segment(ids=torch.tensor(rows[0]["input_ids"]), prefix_tokens=rows[0]["prefix_tokens"], insert_at=3)
+    prompt = initial_prompt(student, 4, section("soft_prompt", init={"method": "random_normal", "std": 0.5}).init, 1)
+    model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked", chunk_tokens=16)),
+                            sdpa_backend=kernel)
+    reference_prompt = prompt.clone().requires_grad_()
+    expected = reference_loss(plain, reference_prompt, segment)
+    if "flex" in attention.kernels_in(kernel):  # torch has no flex backward on the CPU: the loss only
+        with torch.no_grad():
+            torch.testing.assert_close(model([segment]), expected.detach(), rtol=1e-5, atol=1e-5)
+        return  # the gradient: bench/check_determinism.py on CUDA, against fp32 math
+    loss = model([segment])
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.prompt.grad, reference_prompt.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypatch):
+    """Before, the kernel was chosen by a context manager around the forward: a checkpointed
+    layer's recompute, in backward, ran PyTorch's default kernel instead."""
+    from spds.model import load_student
+
+    used = []  # (kernel, during backward) per attention call
+    original = attention.sdpa_causal
+    monkeypatch.setattr(attention, "sdpa_causal", lambda kernel, *args: used.append(
+        (kernel, torch.is_grad_enabled() and backward_started[0])) or original(kernel, *args))
+    backward_started = [False]
+    student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
+    rows = [r for r in make_tiny.synthetic_rows(make_tiny.chatml_tokenizer(), 4) if "input_ids" in r]
+    segment = Segment(ids=torch.tensor(rows[0]["input_ids"]), prefix_tokens=rows[0]["prefix_tokens"], insert_at=3)
+    prompt = initial_prompt(student, 4, section("soft_prompt").init, 1)
+    model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked")),
+                            activation_checkpointing=True, sdpa_backend="math")
+    loss = model([segment])
+    backward_started[0] = True
+    loss.backward()
+    layers = student.config.num_hidden_layers
+    assert [k for k, during in used if not during] == ["math"] * layers
+    assert [k for k, during in used if during] == ["math"] * layers  # every layer recomputed, on math
