@@ -208,7 +208,7 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
             apply_liger_kernels(student)
             student.liger_applied = True
         if config.train.deterministic:
-            from spds.model import use_deterministic_kernels
+            from spds.attention import use_deterministic_kernels
 
             use_deterministic_kernels()
         model = build_soft_prompt_model(config, torch.device(DEVICE), student=student)
