@@ -121,8 +121,12 @@ def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, de
                 local_loss += loss_sum.detach()
             else:  # a lockstep filler: the other ranks' collectives, an exactly zero gradient
                 engine.backward(loss_sum * 0.0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # this rank's passes done: how long it computed, before waiting
+    busy = [0.0] * plan.world
+    busy[rank] = time.monotonic() - started
     engine.allreduce_gradients()  # exact SUM over ranks (gradient_allreduce_op "sum")
-    loss_sum, stop_votes = all_reduce_sum([local_loss, stop.vote()], device)
+    loss_sum, stop_votes, *busy = all_reduce_sum([local_loss, stop.vote(), *busy], device)
     prompt = engine.module.prompt
     prompt.grad.div_(denominator)  # fp32, once, identical on every rank
     grad_norm = float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm or float("inf")))
@@ -138,6 +142,7 @@ def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, de
     metric = dict(loss=loss_sum / denominator, supervised_tokens=denominator, tokens=step.positions,
                   records=len(step.batch), grad_norm=grad_norm, learning_rate=learning_rate, seconds=seconds,
                   tokens_per_second=step.positions / seconds,
+                  rank_busy_seconds=[round(b, 4) for b in busy],  # each rank's compute before the reduce
                   peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0,
                   global_batch_sha256=step.digest)
     return metric, stop_votes > 0
