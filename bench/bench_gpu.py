@@ -265,7 +265,9 @@ def profiled(enabled: bool):
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         yield
-    kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0]
+    # GPU kernels only: an aten:: op's entry carries its kernels' time again
+    kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages()
+               if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
     total = sum(t for _, t in kernels) or 1
     by_kind: dict[str, float] = {}
     for name, t in kernels:
