@@ -428,7 +428,7 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     for key, path, kind in named:
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
-    problems += output_problems(config) + determinism_problems(config)
+    problems += output_problems(config) + determinism_problems(config) + teacher_memo_problems(config)
     optim = config.optim
     if optim.warmup_updates > optim.updates:
         problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
@@ -437,6 +437,13 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
         problems.append(f"optim.effective_batch: {optim.effective_batch} does not divide by "
                         f"data_parallel_size {size}")
     return problems
+
+
+def teacher_memo_problems(config: Config) -> list[str]:
+    if config.loss.teacher_memo_gib and config.shards_student:
+        return ["loss.teacher_memo_gib: a sharded student's ranks must make the same forward calls, and a memo "
+                "skips the teacher's on some ranks and not others: set it to 0, or replicate the student"]
+    return []
 
 
 def determinism_problems(config: Config) -> list[str]:

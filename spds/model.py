@@ -34,6 +34,7 @@ class Segment:
     ids: torch.Tensor  # int64 [L], on the model's device
     prefix_tokens: int
     insert_at: int
+    index: int = -1  # the record's index in the packed store (-1: not from one)
     top_ids: torch.Tensor | None = None  # int64 [L - prefix_tokens, K]: an offline teacher's top-k (if packed)
     top_logprobs: torch.Tensor | None = None  # float32, the same shape
 
@@ -53,8 +54,8 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
         return list(whole.split([len(a) for a in arrays]))
 
     ids = to_device([store.ids(i) for i in records])
-    segments = {i: Segment(ids=own, prefix_tokens=int(store.prefix_tokens[i]), insert_at=int(store.insert_at[i]))
-                for i, own in zip(records, ids)}
+    segments = {i: Segment(ids=own, prefix_tokens=int(store.prefix_tokens[i]), insert_at=int(store.insert_at[i]),
+                           index=int(i)) for i, own in zip(records, ids)}
     if store.top_k:  # an offline teacher's top-k: [supervised tokens, K] per record, likewise in one copy each
         tops = [store.top_k_of(i) for i in records]
         for i, top_ids, top_logprobs in zip(records, to_device([t[0] for t in tops]), to_device([t[1] for t in tops])):
@@ -383,5 +384,5 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
     if loss_fn.needs_teacher:
         from .teacher import build_teacher
 
-        model.teacher = build_teacher(config, model, store)
+        model.teacher = build_teacher(config, model, store, memo=training)
     return model

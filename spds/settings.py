@@ -93,6 +93,7 @@ class LossSettings:
     kl_weight: float
     teacher: Literal["auto", "context", "top_k"]
     reuse_context_kv: bool
+    teacher_memo_gib: float
     kl: KLSettings
     kernel: Literal["auto", "liger", "chunked"]
     chunk_tokens: int

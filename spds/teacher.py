@@ -25,8 +25,15 @@ reuse_context_kv   The context's keys and values computed once. The tokens befor
                    records against one cache did not change that (bench/RESULTS.md): the bias's
                    attention kernel is the suspect, not yet profiled.
 
+Across epochs (loss.teacher_memo_gib > 0) each record's teacher states are kept on the host after
+its first visit: the frozen student and the fixed context make them a pure function of the record,
+so a later visit costs a host-to-device copy instead of a forward. With a memo each record's
+teacher pass runs alone, so its bits do not depend on the batch it arrives in and a resumed run
+(whose memo starts empty) recomputes exactly what the straight run kept.
+
 A student sharded over the ranks (ZeRO-3, fsdp) gathers its weights collectively in every
-forward, and its ranks must make the same calls: there the teacher always runs batched.
+forward, and its ranks must make the same calls: there the teacher always runs batched, and
+keeps no memo (the config check refuses one).
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ from .loss import TeacherTargets
 
 
 class ContextTeacher:
-    def __init__(self, model, context_ids: torch.Tensor, max_prefixes: int = 4, reuse_context: bool = True):
+    def __init__(self, model, context_ids: torch.Tensor, max_prefixes: int = 4, reuse_context: bool = True,
+                 memo_gib: float = 0.0):
         if len(context_ids) < 1:
             raise SpdsError("loss.teacher 'context' needs a non-empty context (context.text or context.file)")
         self.model, self.context_ids = model, context_ids
@@ -48,6 +56,11 @@ class ContextTeacher:
         self.reuse_context = reuse_context  # loss.reuse_context_kv; False: the whole sequence, batched
         self.prefix_forwards = 0  # how many times a prefix was computed (the benchmark and tests read it)
         self.embedded = None
+        # loss.teacher_memo_gib: record index -> its teacher states on the host, kept after the
+        # first visit (the teacher is a pure function of the record: frozen student, fixed context)
+        self.memo: dict[int, torch.Tensor] = {}
+        self.memo_budget, self.memo_bytes = memo_gib * 2**30, 0
+        self.record_forwards = 0  # records the teacher ran over (the tests and the benchmark read it)
         # transformers renamed past_key_values to cache (5.2x); both name the same object.
         parameters = inspect.signature(model.student.base_model.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -65,10 +78,30 @@ class ContextTeacher:
         from .model import checkpoint_first
 
         checkpoint_first(self.model.student, 0)  # nothing to recompute without a backward
+        if self.memo_budget:
+            return TeacherTargets(hidden=torch.cat([self.remembered(segment) for segment in segments]))
+        self.record_forwards += len(segments)
         if self.model.layout.lockstep or not self.reuse_context:
             rows, _ = self.model.response_states(segments, inserted=self.context_embeddings())
             return TeacherTargets(hidden=rows)
         return TeacherTargets(hidden=torch.cat([self.cached_rows(segment) for segment in segments]))
+
+    def remembered(self, segment) -> torch.Tensor:
+        """One record's teacher states: from the memo, or computed alone (so that its bits do not
+        depend on the batch it arrives in) and kept while the budget lasts."""
+        held = self.memo.get(segment.index)
+        if held is not None:
+            return held.to(segment.ids.device, non_blocking=True)
+        self.record_forwards += 1
+        if self.reuse_context:
+            rows = self.cached_rows(segment)
+        else:
+            rows, _ = self.model.response_states([segment], inserted=self.context_embeddings())
+        if segment.index >= 0 and self.memo_bytes + rows.nbytes <= self.memo_budget:
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+            host.copy_(rows)  # synchronous: the host copy is complete before anyone reads it
+            self.memo[segment.index], self.memo_bytes = host, self.memo_bytes + rows.nbytes
+        return rows
 
     def cached_rows(self, segment) -> torch.Tensor:
         student, a = self.model.student, segment.insert_at
@@ -130,8 +163,9 @@ def teacher_kind(loss_settings, store) -> str:
     return kind
 
 
-def build_teacher(config, model, store):
-    """The teacher for `model` (None when its loss needs none)."""
+def build_teacher(config, model, store, memo: bool = False):
+    """The teacher for `model` (None when its loss needs none); `memo`: keep the online teacher's
+    states per record within loss.teacher_memo_gib (training, where records come back)."""
     kind = teacher_kind(config.loss, store)
     if kind == "top_k":
         return TopKTeacher()
@@ -143,4 +177,5 @@ def build_teacher(config, model, store):
 
     ids = load_tokenizer(config).encode(text, add_special_tokens=False)
     return ContextTeacher(model, torch.tensor(ids, device=model.prompt.device),
-                          reuse_context=config.loss.reuse_context_kv)
+                          reuse_context=config.loss.reuse_context_kv,
+                          memo_gib=config.loss.teacher_memo_gib if memo else 0.0)

@@ -191,3 +191,13 @@ def test_deterministic_training_refuses_attention_without_a_deterministic_backwa
     load_config(tiny / "config.json")  # auto resolves to a deterministic kernel
     edit_config(tiny, train={"deterministic": False}, student={"sdpa_backend": by_length})
     load_config(tiny / "config.json")  # without the promise, cuDNN is the fast choice
+
+
+def test_a_teacher_memo_is_refused_for_a_sharded_student(tiny):
+    """A memo skips the teacher's forward on some ranks and not others; a sharded student's ranks
+    gather weights collectively in every forward and would wait on each other forever."""
+    edit_config(tiny, loss={"objective": "kl", "teacher_memo_gib": 1}, sharding="fsdp")
+    with pytest.raises(SpdsError, match="loss.teacher_memo_gib: a sharded student"):
+        load_config(tiny / "config.json")
+    edit_config(tiny, sharding="deepspeed")  # ZeRO-0: the student replicated on every rank
+    load_config(tiny / "config.json")

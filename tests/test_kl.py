@@ -128,6 +128,38 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(t
     assert teacher.prefix_forwards == 1
 
 
+def test_teacher_memo_keeps_each_records_states_and_changes_no_number(tiny_assets):
+    """loss.teacher_memo_gib: a record's teacher states are computed once, alone, and a later visit
+    returns them bit for bit, whatever batch it comes back in; past the budget, records are
+    recomputed (alone) instead of kept."""
+    from transformers import AutoModelForCausalLM
+
+    from spds.model import Segment, SoftPromptModel
+    from spds.teacher import ContextTeacher
+
+    path = tiny_assets / "student"
+    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    model = SoftPromptModel(student, torch.zeros(3, student.config.hidden_size), make_loss(section("loss")))
+    context = torch.arange(20, 40)
+    generator = torch.Generator().manual_seed(3)
+    segments = [Segment(ids=torch.cat([torch.tensor([1, 5, 9]), torch.randint(10, 60, (n,), generator=generator)]),
+                        prefix_tokens=5, insert_at=3, index=i) for i, n in enumerate((12, 20, 6))]
+    plain = ContextTeacher(model, context, reuse_context=False)
+    alone = [plain.targets([s]).hidden for s in segments]  # each record's own pass, no memo
+    memo = ContextTeacher(model, context, reuse_context=False, memo_gib=1.0)
+    first = memo.targets(segments).hidden
+    assert memo.record_forwards == 3 and sorted(memo.memo) == [0, 1, 2]
+    again = memo.targets([segments[2], segments[0]]).hidden  # another batch, another order
+    assert memo.record_forwards == 3  # nothing recomputed
+    assert torch.equal(first, torch.cat(alone)) and torch.equal(again, torch.cat([alone[2], alone[0]]))
+    one_record = alone[1].nbytes / 2**30
+    small = ContextTeacher(model, context, reuse_context=False, memo_gib=one_record)  # room for one record
+    small.targets(segments[1:2])
+    small.targets(segments)
+    assert sorted(small.memo) == [1] and small.record_forwards == 3
+    assert torch.equal(small.targets(segments).hidden, first)
+
+
 def test_kl_settings_are_typed_and_frozen():
     settings = section("loss", objective="kl", kl={"direction": "jsd"})
     assert settings.kl.direction == "jsd" and settings.kl.temperature == 1.0 and settings.kl.jsd_beta == 0.5

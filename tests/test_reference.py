@@ -144,7 +144,7 @@ KL_RUNS = {  # name: (world, launcher, loss section, reference's loss)
     "kl-reverse-2": (2, "torchrun", dict(objective="kl", reuse_context_kv=True,
                                          kl={"direction": "reverse", "temperature": 2.0}),
                      dict(direction="reverse", temperature=2.0, ce_weight=0.0, kl_weight=1.0)),
-    "mix-jsd-3": (3, "torchrun", dict(objective="mix", ce_weight=0.5, kl_weight=2.0,
+    "mix-jsd-3": (3, "torchrun", dict(objective="mix", ce_weight=0.5, kl_weight=2.0, teacher_memo_gib=0.01,
                                       kl={"direction": "jsd", "jsd_beta": 0.3, "temperature": 1.5}),
                   dict(direction="jsd", temperature=1.5, ce_weight=0.5, kl_weight=2.0, beta=0.3)),
 }
