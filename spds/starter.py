@@ -23,7 +23,7 @@ FIELDS = [
     ("optim", "updates"), ("optim", "effective_batch"), ("optim", "micro_batch"), ("optim", "micro_batch_tokens"),
     ("optim", "learning_rate"), ("optim", "warmup_updates"), ("optim", "schedule"), ("optim", "max_grad_norm"),
     ("optim", "seed"),
-    ("loss", "objective"),
+    ("loss", "objective"), ("loss", "teacher_memo_gib"),
     ("checkpoint", "every"), ("checkpoint", "keep_last"),
     ("train", "deterministic"),
     (None, "deepspeed_config"), (None, "output_dir"),
