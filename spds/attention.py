@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from .fsio import SpdsError
+
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "math": "MATH"}
 NAME = "spds_causal"
@@ -95,10 +97,13 @@ def install(student) -> KernelChoice | None:
     choice = KernelChoice()
     modules = [m for m in student.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
     if len(modules) != config.num_hidden_layers:  # transformers' attention modules, one per layer
-        from .fsio import SpdsError
-
         raise SpdsError(f"cannot find the attention modules of {type(student).__name__} (found {len(modules)} "
                         f"for {config.num_hidden_layers} layers): set student.attn_implementation to eager")
+    windowed = any(getattr(m, "sliding_window", None) for m in modules)  # per layer: None when off
+    if windowed or getattr(config, "attn_logit_softcapping", None):
+        raise SpdsError(f"{type(student).__name__} uses {'a sliding window' if windowed else 'a logit soft cap'} "
+                        "in attention, and spds's attention is plain causal attention: set "
+                        "student.attn_implementation to eager (or flash_attention_2)")
     for module in modules:
         module.spds_kernel = choice
     config._attn_implementation = NAME  # unknown to transformers' mask builders: they build no mask
@@ -108,6 +113,10 @@ def install(student) -> KernelChoice | None:
 def causal_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature: query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D] with
     Lk >= Lq, each query at position Lk - Lq + i seeing keys up to its own. Returns [B, Lq, Hq, D]."""
+    if kwargs.get("sliding_window") or kwargs.get("s_aux") is not None or kwargs.get("softcap"):
+        # install() refuses these models; never compute something else silently
+        raise SpdsError("spds's attention is plain causal attention: this model needs a sliding window, sinks or a "
+                        "soft cap (set student.attn_implementation to eager)")
     choice = getattr(module, "spds_kernel", None)
     kernel = choice.kernel if choice is not None else "auto"
     if kernel == "flex":

@@ -96,3 +96,21 @@ def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypa
     layers = student.config.num_hidden_layers
     assert [k for k, during in used if not during] == ["math"] * layers
     assert [k for k, during in used if during] == ["math"] * layers  # every layer recomputed, on math
+
+
+def test_a_sliding_window_student_is_refused_not_attended_to_in_full():
+    """spds's attention is plain causal attention: a model whose layers attend within a window
+    would otherwise train silently against the wrong attention."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from spds.fsio import SpdsError
+
+    def student(window: bool):
+        return Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, use_sliding_window=window, sliding_window=16, max_window_layers=0,
+            attn_implementation="sdpa"))
+
+    with pytest.raises(SpdsError, match="sliding window.*attn_implementation to eager"):
+        attention.install(student(window=True))
+    assert attention.install(student(window=False)) is not None
