@@ -114,3 +114,17 @@ def test_a_sliding_window_student_is_refused_not_attended_to_in_full():
     with pytest.raises(SpdsError, match="sliding window.*attn_implementation to eager"):
         attention.install(student(window=True))
     assert attention.install(student(window=False)) is not None
+
+
+@pytest.mark.parametrize("kernel", ["flex", "auto"])
+def test_queries_after_cached_keys_attend_causally_from_the_lower_right(kernel):
+    """The teacher's record after its cached context: query i sits at position Lk - Lq + i."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 8, generator=generator) for h, n in ((4, 5), (2, 12), (2, 12)))
+    choice = attention.KernelChoice(kernel)
+    module = type("Attention", (), {"spds_kernel": choice})()
+    output, _ = attention.causal_attention(module, q, k, v)
+    allowed = torch.arange(12)[None] <= torch.arange(5)[:, None] + 7
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 8**0.5
+    expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(output, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
