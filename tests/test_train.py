@@ -84,10 +84,12 @@ def test_sigterm_then_resume_is_bit_identical(run_dir, objective):
         # The teacher's keys and values, and its memo, are rebuilt after the resume. Batches of 16
         # over 64 records make updates 5-6 a second epoch: the straight run reads those records'
         # teacher states from its memo, the resumed one (memo empty at update 4) recomputes most of
-        # them, and the two must agree bit for bit.
+        # them, and the two must agree bit for bit. train.deterministic: strict mode must not stop
+        # any op of the loop (an op without a deterministic algorithm raises under it).
         edit_config(run_dir, loss={"objective": "mix", "reuse_context_kv": True, "teacher_memo_gib": 0.01,
                                    "kl": {"direction": "jsd", "temperature": 2.0}},
-                    context={"text": make_tiny.CONTEXT}, optim={"effective_batch": 16})
+                    context={"text": make_tiny.CONTEXT}, optim={"effective_batch": 16},
+                    train={"deterministic": True})
     first = _straight_and(run_dir, "stopped", SPDS_FAULT="sigterm-before-update-rank0:3")
     check(first)
     terminal = read_json(run_dir / "stopped" / "terminal.json")
