@@ -128,13 +128,19 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
     return output.transpose(1, 2).contiguous(), None
 
 
-def sdpa_causal(kernel: str, query, key, value, scaling):
+def repeated_heads(query, key, value):
+    """key and value repeated to the query heads, for kernels that take no grouped-query heads."""
     groups = query.shape[1] // key.shape[1]
-    if groups > 1 and kernel == "efficient":  # the memory-efficient kernel takes no grouped-query heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        groups = 1
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+
+def sdpa_causal(kernel: str, query, key, value, scaling):
+    if kernel == "efficient":  # the memory-efficient kernel takes no grouped-query heads
+        key, value = repeated_heads(query, key, value)
     call = functools.partial(torch.nn.functional.scaled_dot_product_attention, query, key, value, is_causal=True,
-                             scale=scaling, enable_gqa=groups > 1)
+                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     if kernel == "auto":
         return call()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -153,9 +159,7 @@ def lower_right_causal(query, key, value, scaling):
         # repeating the keys to the query heads first (bench/check_cached_attention.py).
         return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
                                                                   scale=scaling)[0]
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: the bias path takes equal head counts
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    key, value = repeated_heads(query, key, value)  # the bias path takes equal head counts
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling)
 

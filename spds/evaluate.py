@@ -76,11 +76,14 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         counted = float(step < len(mine))
         segment = load_segments(store, [i], device)[i]
         for k, name in enumerate(names):
-            sums[k] += counted * model([segment], inserted=blocks[name], loss_fn=nll_fn).double()
+            # the soft prompt's one forward gives the KL too (the student's rows are the same)
+            fns = [nll_fn, kl_fn] if kl and name == "soft" else [nll_fn]
+            values = model.losses([segment], fns, inserted=blocks[name])
+            sums[k] += counted * values[0].double()
+            if len(values) > 1:
+                sums[-1] += counted * values[1].double()
+                positions += len(segment.ids)  # the teacher's record
             positions += len(segment.ids) + len(blocks[name] if blocks[name] is not None else prompt)
-        if kl:
-            sums[-1] += counted * model([segment], loss_fn=kl_fn).double()
-            positions += 2 * len(segment.ids) + len(prompt)  # the student, and the teacher's record
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.monotonic() - started

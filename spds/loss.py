@@ -6,7 +6,7 @@ ce   On CUDA, Liger's fused linear cross entropy (reduction "sum"). Elsewhere, a
      reference for Liger, `chunked_linear_cross_entropy`: the logits of `chunk` rows at a time,
      their softmax gradient folded into d(loss)/d(hidden) during the forward pass, so backward is
      one multiply.
-kl   (and mix) `_ChunkedLinearDistillation`, the same scheme with a teacher: its logits (from its
+kl   (and mix) `_ChunkedLinearLoss`, the same scheme with a teacher: its logits (from its
      hidden states, online) or its top-k (offline) per chunk, the divergence's gradient with
      respect to the student's logits written in closed form (`bucket_divergence`) and folded in
      the same way. One kernel on every device: Liger's fused linear JSD averages over tokens,
@@ -23,38 +23,12 @@ from dataclasses import dataclass
 import torch
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-        for start in range(0, hidden.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            # Like Liger: the matmul in the input dtype, softmax and loss in fp32.
-            logits = (hidden[rows] @ weight.t()).float()
-            target = targets[rows]
-            log_normaliser = torch.logsumexp(logits, dim=-1)
-            total += (log_normaliser - logits.gather(1, target[:, None]).squeeze(1)).sum()
-            if grad_hidden is not None:
-                probabilities = torch.exp(logits - log_normaliser[:, None])
-                probabilities[torch.arange(len(target), device=target.device), target] -= 1.0
-                grad_hidden[rows] = probabilities.to(hidden.dtype) @ weight
-        ctx.save_for_backward(grad_hidden if grad_hidden is not None else hidden.new_empty(0))
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (grad_hidden,) = ctx.saved_tensors
-        # spds backpropagates the plain sum (grad_output 1: exact). Any other scale is applied in
-        # fp32 and the product rounded once: a scale rounded to bf16 first would bias every
-        # gradient by bf16(s)/s (0.9985 .. 1.0027 for s = 1/N).
-        return (grad_hidden.float() * grad_output.float()).to(grad_hidden.dtype), None, None, None
-
-
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  chunk: int = 4096) -> torch.Tensor:
-    """sum_i CE(hidden_i @ weight.T, targets_i), fp32 scalar; hidden [N, H], weight [V, H]."""
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk)
+    """sum_i CE(hidden_i @ weight.T, targets_i), fp32 scalar; hidden [N, H], weight [V, H]: the
+    chunked kernel below with cross entropy alone (one vocabulary-wide block per row besides the
+    logits, as a CE-only kernel would keep)."""
+    return _ChunkedLinearLoss.apply(hidden, weight, targets, None, None, None, CROSS_ENTROPY, chunk)
 
 
 def reference_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -132,15 +106,18 @@ def bucket_divergence(log_p: torch.Tensor, log_q: torch.Tensor, spec: Divergence
     return value, (1.0 - beta) * q * to_q
 
 
+CROSS_ENTROPY = Divergence(ce_weight=1.0, kl_weight=0.0)
+
+
 def distillation_rows(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor | None,
                       top_ids: torch.Tensor | None, top_logprobs: torch.Tensor | None, spec: Divergence):
     """fp32 logits [n, V] of the student -> (summed loss, d loss / d logits [n, V])."""
     total = logits.new_zeros(())
-    grad = torch.zeros_like(logits)
-    if spec.ce_weight:
+    grad = None
+    if spec.ce_weight:  # softmax - one-hot, in place: one vocabulary-wide block
         log_normaliser = torch.logsumexp(logits, dim=-1)
         total += spec.ce_weight * (log_normaliser - logits.gather(1, targets[:, None]).squeeze(1)).sum()
-        grad += spec.ce_weight * torch.exp(logits - log_normaliser[:, None])
+        grad = torch.exp(logits - log_normaliser[:, None]).mul_(spec.ce_weight)
         grad[torch.arange(len(targets), device=grad.device), targets] -= spec.ce_weight
     if spec.kl_weight:
         s = logits / spec.temperature
@@ -161,11 +138,16 @@ def distillation_rows(logits: torch.Tensor, targets: torch.Tensor, teacher_logit
             grad_s.scatter_(1, top_ids, h[:, :-1])  # a top-K token is its own bucket: q_j / Q_j = 1
         grad_s -= log_q.exp() * h.sum(-1, keepdim=True)
         total += spec.kl_weight * value.sum()
-        grad += (spec.kl_weight / spec.temperature) * grad_s
+        grad_s *= spec.kl_weight / spec.temperature
+        grad = grad_s if grad is None else grad.add_(grad_s)
     return total, grad
 
 
-class _ChunkedLinearDistillation(torch.autograd.Function):
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """sum over rows of spec's loss of hidden @ weight.T, `chunk` rows at a time; each chunk's
+    d(loss)/d(logits) is folded into d(loss)/d(hidden) during the forward pass (the weight is
+    frozen), so backward is one multiply."""
+
     @staticmethod
     def forward(ctx, hidden, weight, targets, teacher_hidden, top_ids, top_logprobs, spec: Divergence, chunk: int):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -186,6 +168,9 @@ class _ChunkedLinearDistillation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad_hidden,) = ctx.saved_tensors
+        # spds backpropagates the plain sum (grad_output 1: exact). Any other scale is applied in
+        # fp32 and the product rounded once: a scale rounded to bf16 first would bias every
+        # gradient by bf16(s)/s (0.9985 .. 1.0027 for s = 1/N).
         return (grad_hidden.float() * grad_output.float()).to(grad_hidden.dtype), *([None] * 7)
 
 
@@ -197,7 +182,7 @@ def chunked_distillation(spec: Divergence, chunk: int):
     def summed(hidden, weight, targets, teacher: TeacherTargets | None = None):
         if teacher is None:
             raise ValueError("a distillation objective needs the teacher's targets")
-        return _ChunkedLinearDistillation.apply(hidden, weight, targets, teacher.hidden, teacher.top_ids,
+        return _ChunkedLinearLoss.apply(hidden, weight, targets, teacher.hidden, teacher.top_ids,
                                                 teacher.top_logprobs, spec, rows)
 
     return summed

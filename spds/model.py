@@ -173,9 +173,12 @@ class CheckpointPolicy:
         self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
         self.attn_implementation = config._attn_implementation
         self.kernel_at = kernel_at  # padded sequence length -> the SDPA kernel name
-        self.deterministic = deterministic
         self.budget = budget_gib * 2**30 if budget_gib else None
         self.device = device
+        # flash's deterministic backward keeps one fp32 dQ per split of the SMs over the heads
+        self.dq_splits = 0
+        if deterministic and device.type == "cuda":
+            self.dq_splits = math.ceil(torch.cuda.get_device_properties(device).multi_processor_count / self.heads)
 
     def attention_bytes(self, positions: int, longest: int) -> tuple[float, float]:
         """(bytes each plain layer keeps, bytes one running layer needs at most) for attention."""
@@ -183,10 +186,7 @@ class CheckpointPolicy:
         kernel = self.kernel_at(longest) if implementation in ("sdpa", SPDS_ATTENTION) else implementation
         kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
         square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
-        workspace = 0
-        if self.deterministic and kernel == "flash" and self.device.type == "cuda":  # its dQ accumulators
-            processors = torch.cuda.get_device_properties(self.device).multi_processor_count
-            workspace = positions * math.ceil(processors / self.heads) * self.heads * self.head_dim * 4
+        workspace = positions * self.dq_splits * self.heads * self.head_dim * 4 if kernel == "flash" else 0
         return kept * square, transient * square + workspace
 
     def __call__(self, positions: int, longest: int | None = None) -> int:
@@ -343,14 +343,18 @@ class SoftPromptModel(nn.Module):
     def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None,
                 checkpoint_positions: int | None = None, loss_fn=None) -> torch.Tensor:
         """The summed loss (fp32 scalar) over the supervised tokens of `segments`: the model's own
-        loss (loss.objective), or `loss_fn` (eval's NLL and KL)."""
-        loss_fn = loss_fn or self.loss_fn
+        loss (loss.objective), or `loss_fn`."""
+        return self.losses(segments, [loss_fn or self.loss_fn], inserted, checkpoint_positions)[0]
+
+    def losses(self, segments: list[Segment], loss_fns: list, inserted: torch.Tensor | None = None,
+               checkpoint_positions: int | None = None) -> list[torch.Tensor]:
+        """Each of `loss_fns` over one forward of the student (eval: the NLL and the KL together)."""
         # The teacher first: its activations are freed before the student's are stored.
-        teacher = self.teacher.targets(segments) if loss_fn.needs_teacher else None
+        teacher = self.teacher.targets(segments) if any(f.needs_teacher for f in loss_fns) else None
         rows, targets = self.response_states(segments, inserted, checkpoint_positions)
         weight = self.student.get_output_embeddings().weight
         with self.layout.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight
-            return loss_fn(rows, weight, targets, teacher)
+            return [loss_fn(rows, weight, targets, teacher) for loss_fn in loss_fns]
 
 
 def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor | None = None, training: bool = True,

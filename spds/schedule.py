@@ -86,7 +86,7 @@ def deal_to_ranks(indices: np.ndarray, costs: np.ndarray, world: int, equal_coun
     return groups
 
 
-def lr_factor(step: int, optim: dict) -> float:
+def lr_factor(step: int, optim: OptimSettings) -> float:
     """Multiplier of optim.learning_rate for the update after `step` completed updates."""
     warmup, total = optim.warmup_updates, optim.updates
     if warmup and step < warmup:

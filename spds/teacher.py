@@ -80,11 +80,14 @@ class ContextTeacher:
         checkpoint_first(self.model.student, 0)  # nothing to recompute without a backward
         if self.memo_budget:
             return TeacherTargets(hidden=torch.cat([self.remembered(segment) for segment in segments]))
+        return TeacherTargets(hidden=self.computed(segments))
+
+    def computed(self, segments) -> torch.Tensor:
+        """The teacher's rows for `segments`, run now: batched, or each against the cached context."""
         self.record_forwards += len(segments)
         if self.model.layout.lockstep or not self.reuse_context:
-            rows, _ = self.model.response_states(segments, inserted=self.context_embeddings())
-            return TeacherTargets(hidden=rows)
-        return TeacherTargets(hidden=torch.cat([self.cached_rows(segment) for segment in segments]))
+            return self.model.response_states(segments, inserted=self.context_embeddings())[0]
+        return torch.cat([self.cached_rows(segment) for segment in segments])
 
     def remembered(self, segment) -> torch.Tensor:
         """One record's teacher states: from the memo, or computed alone (so that its bits do not
@@ -92,11 +95,7 @@ class ContextTeacher:
         held = self.memo.get(segment.index)
         if held is not None:
             return held.to(segment.ids.device, non_blocking=True)
-        self.record_forwards += 1
-        if self.reuse_context:
-            rows = self.cached_rows(segment)
-        else:
-            rows, _ = self.model.response_states([segment], inserted=self.context_embeddings())
+        rows = self.computed([segment])
         if segment.index >= 0 and self.memo_bytes + rows.nbytes <= self.memo_budget:
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
             host.copy_(rows)  # synchronous: the host copy is complete before anyone reads it
