@@ -215,8 +215,8 @@ class Config:
         host and sharded onto the GPUs."""
         return self.sharding == "fsdp" or self.zero_stage == 3
 
-    @property
-    def context_text(self) -> str | None:
+    @cached_property
+    def context_text(self) -> str | None:  # read once: every user of it sees the same text
         """The system prompt being distilled (context.file wins over context.text)."""
         return self.resolve(self.context.file).read_text() if self.context.file else self.context.text
 

@@ -118,6 +118,9 @@ def test_update_equals_plain_pytorch_for_every_backend_and_world_size(prepared):
         check(spds(["train", "config.json"], prepared, world=world, launcher=launcher))
         assert read_json(prepared / name / "run.json")["world_size"] == world
         states[name], lines[name] = final_state(prepared / name), metrics(prepared / name)
+        for line in lines[name]:  # every rank's compute before the all-reduce (rank 0's within its update)
+            busy = line["rank_busy_seconds"]
+            assert len(busy) == world and 0 < min(busy) and busy[0] <= line["seconds"], (name, busy)
     learning_rates = [line["learning_rate"] for line in lines["zero0-1"]]
     reference = reference_run(prepared, learning_rates, max_grad_norm=20.0)
     norms = reference["grad_norms"]
