@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -152,7 +153,7 @@ CONTEXT = 4096
 
 def all_or_nothing(model) -> None:
     policy = model.checkpointing
-    model.checkpointing = lambda positions: policy.layers if policy(positions) else 0
+    model.checkpointing = lambda *args, **kwargs: policy.layers if policy(*args, **kwargs) else 0
 
 
 def online_kl(reuse_context: bool, memo_gib: float = 0.0):
@@ -172,7 +173,17 @@ def online_kl(reuse_context: bool, memo_gib: float = 0.0):
 # records (a later epoch), after a timed first visit (first_visit_seconds).
 VARIANTS["liger-kl-memo"] = VARIANTS["liger-kl-nocache-memo"] = VARIANTS["liger"]
 REVISIT = {"liger-kl-memo", "liger-kl-nocache-memo"}
-AFTER_BUILD = {"wholeckpt": all_or_nothing, "kl": online_kl(True), "kl-nocache": online_kl(False),
+def planned_as_own_kernels(model) -> None:
+    """Liger's layers planned with the model's own kernels' activation figure (spds before the
+    figure by kernel set): it recomputes layers that would fit."""
+    from spds.model import ACTIVATION_BYTES_PER_HIDDEN
+
+    model.checkpointing.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["own"]
+
+
+VARIANTS["liger-own-figure"] = VARIANTS["liger"]
+AFTER_BUILD = {"wholeckpt": all_or_nothing, "liger-own-figure": planned_as_own_kernels,
+               "kl": online_kl(True), "kl-nocache": online_kl(False),
                "liger-kl": online_kl(True), "liger-kl-nocache": online_kl(False),
                "liger-kl-memo": online_kl(True, memo_gib=64.0), "liger-kl-nocache-memo": online_kl(False, 64.0)}
 
@@ -218,6 +229,8 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
             use_deterministic_kernels()
         model = build_soft_prompt_model(config, torch.device(DEVICE), student=student)
         AFTER_BUILD.get(variant, lambda model: None)(model)
+        policy, recomputed = model.checkpointing, []  # layers recomputed, per micro-batch
+        model.checkpointing = lambda *args, **kwargs: recomputed.append(policy(*args, **kwargs)) or recomputed[-1]
         engine = build_engine(config, model, 1)
         plan = Plan(store, config.optim, config.soft_prompt.length, 1)
         device = torch.device(DEVICE)
@@ -234,13 +247,15 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
             torch.cuda.synchronize()
             extra = dict(first_visit_seconds=time.perf_counter() - started,
                          teacher_memo_gib=model.teacher.memo_bytes / 2**30)
+        recomputed.clear()
         started = time.perf_counter()
         with profiled(PROFILE):
             metric, _ = train_step(engine, store, plan, plan.step_of(3, batch), 0, device, stop, None)
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         result = dict(seconds=seconds, positions=metric["tokens"], peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                      loss=metric["loss"], kernel=model.loss_fn.kernel, **extra)
+                      loss=metric["loss"], kernel=model.loss_fn.kernel, recomputed_layers=sum(recomputed),
+                      micro_batches=len(recomputed), **extra)
         del engine, model
         torch.cuda.empty_cache()
         torch.use_deterministic_algorithms(False)
@@ -322,6 +337,9 @@ def time_peft(student, lengths: list[int], warm_lengths: list[int]) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30
     model.unload() if hasattr(model, "unload") else None
     student.gradient_checkpointing_disable()
+    model = optimizer = None  # the step closure holds them
+    gc.collect()
+    torch.cuda.empty_cache()  # what follows starts from the same free memory as a fresh process
     return dict(seconds=seconds, positions=sum(lengths) + PROMPT * len(lengths), peak_gib=peak)
 
 
@@ -349,8 +367,8 @@ def main() -> None:
     global PROFILE
     PROFILE = args.profile
     liger = [v for v in args.variants.split(",") if VARIANTS[v][0].get("liger_kernels")]
-    if liger and (len(liger) < len(args.variants.split(",")) or not args.no_peft):
-        parser.error(f"{liger} patch the student in place: run them on their own, with --no-peft")
+    if liger and len(liger) < len(args.variants.split(",")):
+        parser.error(f"{liger} patch the student in place: run them in an invocation of their own")
     import transformers
 
     global DEVICE
@@ -367,7 +385,7 @@ def main() -> None:
               f"transformers {transformers.__version__} | measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print(header, flush=True)
     student = build_student(args.model)
-    rows = []
+    rows, cases = [], []
     for case in args.cases:
         kind, spec, *rest = case.split(":")
         if kind == "mix":  # steady state: one update over another mix first, then the timed one
@@ -381,17 +399,19 @@ def main() -> None:
             records = int(rest[0]) if rest else 4
             groups = [(f"{int(L) / 1024:g}k x {records}", [int(L)] * records) for L in spec.split(",")]
             warm_lengths = None
-        for label, lengths in groups:
-            warm = warm_lengths or lengths
-            flops = useful_flops(args.model, [n + PROMPT for n in lengths])
-            for variant in args.variants.split(","):
-                result = guarded(time_spds, student, args.model, lengths, variant, warm)
-                rows.append(dict(model=args.model, case=label, system=f"spds {variant}", **result, flops=flops))
-                print(json.dumps(rows[-1]), flush=True)
-            if not args.no_peft:
-                result = guarded(time_peft, student, lengths, warm)
-                rows.append(dict(model=args.model, case=label, system="HF+PEFT ckpt", **result, flops=flops))
-                print(json.dumps(rows[-1]), flush=True)
+        cases += [(label, lengths, warm_lengths or lengths) for label, lengths in groups]
+    # HF+PEFT first, on the student as built: spds's Liger variants patch it in place.
+    for label, lengths, warm in cases if not args.no_peft else []:
+        result = guarded(time_peft, student, lengths, warm)
+        flops = useful_flops(args.model, [n + PROMPT for n in lengths])
+        rows.append(dict(model=args.model, case=label, system="HF+PEFT ckpt", **result, flops=flops))
+        print(json.dumps(rows[-1]), flush=True)
+    for label, lengths, warm in cases:
+        flops = useful_flops(args.model, [n + PROMPT for n in lengths])
+        for variant in args.variants.split(","):
+            result = guarded(time_spds, student, args.model, lengths, variant, warm)
+            rows.append(dict(model=args.model, case=label, system=f"spds {variant}", **result, flops=flops))
+            print(json.dumps(rows[-1]), flush=True)
     print()
     print(header)
     print("| model | case | system | tokens/s | peak GiB | MFU | vs HF+PEFT |")

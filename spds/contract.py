@@ -19,7 +19,8 @@ from typing import Any
 
 import jsonschema
 
-from .fsio import SpdsError, atomic_write_json, read_bytes, read_json, sha256_json, sha256_path
+from .digests import sha256_path
+from .fsio import SpdsError, atomic_write_json, read_bytes, read_json, sha256_json
 from .hub import model_directory
 from .settings import (
     SECTIONS,

@@ -54,24 +54,6 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def sha256_path(path: str | os.PathLike) -> str:
-    """sha256 of a file, or of a directory: its sorted relative file names and their contents.
-
-    A directory digest changes when any file is added, removed, renamed or edited, so a pinned
-    model directory cannot drift silently.
-    """
-    path = Path(path)
-    if path.is_file():
-        return sha256_file(path)
-    if not path.is_dir():
-        raise SpdsError(f"{path}: no such file or directory")
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        relative = file.relative_to(path).as_posix()
-        digest.update(relative.encode() + b"\0" + sha256_file(file).encode() + b"\n")
-    return digest.hexdigest()
-
-
 def sha256_json(value: Any) -> str:
     """Digest of a JSON value in canonical form (sorted keys, no whitespace)."""
     return hashlib.sha256(canonical_json(value).encode()).hexdigest()

@@ -14,7 +14,8 @@ import torch
 
 from .contract import REPO_ROOT, Config
 from .data.packed import PackedStore
-from .fsio import SpdsError, read_json, sha256_json, sha256_path
+from .digests import sha256_path
+from .fsio import SpdsError, read_json, sha256_json
 
 
 def code_digest() -> str:

@@ -132,10 +132,12 @@ def quadratic_length(model_path) -> float | None:
 
 
 # Stored activations of a bf16 decoder layer, in bytes per position per hidden unit, without
-# checkpointing (measured on H200 for Qwen3 1.7B and 8B shapes: 36-39; rounded up). A
+# checkpointing, by the kernels the layer runs (bench/check_activation_bytes.py, H200, Qwen3
+# 1.7B and 8B shapes: the model's own 38.5 and 36.3, Liger's RMSNorm/SwiGLU/RoPE 25.3 and 23.7;
+# rounded up). Planning Liger's layers with the larger figure recomputed layers that fit. A
 # checkpointed layer keeps only its bf16 input (2 bytes) and, while it is recomputed in
 # backward, one layer's full activations.
-ACTIVATION_BYTES_PER_HIDDEN = 40
+ACTIVATION_BYTES_PER_HIDDEN = {"own": 40, "liger": 26}
 CHECKPOINTED_BYTES_PER_HIDDEN = 2
 
 
@@ -155,7 +157,8 @@ class CheckpointPolicy:
     backward), so spds recomputes only as many layers as memory needs: for "auto", the fewest k
     that bring the micro-batch's activations under the budget, counted as
 
-        positions x hidden x (40 bytes per plain layer, 2 per checkpointed one, + one layer's recompute)
+        positions x hidden x (40 bytes per plain layer (26 with Liger's kernels), 2 per checkpointed
+                              one, + one layer's recompute)
       + the attention kernel's memory: a quadratic kernel's score matrices (kept by each plain
         layer, and one layer's transient), FlashAttention-2's deterministic dQ accumulators
         (one fp32 copy of dQ per split of the SMs over the heads, during one layer's backward).
@@ -165,8 +168,9 @@ class CheckpointPolicy:
     True and False: all layers, none."""
 
     def __init__(self, setting, student: nn.Module, budget_gib: float | None, device: torch.device,
-                 kernel_at=lambda length: "auto", deterministic: bool = False):
+                 kernel_at=lambda length: "auto", deterministic: bool = False, liger_kernels: bool = False):
         self.setting = setting
+        self.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["liger" if liger_kernels else "own"]
         config = student.config
         self.layers, self.hidden = config.num_hidden_layers, config.hidden_size
         self.heads = config.num_attention_heads
@@ -195,8 +199,8 @@ class CheckpointPolicy:
         if self.device.type != "cuda" and self.budget is None:  # CPU: only with a budget given
             return 0
         if self.budget is None:  # measured once, after the student and engine are in memory
-            self.budget = 0.9 * torch.cuda.mem_get_info(self.device)[0]
-        plain, kept = ACTIVATION_BYTES_PER_HIDDEN, CHECKPOINTED_BYTES_PER_HIDDEN
+            self.budget = 0.9 * free_device_memory(self.device)
+        plain, kept = self.activation_bytes, CHECKPOINTED_BYTES_PER_HIDDEN
         attention_kept, attention_transient = self.attention_bytes(positions, longest or positions)
         per_plain_layer = positions * self.hidden * plain + attention_kept
         per_kept_layer = positions * self.hidden * kept
@@ -222,6 +226,15 @@ class CheckpointPolicy:
         # need(k) falls linearly in k from k = 1: the fewest layers that fit
         needed = math.ceil((self.layers * per_plain_layer + running - self.budget) / (per_plain_layer - per_kept_layer))
         return int(min(self.layers, max(1, needed)))
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate: the device's free memory plus what PyTorch's caching
+    allocator holds but no tensor uses (blocks freed by earlier work in this process, which
+    mem_get_info counts as taken: a budget from it alone, taken after HF+PEFT had run in the same
+    process, recomputed 433 layers of an 8B update instead of 20)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def enable_checkpointing(student: nn.Module) -> None:
@@ -260,7 +273,7 @@ class Replicated:
 class SoftPromptModel(nn.Module):
     def __init__(self, student: nn.Module, prompt: torch.Tensor, loss_fn, activation_checkpointing=False,
                  sdpa_backend="auto", activation_memory_gib: float | None = None, pad_to_multiple_of: int | None = None,
-                 device: torch.device | None = None, deterministic: bool = False):
+                 device: torch.device | None = None, deterministic: bool = False, liger_kernels: bool = False):
         super().__init__()
         device = device or student.device  # a student still on the host waits to be sharded onto `device`
         if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
@@ -272,7 +285,7 @@ class SoftPromptModel(nn.Module):
         self.sdpa_backend = sdpa_backend
         self.kernel_choice = install_attention(student)  # None: the student's own attention (eager, ...)
         self.checkpointing = CheckpointPolicy(activation_checkpointing, student, activation_memory_gib, device,
-                                              self.attention_kernel, deterministic)
+                                              self.attention_kernel, deterministic, liger_kernels)
         self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
         self.teacher = None  # spds/teacher.py, for a loss that needs one
         if activation_checkpointing is not False:
@@ -384,7 +397,8 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
     loss_fn = make_loss(config.loss)
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
     model = SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg.activation_memory_gib,
-                            student_cfg.pad_to_multiple_of, device, config.train.deterministic)
+                            student_cfg.pad_to_multiple_of, device, config.train.deterministic,
+                            student_cfg.liger_kernels)
     if loss_fn.needs_teacher:
         from .teacher import build_teacher
 

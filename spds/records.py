@@ -27,8 +27,9 @@ from .identity import library_versions
 
 class StartupClock:
     """Seconds from the start (`spds train`, or the call) to the end of each start-up phase:
-    process_group, data (store, plan, identities), student (load, kernels), engine (DeepSpeed),
-    resume. With metrics update 1's elapsed_seconds, where the time to the first update goes."""
+    config (imports, schema, pinned digests), process_group, data (store, plan), identities (the
+    student's digest when unpinned), student (load, kernels), engine (DeepSpeed), resume. With
+    metrics update 1's elapsed_seconds, where the time to the first update goes."""
 
     def __init__(self, started: float | None = None):
         self.started, self.seconds = started or time.time(), {}

@@ -33,9 +33,9 @@ from .stop import StopRequest
 
 # ---------------------------------------------------------------- the loop
 
-def run(config: Config, smoke: bool, started: float | None = None) -> dict:
+def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
     stop = StopRequest.install()  # spds.cli installed it first thing; a library caller gets it here
-    clock = StartupClock(started)  # from `spds train` (or this call) to each start-up phase's end
+    clock = clock or StartupClock()  # from `spds train` (or this call) to each start-up phase's end
     if config.train.deterministic:
         use_deterministic_kernels()
     rank, world, device = init_distributed(config.distributed)
@@ -52,10 +52,11 @@ def run(config: Config, smoke: bool, started: float | None = None) -> dict:
             store = open_store(config)
             plan = Plan(store, config.optim, config.soft_prompt.length, world,
                         config.optim.quadratic_length or quadratic_length(config.model_path))
+            clock.mark("data")
             identities = run_identities(config, store, world)
             smoke_waived = False if smoke else check_smoke_evidence(config, identities)
             seed_everything(config.optim.seed)
-            clock.mark("data")
+            clock.mark("identities")
             model = None if stopping else build_soft_prompt_model(config, device, store=store)
             clock.mark("student")
             engine = None if stopping else build_engine(config, model, world)
@@ -179,8 +180,10 @@ class rank_zero_lock:
 
 
 def main(config_path: str, smoke: bool = False, started: float | None = None) -> int:
-    config = load_config(config_path)
-    result = run(config, smoke, started)
+    clock = StartupClock(started)
+    config = load_config(config_path)  # the schema, and every pinned input's sha256
+    clock.mark("config")
+    result = run(config, smoke, clock)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"spds {'smoke' if smoke else 'train'}: {result['status']} at update {result['update']}; "
               f"outputs in {result['output']}"

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Remembered input digests (spds/digests.py) go to a directory of this session's, not ~/.cache.
+os.environ.setdefault("SPDS_DIGEST_CACHE", tempfile.mkdtemp(prefix="spds-digests-"))
 
 
 def _load_make_tiny():

@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import typing
 
 import jsonschema
 import pytest
 from conftest import REPO, edit_config
 
+from spds import fsio
 from spds.cli import main
 from spds.contract import load_config, load_schema, pin_config
-from spds.fsio import SpdsError, sha256_path
+from spds.digests import sha256_path
+from spds.fsio import SpdsError
 from spds.settings import SECTIONS, CandidateSettings
 
 
@@ -135,6 +139,44 @@ def test_directory_digest_covers_names_and_contents(tmp_path):
     second = sha256_path(tmp_path)
     (tmp_path / "b").write_text("y")
     assert len({first, second, sha256_path(tmp_path)}) == 3
+    # The definition, recomputed with hashlib: sorted relative names, each with its file's digest.
+    (tmp_path / "sub").mkdir()
+    for name, text in [("sub/shard-2.bin", "two"), ("sub/shard-1.bin", "one"), ("config.json", "{}")]:
+        (tmp_path / name).write_text(text)
+    expected = hashlib.sha256()
+    for name in sorted(["b", "config.json", "sub/shard-1.bin", "sub/shard-2.bin"]):
+        content = hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+        expected.update(name.encode() + b"\0" + content.encode() + b"\n")
+    assert sha256_path(tmp_path) == expected.hexdigest()
+
+
+def test_remembered_digests_are_hashed_again_after_any_write(tmp_path, monkeypatch):
+    """A file's digest is remembered under (device, inode, size, mtime, ctime): a rewrite with the
+    same size and the old mtime put back still changes ctime, so it is hashed again."""
+    from spds import digests
+
+    monkeypatch.setenv("SPDS_DIGEST_CACHE", str(tmp_path / "cache"))
+    hashed = []
+    monkeypatch.setattr(digests, "sha256_file", lambda path: hashed.append(path) or fsio.sha256_file(path))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"A" * 1000)
+    truth = lambda: hashlib.sha256(weights.read_bytes()).hexdigest()  # noqa: E731
+    assert sha256_path(weights) == truth() and len(hashed) == 1
+    assert sha256_path(weights) == truth() and len(hashed) == 2  # written just now: not remembered (racy)
+    monkeypatch.setattr(digests, "RACY_SECONDS", 0.0)
+    assert sha256_path(weights) == truth() and len(hashed) == 3  # remembered from here on
+    assert sha256_path(weights) == truth() and len(hashed) == 3
+    before = os.stat(weights)
+    weights.write_bytes(b"B" * 1000)  # same size; then the old mtime put back
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(weights).st_mtime_ns == before.st_mtime_ns
+    assert sha256_path(weights) == truth() == hashlib.sha256(b"B" * 1000).hexdigest() and len(hashed) == 4
+    for entry in (tmp_path / "cache").rglob("*"):  # a damaged cache is skipped, never believed
+        if entry.is_file():
+            entry.write_text("not a digest")
+    assert sha256_path(weights) == truth() and len(hashed) == 5
+    monkeypatch.setenv("SPDS_DIGEST_CACHE", "off")
+    assert sha256_path(weights) == truth() and sha256_path(weights) == truth() and len(hashed) == 7
 
 
 def test_yaml_config_keeps_its_comments_when_pinned(tiny):

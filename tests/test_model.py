@@ -164,3 +164,9 @@ def test_auto_checkpointing_policy(student):
     with pytest.raises(SpdsError, match="quadratic in length"):
         quadratic(longest_linear)  # ...the math kernel's scores do not fit
     assert CheckpointPolicy(True, student, None, torch.device("cpu"))(1) == student.config.num_hidden_layers
+    # Liger's kernels keep 26 bytes per position per hidden unit, not 40 (measured on H200): a
+    # micro-batch over the budget at 40 fits whole with them.
+    liger = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cpu"), liger_kernels=True)
+    liger.device, liger.layers, liger.budget = policy.device, policy.layers, policy.budget
+    assert policy(1500) > 0 and liger(1500) == 0  # 1500 x 26 <= 1000 x 40
+    assert liger(1538) == 0 and liger(1539) > 0  # 1539 x 26 = 40,014 > 40,000: the first length over

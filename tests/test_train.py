@@ -250,7 +250,7 @@ def test_smoke_gates_train_and_outputs_match_their_schemas(run_dir):
     out = run_dir / "run"
     assert not read_json(out / "run.json")["smoke_waived"]
     startup = read_json(out / "run.json")["startup_seconds"]  # where the time to update 1 goes, in order
-    phases = ["process_group", "data", "student", "engine", "resume"]
+    phases = ["config", "process_group", "data", "identities", "student", "engine", "resume"]
     assert list(startup) == phases and all(startup[a] <= startup[b] for a, b in zip(phases, phases[1:]))
     for name, schema in [("run.json", "run"), ("progress.json", "progress"), ("terminal.json", "terminal")]:
         assert describe_errors(read_json(out / name), schema) == [], name

@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import __version__
 from ..contract import Config, require_valid
-from ..fsio import SpdsError, exclusive_lock, sha256_path, verified_copy
+from ..digests import sha256_path
+from ..fsio import SpdsError, exclusive_lock, verified_copy
 from .chat import derive_scaffold, end_token_ids, tokenizer_identity
 from .packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from .rows import RowRules, read_records
