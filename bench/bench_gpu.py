@@ -143,6 +143,9 @@ VARIANTS["liger-flash"] = ({"sdpa_backend": "flash", "liger_kernels": True}, VAR
 VARIANTS["liger-flex"] = ({"sdpa_backend": "flex", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-flexlong"] = ({"sdpa_backend": {"below": 8192, "short": "flash", "long": "flex"},
                                "liger_kernels": True}, VARIANTS["liger"][1])
+# liger with the records of a forward end to end (variable-length attention, no padding)
+VARIANTS["liger-packed"] = (VARIANTS["liger"][0], {**VARIANTS["liger"][1], "micro_batch_layout": "packed"})
+VARIANTS["packed-varlen"] = (VARIANTS["packed"][0], {**VARIANTS["packed"][1], "micro_batch_layout": "packed"})
 DETERMINISTIC = {"liger-det", "liger-det-flash"}
 # loss.objective kl with the online teacher (the student with a CONTEXT-token context): its keys
 # and values computed once (kl) or the whole sequence every time (kl-nocache).

@@ -5,7 +5,9 @@ When student.attn_implementation is sdpa, spds installs one attention function i
 padded (a position never attends to a later one, so padding after a record's end changes
 nothing, and no mask is needed), and its queries are the last positions of its keys: all of
 them in a training pass, the record after a cached context in the teacher's (spds/teacher.py).
-So the function is causal from the lower right, and takes no mask.
+So the function is causal from the lower right, and takes no mask. Records packed end to end
+(optim.micro_batch_layout packed) arrive as one row with their cumulative lengths
+(`cu_seq_lens_q`, transformers' variable-length keywords), each attending only to itself.
 
 The kernel is a per-forward choice (student.sdpa_backend, by length): SoftPromptModel sets
 `KernelChoice.kernel` before each forward. A checkpointed layer recomputes its forward during
@@ -119,6 +121,8 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
                         "soft cap (set student.attn_implementation to eager)")
     choice = getattr(module, "spds_kernel", None)
     kernel = choice.kernel if choice is not None else "auto"
+    if kwargs.get("cu_seq_lens_q") is not None:  # records packed end to end (optim.micro_batch_layout)
+        return packed_causal(query, key, value, scaling, kwargs["cu_seq_lens_q"], kwargs["max_length_q"])[None], None
     if kernel == "flex":
         output = flex_causal(query, key, value, scaling)
     elif query.shape[2] == key.shape[2]:
@@ -162,6 +166,28 @@ def lower_right_causal(query, key, value, scaling):
     key, value = repeated_heads(query, key, value)  # the bias path takes equal head counts
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling)
+
+
+def packed_causal(query, key, value, scaling, starts, longest: int):
+    """Records packed end to end in one row (batch 1): each query sees the keys of its own record
+    up to its own position, nothing of the records before it. `starts`: int32 [records + 1], the
+    cumulative record lengths. Returns [positions, Hq, D].
+
+    On CUDA this is FlashAttention-2's variable-length kernel (the op torch's varlen_attn and
+    nested-tensor SDPA call; grouped-query keys as they are, its backward deterministic under
+    train.deterministic's strict mode). Elsewhere (the CPU, an fp32 student): SDPA under the
+    block-diagonal causal mask, O(positions^2) memory: the tests' tiny lengths."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0:
+        rows = [t[0].transpose(0, 1) for t in (query, key, value)]  # [positions, heads, D], last dim contiguous
+        return torch.ops.aten._flash_attention_forward(*rows, starts, starts, longest, longest, 0.0, True, False,
+                                                       scale=scaling)[0]
+    positions = query.shape[2]
+    record = torch.repeat_interleave(torch.arange(len(starts) - 1, device=query.device), starts.diff().long())
+    index = torch.arange(positions, device=query.device)
+    allowed = (record[:, None] == record[None]) & (index[:, None] >= index[None])
+    key, value = repeated_heads(query, key, value)
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+    return output[0].transpose(0, 1)
 
 
 # ---------------------------------------------------------------- flex

@@ -433,6 +433,10 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     optim = config.optim
     if optim.warmup_updates > optim.updates:
         problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
+    if optim.micro_batch_layout == "packed" and config.student.attn_implementation != "sdpa":
+        problems.append(f"optim.micro_batch_layout: packed records need spds's attention, which an sdpa student runs; "
+                        f"student.attn_implementation is {config.student.attn_implementation!r} (set it to sdpa, or "
+                        "the layout to padded)")
     size = config.data_parallel_size
     if size != "any" and optim.effective_batch % size:
         problems.append(f"optim.effective_batch: {optim.effective_batch} does not divide by "

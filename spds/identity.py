@@ -26,7 +26,7 @@ def code_digest() -> str:
 def run_identities(config: Config, store: PackedStore, world: int) -> dict:
     optim = config.optim
     topology = dict(world_size=world, micro_batch=optim.micro_batch, micro_batch_tokens=optim.micro_batch_tokens,
-                    reduction="sum")
+                    micro_batch_layout=optim.micro_batch_layout, reduction="sum")
     # The student's content, pinned or not: weights changed under an unpinned path must not resume a
     # run trained on others. A pin was verified when the config was loaded; without one, rank 0
     # hashes the files (gigabytes: once per run, not once per rank) and tells the others.

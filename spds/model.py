@@ -16,6 +16,7 @@ gradient accumulates in FP32).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -184,16 +185,19 @@ class CheckpointPolicy:
         if deterministic and device.type == "cuda":
             self.dq_splits = math.ceil(torch.cuda.get_device_properties(device).multi_processor_count / self.heads)
 
-    def attention_bytes(self, positions: int, longest: int) -> tuple[float, float]:
-        """(bytes each plain layer keeps, bytes one running layer needs at most) for attention."""
+    def attention_bytes(self, positions: int, longest: int, packed: bool = False) -> tuple[float, float]:
+        """(bytes each plain layer keeps, bytes one running layer needs at most) for attention.
+        Records packed end to end run flash's variable-length kernel on CUDA."""
         implementation = self.attn_implementation
         kernel = self.kernel_at(longest) if implementation in ("sdpa", SPDS_ATTENTION) else implementation
+        if packed and self.device.type == "cuda":
+            kernel = "flash"
         kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
         square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
         workspace = positions * self.dq_splits * self.heads * self.head_dim * 4 if kernel == "flash" else 0
         return kept * square, transient * square + workspace
 
-    def __call__(self, positions: int, longest: int | None = None) -> int:
+    def __call__(self, positions: int, longest: int | None = None, packed: bool = False) -> int:
         if self.setting in (True, False):
             return self.layers if self.setting else 0
         if self.device.type != "cuda" and self.budget is None:  # CPU: only with a budget given
@@ -201,7 +205,7 @@ class CheckpointPolicy:
         if self.budget is None:  # measured once, after the student and engine are in memory
             self.budget = 0.9 * free_device_memory(self.device)
         plain, kept = self.activation_bytes, CHECKPOINTED_BYTES_PER_HIDDEN
-        attention_kept, attention_transient = self.attention_bytes(positions, longest or positions)
+        attention_kept, attention_transient = self.attention_bytes(positions, longest or positions, packed)
         per_plain_layer = positions * self.hidden * plain + attention_kept
         per_kept_layer = positions * self.hidden * kept
         running = positions * self.hidden * plain + attention_transient
@@ -273,17 +277,23 @@ class Replicated:
 class SoftPromptModel(nn.Module):
     def __init__(self, student: nn.Module, prompt: torch.Tensor, loss_fn, activation_checkpointing=False,
                  sdpa_backend="auto", activation_memory_gib: float | None = None, pad_to_multiple_of: int | None = None,
-                 device: torch.device | None = None, deterministic: bool = False, liger_kernels: bool = False):
+                 device: torch.device | None = None, deterministic: bool = False, liger_kernels: bool = False,
+                 packed: bool = False):
         super().__init__()
         device = device or student.device  # a student still on the host waits to be sharded onto `device`
         if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
             pad_to_multiple_of = 256 if device.type == "cuda" else 1
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.packed = packed  # several records in one forward: end to end (True) or right-padded rows
         self.student = student
         self.prompt = nn.Parameter(prompt.to(torch.float32).to(device))
         self.loss_fn = loss_fn
         self.sdpa_backend = sdpa_backend
         self.kernel_choice = install_attention(student)  # None: the student's own attention (eager, ...)
+        if packed and self.kernel_choice is None:  # the config check says so first; a library caller learns here
+            from .fsio import SpdsError
+
+            raise SpdsError("packed micro-batches need spds's attention: load the student with sdpa attention")
         self.checkpointing = CheckpointPolicy(activation_checkpointing, student, activation_memory_gib, device,
                                               self.attention_kernel, deterministic, liger_kernels)
         self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
@@ -321,6 +331,8 @@ class SoftPromptModel(nn.Module):
         a plan per shape)."""
         self.layout.before_forward()
         joined = self.joined_embeddings(segments, block)
+        if self.packed and len(joined) > 1:
+            return self.packed_hidden_states(joined, checkpoint_positions)
         longest = max(len(j) for j in joined)
         longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         if len(joined) == 1 and longest == len(joined[0]):
@@ -337,6 +349,23 @@ class SoftPromptModel(nn.Module):
         self.use_kernel(longest)
         output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
         return [output.last_hidden_state[i, :len(j)] for i, j in enumerate(joined)]
+
+    def packed_hidden_states(self, joined: list[torch.Tensor], checkpoint_positions: int | None) -> list[torch.Tensor]:
+        """The joined sequences end to end in one row (optim.micro_batch_layout packed): each one's
+        positions restart at 0 and its attention sees only itself (attention.packed_causal), so
+        each gets the outputs it would get alone, with no padding computed."""
+        lengths = [len(j) for j in joined]
+        starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        if self.prompt.device.type == "cuda":  # a pinned, asynchronous copy: no host sync per micro-batch
+            starts = starts.pin_memory().to(self.prompt.device, non_blocking=True)
+        positions = torch.cat([torch.arange(n, device=self.prompt.device) for n in lengths])[None]
+        count = self.checkpointing(checkpoint_positions or sum(lengths), max(lengths), packed=True)
+        checkpoint_first(self.student, count)
+        self.use_kernel(max(lengths))
+        output = self.student.base_model(inputs_embeds=torch.cat(joined)[None], position_ids=positions, use_cache=False,
+                                         cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=max(lengths),
+                                         max_length_k=max(lengths))
+        return list(output.last_hidden_state[0].split(lengths))
 
     def response_states(self, segments: list[Segment], inserted: torch.Tensor | None = None,
                         checkpoint_positions: int | None = None):
@@ -398,7 +427,7 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
     model = SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg.activation_memory_gib,
                             student_cfg.pad_to_multiple_of, device, config.train.deterministic,
-                            student_cfg.liger_kernels)
+                            student_cfg.liger_kernels, config.optim.micro_batch_layout == "packed")
     if loss_fn.needs_teacher:
         from .teacher import build_teacher
 

@@ -122,6 +122,7 @@ class Plan:
         self.store, self.world = store, world
         self.seed, self.batch, self.micro_batch = optim.seed, optim.effective_batch, optim.micro_batch
         self.micro_batch_tokens = optim.micro_batch_tokens
+        self.packed = optim.micro_batch_layout == "packed"  # end to end: no padding to count
         self.train_records = np.flatnonzero(store.is_train)
         if not len(self.train_records):
             raise SpdsError("no training records: data.eval_fraction holds out every question")
@@ -150,15 +151,23 @@ class Plan:
                     supervised_tokens=int(self.store.supervised_tokens[batch].sum()),
                     positions=int(self.positions[batch].sum()))
 
+    def footprint(self, group: list[int]) -> int:
+        """Positions a forward pass over `group` (longest first) computes: every record padded to
+        the first, or (packed) their sum."""
+        if self.packed:
+            return int(self.positions[group].sum())
+        return int(self.positions[group[0]]) * len(group)
+
     def micro_batches(self, mine: list[int]) -> list[list[int]]:
         """Consecutive records (longest first, as dealt) in groups of at most micro_batch records
-        and, when set, micro_batch_tokens padded positions: similar lengths share a forward."""
+        and, when set, micro_batch_tokens positions (padding counted when padded): similar
+        lengths share a forward."""
         groups: list[list[int]] = []
         budget = self.micro_batch_tokens
         for index in mine:
             group = groups[-1] if groups else None
-            padded = int(self.positions[group[0]]) * (len(group) + 1) if group else 0  # the first is the longest
-            if group and len(group) < self.micro_batch and (budget is None or padded <= budget):
+            fits = group and (budget is None or self.footprint(group + [index]) <= budget)
+            if fits and len(group) < self.micro_batch:
                 group.append(index)
             else:
                 groups.append([index])
@@ -180,7 +189,7 @@ class Plan:
         filler = [min(step.dealt[rank], key=lambda i: int(self.positions[i]))]
         passes = []
         for j in range(max(len(groups) for groups in every)):
-            largest = max(int(self.positions[groups[j][0]]) * len(groups[j]) for groups in every if j < len(groups))
+            largest = max(self.footprint(groups[j]) for groups in every if j < len(groups))
             passes.append((mine[j], largest, True) if j < len(mine) else (filler, largest, False))
         return passes
 

@@ -66,6 +66,7 @@ class OptimSettings:
     effective_batch: int
     micro_batch: int
     micro_batch_tokens: int | None
+    micro_batch_layout: Literal["padded", "packed"]
     quadratic_length: float | None
     optimizer: Literal["adamw", "adam"]
     learning_rate: float

@@ -82,6 +82,32 @@ def test_padded_micro_batch_equals_separate_records(student):
     torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("recomputed", [False, True])
+def test_packed_micro_batch_equals_plain_forwards_of_each_record(student, plain_student, recomputed, monkeypatch):
+    """Three records of different lengths and splice points end to end in one forward (each
+    record's positions restarting, its attention its own): the loss and the prompt gradient of
+    plain transformers forwards, one per record. With every layer recomputed, the recompute
+    gets the record boundaries too."""
+    tokenizer = make_tiny.chatml_tokenizer()
+    rows = [r for r in make_tiny.synthetic_rows(tokenizer, 8) if "input_ids" in r][:3]
+    segments = [Segment(torch.tensor(r["input_ids"]), r["prefix_tokens"], insert_at)
+                for r, insert_at in zip(rows, [3, 0, 3])]
+    assert len({len(s.ids) for s in segments}) == 3
+    prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=1)
+    model = SoftPromptModel(student, prompt, CHUNKED_16, activation_checkpointing=recomputed, packed=True)
+    rows_seen, forward = [], student.model.forward  # what each forward of the student's body is given
+    monkeypatch.setattr(student.model, "forward", lambda **kw: rows_seen.append(kw["inputs_embeds"].shape)
+                        or forward(**kw))
+    loss = model(segments)
+    loss.backward()
+    assert rows_seen == [torch.Size([1, sum(len(s.ids) + 4 for s in segments), student.config.hidden_size])]
+    reference_prompt = prompt.clone().requires_grad_()
+    expected = sum(reference_loss(plain_student, reference_prompt, s) for s in segments)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(model.prompt.grad, reference_prompt.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_length_buckets_pad_without_changing_the_loss(student):
     tokenizer = make_tiny.chatml_tokenizer()
     segment = make_segment(tokenizer)

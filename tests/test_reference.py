@@ -107,6 +107,9 @@ RUNS = {  # name: (world, launcher, extra config)
     "zero0-3": (3, "torchrun", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero0.json")),
     "zero3-2": (2, "torchrun", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero3.json")),
     "fsdp-2": (2, "torchrun", dict(sharding="fsdp", deepspeed_config="ds_configs/zero0.json")),
+    # up to three records end to end in one forward, each attending only to itself
+    "packed-2": (2, "torchrun", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero0.json",
+                                     optim={**CLIPPED["optim"], "micro_batch": 3, "micro_batch_layout": "packed"})),
 }
 
 
@@ -114,7 +117,7 @@ RUNS = {  # name: (world, launcher, extra config)
 def test_update_equals_plain_pytorch_for_every_backend_and_world_size(prepared):
     states, lines = {}, {}
     for name, (world, launcher, extra) in RUNS.items():
-        edit_config(prepared, output_dir=name, **CLIPPED, **extra)
+        edit_config(prepared, output_dir=name, **{**CLIPPED, **extra})
         check(spds(["train", "config.json"], prepared, world=world, launcher=launcher))
         assert read_json(prepared / name / "run.json")["world_size"] == world
         states[name], lines[name] = final_state(prepared / name), metrics(prepared / name)

@@ -80,7 +80,14 @@ def test_micro_batches_respect_count_and_token_budget():
 
     plan = Plan.__new__(Plan)
     plan.positions = np.array([1000, 900, 300, 290, 280, 100])
-    plan.micro_batch, plan.micro_batch_tokens = 3, 1000
+    plan.micro_batch, plan.micro_batch_tokens, plan.packed = 3, 1000, False
     assert plan.micro_batches([0, 1, 2, 3, 4, 5]) == [[0], [1], [2, 3, 4], [5]]
     plan.micro_batch_tokens = None
     assert plan.micro_batches([0, 1, 2, 3, 4, 5]) == [[0, 1, 2], [3, 4, 5]]
+    # Padded, four 300-position rows cost 1200 > 1000; packed end to end they cost 970.
+    plan.micro_batch, plan.micro_batch_tokens = 4, 1000
+    assert plan.micro_batches([0, 1, 2, 3, 4, 5]) == [[0], [1], [2, 3, 4], [5]]
+    assert plan.footprint([2, 3, 4]) == 900
+    plan.packed = True
+    assert plan.micro_batches([0, 1, 2, 3, 4, 5]) == [[0], [1], [2, 3, 4, 5]]
+    assert plan.footprint([2, 3, 4, 5]) == 970
