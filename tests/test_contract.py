@@ -243,3 +243,14 @@ def test_a_teacher_memo_is_refused_for_a_sharded_student(tiny):
         load_config(tiny / "config.json")
     edit_config(tiny, sharding="deepspeed")  # ZeRO-0: the student replicated on every rank
     load_config(tiny / "config.json")
+
+
+def test_packed_micro_batches_are_refused_for_a_student_spds_cannot_attend_for(tiny):
+    """Packed records rely on spds's attention keeping each record to itself; an eager student's
+    own attention would read the boundaries as one long sequence and mix the records."""
+    edit_config(tiny, optim={"micro_batch": 4, "micro_batch_layout": "packed"},
+                student={"attn_implementation": "eager"})
+    with pytest.raises(SpdsError, match="optim.micro_batch_layout: packed records need spds's attention"):
+        load_config(tiny / "config.json")
+    edit_config(tiny, student={"attn_implementation": "sdpa"})
+    assert load_config(tiny / "config.json").optim.micro_batch_layout == "packed"
