@@ -182,8 +182,8 @@ def chunked_distillation(spec: Divergence, chunk: int):
     def summed(hidden, weight, targets, teacher: TeacherTargets | None = None):
         if teacher is None:
             raise ValueError("a distillation objective needs the teacher's targets")
-        return _ChunkedLinearLoss.apply(hidden, weight, targets, teacher.hidden, teacher.top_ids,
-                                                teacher.top_logprobs, spec, rows)
+        return _ChunkedLinearLoss.apply(hidden, weight, targets, teacher.hidden, teacher.top_ids, teacher.top_logprobs,
+                                        spec, rows)
 
     return summed
 

@@ -355,16 +355,16 @@ class SoftPromptModel(nn.Module):
         positions restart at 0 and its attention sees only itself (attention.packed_causal), so
         each gets the outputs it would get alone, with no padding computed."""
         lengths = [len(j) for j in joined]
+        longest = max(lengths)
         starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         if self.prompt.device.type == "cuda":  # a pinned, asynchronous copy: no host sync per micro-batch
             starts = starts.pin_memory().to(self.prompt.device, non_blocking=True)
         positions = torch.cat([torch.arange(n, device=self.prompt.device) for n in lengths])[None]
-        count = self.checkpointing(checkpoint_positions or sum(lengths), max(lengths), packed=True)
-        checkpoint_first(self.student, count)
-        self.use_kernel(max(lengths))
+        # no kernel choice to make: packed attention has one kernel per device (attention.packed_causal)
+        checkpoint_first(self.student, self.checkpointing(checkpoint_positions or sum(lengths), longest, packed=True))
         output = self.student.base_model(inputs_embeds=torch.cat(joined)[None], position_ids=positions, use_cache=False,
-                                         cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=max(lengths),
-                                         max_length_k=max(lengths))
+                                         cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=longest,
+                                         max_length_k=longest)
         return list(output.last_hidden_state[0].split(lengths))
 
     def response_states(self, segments: list[Segment], inserted: torch.Tensor | None = None,
