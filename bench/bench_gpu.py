@@ -139,6 +139,7 @@ VARIANTS = {
 # every length; flex at every length and for long records only, without the deterministic switches.
 VARIANTS["liger-det"] = ({"liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-det-flash"] = ({"sdpa_backend": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-cudnn"] = ({"sdpa_backend": "cudnn", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-flash"] = ({"sdpa_backend": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-flex"] = ({"sdpa_backend": "flex", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-flexlong"] = ({"sdpa_backend": {"below": 8192, "short": "flash", "long": "flex"},

@@ -1,7 +1,7 @@
 """A random-weight Qwen3-shaped student saved with save_pretrained, the tiny example's byte-level
 ChatML tokenizer, synthetic token-form candidates of log-uniform length, and a run config.
 
-    python bench/make_synthetic.py DIR --model 0.6b --records 32 --min-tokens 256 --max-tokens 8192
+    python bench/make_synthetic.py DIR --model 0.6b --records 32 --min-tokens 256 --max-tokens 8192 [--longest 32768]
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=32)
     parser.add_argument("--min-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--longest", type=int, default=None,
+                        help="make the first record exactly this many tokens (a drawn mix may fall short of its maximum)")
     args = parser.parse_args()
     directory = Path(args.directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -43,6 +45,8 @@ def main() -> None:
     with open(directory / "candidates.jsonl", "w") as stream:
         for i in range(args.records):
             total = int(math.exp(rng.uniform(math.log(args.min_tokens), math.log(args.max_tokens))))
+            if i == 0 and args.longest:
+                total = args.longest
             response = rng.integers(32, 127, max(2, total - len(prompt) - 1)).tolist() + [tokenizer.eos_token_id]
             stream.write(json.dumps(dict(request_id=f"r{i}", question_id=f"q{i // 2}", sample_index=i % 2,
                                          input_ids=list(prompt) + response, prefix_tokens=len(prompt),
