@@ -246,6 +246,9 @@ def test_smoke_gates_train_and_outputs_match_their_schemas(run_dir):
     store = PackedStore.open(run_dir / "packed")
     assert evidence["status"] == "passed" and evidence["longest_record_tokens"] == int(store.length.max())
     assert describe_errors(evidence, "smoke") == []
+    # the smoke's one update holds the longest record: its positions, with the soft prompt's
+    prompt_length = read_json(run_dir / "config.json")["soft_prompt"]["length"]
+    assert metrics(run_dir / "run" / "smoke")[0]["longest_record_positions"] == int(store.length.max()) + prompt_length
     check(spds(["train", "config.json"], run_dir))
     out = run_dir / "run"
     assert not read_json(out / "run.json")["smoke_waived"]
