@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--min-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--longest", type=int, default=None,
-                        help="make the first record exactly this many tokens (a drawn mix may fall short of its maximum)")
+                        help="make the first record exactly this many tokens (a drawn mix may fall short of its most)")
     args = parser.parse_args()
     directory = Path(args.directory)
     directory.mkdir(parents=True, exist_ok=True)
