@@ -18,13 +18,6 @@ PyTorch's default one).
 Kernels:
   auto, flash, efficient, cudnn, math   PyTorch SDPA (grouped-query heads passed through where
                                         the kernel takes them, repeated where it does not)
-  fa4                                   FlashAttention-4 (the flash-attn-4 package, CuTe DSL;
-                                        Hopper and Blackwell): measured on H200 at Qwen3-1.7B's
-                                        shape, fwd+bwd 1.26x cuDNN's speed at 8k and 1.12x at 32k,
-                                        and its deterministic backward (used under
-                                        train.deterministic) still 1.06-1.15x cuDNN's
-                                        (bench/RESULTS.md). Packed records run its
-                                        variable-length kernel.
   flex                                  torch's flex_attention, compiled once for every length
                                         (dynamic shapes), on a causal block mask built from
                                         block indices. Deterministic by construction (dQ and
@@ -64,21 +57,6 @@ def use_deterministic_kernels() -> None:
     os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"  # attn_implementation flash_attention_2 reads it
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-
-
-def fa4_available() -> bool:
-    try:
-        import flash_attn.cute  # noqa: F401
-    except Exception:  # not installed, or its CUDA libraries do not load
-        return False
-    return torch.cuda.is_available()
-
-
-def require_kernels(setting) -> None:
-    """A named kernel spds cannot run here stops the build with what to change."""
-    if "fa4" in kernels_in(setting) and not fa4_available():
-        raise SpdsError("student.sdpa_backend names fa4 but FlashAttention-4 is not importable or there is no CUDA "
-                        "device (pip install 'spds[fa4]' on a Hopper or Blackwell machine, or choose another kernel)")
 
 
 def resolve(setting, deterministic: bool, device: torch.device):
@@ -144,12 +122,7 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
     choice = getattr(module, "spds_kernel", None)
     kernel = choice.kernel if choice is not None else "auto"
     if kwargs.get("cu_seq_lens_q") is not None:  # records packed end to end (optim.micro_batch_layout)
-        starts, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
-        if kernel == "fa4":
-            return fa4_causal(query, key, value, scaling, starts, longest)[None], None
-        return packed_causal(query, key, value, scaling, starts, longest)[None], None
-    if kernel == "fa4" and query.shape[2] == key.shape[2]:
-        return fa4_causal(query, key, value, scaling), None
+        return packed_causal(query, key, value, scaling, kwargs["cu_seq_lens_q"], kwargs["max_length_q"])[None], None
     if kernel == "flex":
         output = flex_causal(query, key, value, scaling)
     elif query.shape[2] == key.shape[2]:
@@ -215,23 +188,6 @@ def packed_causal(query, key, value, scaling, starts, longest: int):
     key, value = repeated_heads(query, key, value)
     output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
     return output[0].transpose(0, 1)
-
-
-def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = None):
-    """FlashAttention-4, causal, grouped-query keys as they are. Returns [B, L, Hq, D], or with
-    `starts` (records packed end to end in one row) [positions, Hq, D]. Its backward is the
-    deterministic one whenever PyTorch's deterministic algorithms are on (train.deterministic)."""
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    rows = [t.transpose(1, 2) for t in (query, key, value)]  # [B, L, heads, D], the layout it takes
-    if starts is None:
-        output = flash_attn_func(*rows, softmax_scale=scaling, causal=True, deterministic=deterministic)
-    else:
-        output = flash_attn_varlen_func(*(t[0] for t in rows), cu_seqlens_q=starts, cu_seqlens_k=starts,
-                                        max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=scaling,
-                                        causal=True, deterministic=deterministic)
-    return output[0] if isinstance(output, tuple) else output  # (output, lse) in some versions
 
 
 # ---------------------------------------------------------------- flex
