@@ -147,8 +147,8 @@ VARIANTS["liger-flexlong"] = ({"sdpa_backend": {"below": 8192, "short": "flash",
 # liger with the records of a forward end to end (variable-length attention, no padding)
 VARIANTS["liger-packed"] = (VARIANTS["liger"][0], {**VARIANTS["liger"][1], "micro_batch_layout": "packed"})
 # the same with twice the positions per forward: fewer, larger forwards for the short records
-VARIANTS["liger-packed-32k"] = (VARIANTS["liger"][0], {"micro_batch": 64, "micro_batch_tokens": 32768,
-                                                       "micro_batch_layout": "packed"})
+VARIANTS["liger-packed-32k"] = (VARIANTS["liger"][0], {**VARIANTS["liger-packed"][1], "micro_batch": 64,
+                                                       "micro_batch_tokens": 32768})
 VARIANTS["packed-varlen"] = (VARIANTS["packed"][0], {**VARIANTS["packed"][1], "micro_batch_layout": "packed"})
 DETERMINISTIC = {"liger-det", "liger-det-flash"}
 # loss.objective kl with the online teacher (the student with a CONTEXT-token context): its keys

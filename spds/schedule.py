@@ -108,7 +108,7 @@ class Step:
     dealt: list  # per rank: record indices, longest first
     supervised_tokens: int  # over the global batch: the loss's denominator
     positions: int  # record + soft-prompt positions over the global batch
-    longest_positions: int  # of its longest record: what an out-of-memory or a slow update points to
+    longest_record_positions: int  # what an out-of-memory or a slow update points to
 
     @property
     def digest(self) -> str:
@@ -150,7 +150,8 @@ class Plan:
     def step_of(self, update: int, batch: np.ndarray) -> Step:
         return Step(update=update, batch=batch, dealt=deal_to_ranks(batch, self.costs, self.world),
                     supervised_tokens=int(self.store.supervised_tokens[batch].sum()),
-                    positions=int(self.positions[batch].sum()), longest_positions=int(self.positions[batch].max()))
+                    positions=int(self.positions[batch].sum()),
+                    longest_record_positions=int(self.positions[batch].max()))
 
     def footprint(self, group: list[int]) -> int:
         """Positions a forward pass over `group` (longest first) computes: every record padded to

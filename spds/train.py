@@ -141,7 +141,7 @@ def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, de
     check_precision(engine, student=False)  # the moments the step just wrote
     seconds = time.monotonic() - started
     metric = dict(loss=loss_sum / denominator, supervised_tokens=denominator, tokens=step.positions,
-                  records=len(step.batch), longest_record_positions=step.longest_positions,
+                  records=len(step.batch), longest_record_positions=step.longest_record_positions,
                   grad_norm=grad_norm, learning_rate=learning_rate, seconds=seconds,
                   tokens_per_second=step.positions / seconds,
                   rank_busy_seconds=[round(b, 4) for b in busy],  # each rank's compute before the reduce
