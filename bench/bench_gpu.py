@@ -149,8 +149,12 @@ VARIANTS["liger-packed"] = (VARIANTS["liger"][0], {**VARIANTS["liger"][1], "micr
 # the same with twice the positions per forward: fewer, larger forwards for the short records
 VARIANTS["liger-packed-32k"] = (VARIANTS["liger"][0], {**VARIANTS["liger-packed"][1], "micro_batch": 64,
                                                        "micro_batch_tokens": 32768})
+# FlashAttention-4 at every length (flash-attn-4; bench/check_fa4.py), padded rows and packed
+VARIANTS["liger-fa4"] = ({"sdpa_backend": "fa4", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-packed-fa4"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed"][1])
+VARIANTS["liger-packed-fa4-det"] = VARIANTS["liger-packed-fa4"]  # its deterministic backward (train.deterministic)
 VARIANTS["packed-varlen"] = (VARIANTS["packed"][0], {**VARIANTS["packed"][1], "micro_batch_layout": "packed"})
-DETERMINISTIC = {"liger-det", "liger-det-flash"}
+DETERMINISTIC = {"liger-det", "liger-det-flash", "liger-packed-fa4-det"}
 # loss.objective kl with the online teacher (the student with a CONTEXT-token context): its keys
 # and values computed once (kl) or the whole sequence every time (kl-nocache).
 VARIANTS["liger-kl"] = VARIANTS["liger-kl-nocache"] = VARIANTS["liger"]

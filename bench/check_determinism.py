@@ -108,7 +108,7 @@ def model_level(model: str, length: int) -> None:
 
     use_deterministic_kernels()
     student = build_student(model)
-    chosen = resolve("auto", True, torch.device("cuda"))
+    chosen = resolve("auto", True, student, torch.device("cuda"))
     ids = torch.randint(0, 150000, (length,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     segment = Segment(ids=ids, prefix_tokens=128, insert_at=3)
     grads, seconds = [], []

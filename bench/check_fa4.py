@@ -6,7 +6,13 @@ Causal, bf16, the attention shape of Qwen3-1.7B (16 query heads, 8 key/value hea
 one sequence. Times forward + backward (all of dQ, dK, dV) with CUDA events after warm-up (FA4's
 first calls JIT-compile), and checks each kernel's gradient against cuDNN's.
 
+With --spds, the same question through spds's own model (student.sdpa_backend fa4, padded rows
+and packed records): the summed loss and the prompt gradient of a few records against each record
+alone under cuDNN, and whether FA4's deterministic backward (train.deterministic) repeats bit for
+bit where its default one does not have to.
+
     python bench/check_fa4.py --lengths 4096,8192,32768
+    python bench/check_fa4.py --spds
 """
 from __future__ import annotations
 
@@ -32,10 +38,68 @@ def milliseconds(step, repeats: int = 5) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def check_spds(lengths=(700, 3000, 9000), layers: int = 4) -> None:
+    """spds's SoftPromptModel with fa4 against cuDNN, one record per forward, on a Qwen3-1.7B-
+    shaped student of `layers` layers (random weights): loss sum and prompt gradient."""
+    import os
+    import sys
+    from pathlib import Path
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call (deterministic part)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from spds.attention import use_deterministic_kernels
+    from spds.contract import section
+    from spds.loss import make_loss
+    from spds.model import Segment, SoftPromptModel
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=65536, tie_word_embeddings=True, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        student = Qwen3ForCausalLM(config).to(torch.bfloat16).requires_grad_(False).eval()
+    prompt = torch.randn(256, 2048, device="cuda") * 0.02
+    segments = [Segment(ids=torch.randint(0, 150000, (n,), device="cuda"), prefix_tokens=128, insert_at=3)
+                for n in lengths]
+
+    def run(backend: str, packed: bool, together: bool) -> tuple[float, torch.Tensor]:
+        model = SoftPromptModel(student, prompt, make_loss(section("loss")), sdpa_backend=backend,
+                                device=torch.device("cuda"), packed=packed)
+        total = 0.0
+        for group in ([segments] if together else [[s] for s in segments]):
+            loss = model(group)
+            loss.backward()
+            total += float(loss.detach())
+        return total, model.prompt.grad.clone()
+
+    print(f"spds SoftPromptModel, {layers} layers of Qwen3-1.7B's shape, records {list(lengths)} + 256 prompt")
+    print("| kernel | layout | loss sum | rel. diff | prompt grad max |diff| / max |grad| |")
+    print("|---|---|---|---|---|")
+    loss_ref, grad_ref = run("cudnn", False, False)
+    print(f"| cuDNN (reference) | one record per forward | {loss_ref:.4f} | 0 | 0 |")
+    for name, backend, packed in (("FA2 varlen (spds today)", "cudnn", True), ("FA4", "fa4", False),
+                                  ("FA4 varlen", "fa4", True)):
+        loss, grad = run(backend, packed, True)
+        layout, loss_diff = "packed" if packed else "padded rows", abs(loss - loss_ref) / loss_ref
+        grad_diff = float((grad - grad_ref).abs().max() / grad_ref.abs().max())
+        print(f"| {name} | {layout} | {loss:.4f} | {loss_diff:.1e} | {grad_diff:.1e} |", flush=True)
+    repeats = {"default": [run("fa4", True, True)[1] for _ in range(2)]}
+    use_deterministic_kernels()
+    repeats["deterministic"] = [run("fa4", True, True)[1] for _ in range(2)]
+    for mode, (first, second) in repeats.items():
+        same = "bit-identical" if torch.equal(first, second) else f"differ: max {float((first - second).abs().max())}"
+        print(f"FA4 varlen, {mode} backward, run twice: prompt gradients {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="4096,8192,32768")
+    parser.add_argument("--spds", action="store_true", help="through spds's model instead (see above)")
     args = parser.parse_args()
+    if args.spds:
+        return check_spds()
     from flash_attn.cute import flash_attn_func
 
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cuDNN {torch.backends.cudnn.version()}")

@@ -5,7 +5,9 @@
 # equal a straight run bit for bit (train.deterministic: true). Then the clip that DeepSpeed used
 # to apply by default: grad_norm logged vs applied, checked from the checkpoints.
 #   bash bench/gpu_x2_sigterm.sh        (env: SPDS_X2_MODEL, SPDS_X2_MAX_TOKENS, SPDS_X2_LONGEST (one record of
-#                                        exactly that many tokens), SPDS_X2_GPUS (default 2), UPDATES, SKIP_SMOKE=1)
+#                                        exactly that many tokens), SPDS_X2_GPUS (default 2),
+#                                        SPDS_X2_STUDENT, SPDS_X2_OPTIM (JSON merged into the config's
+#                                        student and optim), UPDATES, SKIP_SMOKE=1)
 set -euo pipefail
 out=${OUT:-/tmp/out}; work=$(mktemp -d); mkdir -p "$out"
 updates=${UPDATES:-12}
@@ -18,6 +20,8 @@ import json, os, sys
 c = json.load(open(sys.argv[1]))
 c["optim"].update(updates=int(sys.argv[2]), max_grad_norm=1000.0)
 c["checkpoint"].update(every=100)
+for section in ("student", "optim"):  # e.g. the attention kernel or the micro-batch layout under test
+    c[section].update(json.loads(os.environ.get(f"SPDS_X2_{section.upper()}", "{}")))
 if os.environ.get("SKIP_SMOKE") == "1":  # the smoke gate is tested elsewhere; here only stop and resume
     c["train"]["require_smoke"] = False
 json.dump(c, open(sys.argv[1], "w"), indent=2)

@@ -18,11 +18,18 @@ PyTorch's default one).
 Kernels:
   auto, flash, efficient, cudnn, math   PyTorch SDPA (grouped-query heads passed through where
                                         the kernel takes them, repeated where it does not)
+  fa4                                   FlashAttention-4 (the flash-attn-4 package, CuTe DSL;
+                                        Hopper and Blackwell), grouped-query heads as they are;
+                                        packed records run its variable-length kernel. Measured on
+                                        H200, the 1.7B length mix: +8% on the step over cuDNN and
+                                        FlashAttention-2; its deterministic backward (taken under
+                                        train.deterministic) costs 4.6% more and beats flex by 1.38x
+                                        (bench/RESULTS.md). train.deterministic's choice where it runs.
   flex                                  torch's flex_attention, compiled once for every length
                                         (dynamic shapes), on a causal block mask built from
                                         block indices. Deterministic by construction (dQ and
                                         dK/dV in separate passes, no atomics) and O(L) memory:
-                                        train.deterministic's choice on CUDA (bench/RESULTS.md)
+                                        train.deterministic's choice on CUDA without fa4
 """
 from __future__ import annotations
 
@@ -59,13 +66,45 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
-def resolve(setting, deterministic: bool, device: torch.device):
-    """student.sdpa_backend as the student runs it. Under train.deterministic, "auto" is flex on
-    CUDA (measured on H200: bit-identical backward, twice as fast as flash's deterministic one
-    at 32k) and math on the CPU (its kernels reduce in a fixed order anyway; math is what the
-    tests compare with)."""
+def fa4_unavailable(head_dim: int) -> str | None:
+    """Why FlashAttention-4 cannot run this student here, or None. Its kernels are Hopper's and
+    Blackwell's (compute capability 9 to 11), for head dimensions 8 to 256 in multiples of 8."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as error:  # not installed, or its CUDA libraries do not load
+        return f"flash_attn.cute does not import ({type(error).__name__}: {str(error)[:120]}): pip install 'spds[fa4]'"
+    if not torch.cuda.is_available():
+        return "there is no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major not in (9, 10, 11):
+        return f"the GPU's compute capability is {major}.{minor}; its kernels are for 9.x to 11.x (Hopper, Blackwell)"
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        return f"the student's head dimension is {head_dim}; its kernels take 8 to 256 in multiples of 8"
+    return None
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def resolve(setting, deterministic: bool, student, device: torch.device):
+    """student.sdpa_backend as `student` runs it on `device`.
+
+    Under train.deterministic, "auto" is FlashAttention-4 where it can run (spds[fa4] installed,
+    Hopper or Blackwell), else flex on CUDA, and math on the CPU. Measured on H200 (Qwen3-1.7B,
+    the length mix): FA4's deterministic backward trains at 34.4k tok/s against flex's 24.9k and
+    the default kernels' 33.6k, and both resume bit for bit through a 32k record
+    (bench/RESULTS.md). On the CPU math's kernels reduce in a fixed order anyway, and math is what
+    the tests compare with.
+
+    A named kernel that cannot run here (fa4 without its package or GPU) stops the build with
+    what to change."""
+    config = student.config
+    fa4_problem = fa4_unavailable(head_dim_of(config)) if device.type == "cuda" else "there is no CUDA device"
     if deterministic and setting == "auto":
-        return "flex" if device.type == "cuda" else "math"
+        return ("fa4" if fa4_problem is None else "flex") if device.type == "cuda" else "math"
+    if "fa4" in kernels_in(setting) and config._attn_implementation in ("sdpa", NAME) and fa4_problem:
+        raise SpdsError(f"student.sdpa_backend names fa4 (FlashAttention-4), but {fa4_problem}; choose another kernel")
     return setting
 
 
@@ -122,7 +161,12 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
     choice = getattr(module, "spds_kernel", None)
     kernel = choice.kernel if choice is not None else "auto"
     if kwargs.get("cu_seq_lens_q") is not None:  # records packed end to end (optim.micro_batch_layout)
-        return packed_causal(query, key, value, scaling, kwargs["cu_seq_lens_q"], kwargs["max_length_q"])[None], None
+        starts, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+        if kernel == "fa4":
+            return fa4_causal(query, key, value, scaling, starts, longest)[None], None
+        return packed_causal(query, key, value, scaling, starts, longest)[None], None
+    if kernel == "fa4" and query.shape[2] == key.shape[2]:
+        return fa4_causal(query, key, value, scaling), None
     if kernel == "flex":
         output = flex_causal(query, key, value, scaling)
     elif query.shape[2] == key.shape[2]:
@@ -188,6 +232,23 @@ def packed_causal(query, key, value, scaling, starts, longest: int):
     key, value = repeated_heads(query, key, value)
     output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
     return output[0].transpose(0, 1)
+
+
+def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = None):
+    """FlashAttention-4, causal, grouped-query keys as they are. Returns [B, L, Hq, D], or with
+    `starts` (records packed end to end in one row) [positions, Hq, D]. Its backward is the
+    deterministic one whenever PyTorch's deterministic algorithms are on (train.deterministic)."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    rows = [t.transpose(1, 2) for t in (query, key, value)]  # [B, L, heads, D], the layout it takes
+    if starts is None:
+        output = flash_attn_func(*rows, softmax_scale=scaling, causal=True, deterministic=deterministic)
+    else:
+        output = flash_attn_varlen_func(*(t[0] for t in rows), cu_seqlens_q=starts, cu_seqlens_k=starts,
+                                        max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=scaling,
+                                        causal=True, deterministic=deterministic)
+    return output[0] if isinstance(output, tuple) else output  # (output, lse) in some versions
 
 
 # ---------------------------------------------------------------- flex

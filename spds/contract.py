@@ -460,10 +460,11 @@ def determinism_problems(config: Config) -> list[str]:
     student = config.student
     if student.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
         return [f"student.attn_implementation: {student.attn_implementation!r} has no deterministic backward that "
-                "spds can switch on, and train.deterministic is true: use sdpa (its flex or flash kernel) or eager"]
+                "spds can switch on, and train.deterministic is true: use sdpa (its fa4, flex or flash kernel) "
+                "or eager"]
     if student.attn_implementation == "sdpa" and "cudnn" in kernels_in(student.sdpa_backend):
         return ["student.sdpa_backend: cuDNN attention has no deterministic backward, and train.deterministic is "
-                "true: use auto (flex on CUDA), flex, flash, efficient or math"]
+                "true: use auto (fa4 or flex on CUDA), fa4, flex, flash, efficient or math"]
     return []
 
 

@@ -187,10 +187,11 @@ class CheckpointPolicy:
 
     def attention_bytes(self, positions: int, longest: int, packed: bool = False) -> tuple[float, float]:
         """(bytes each plain layer keeps, bytes one running layer needs at most) for attention.
-        Records packed end to end run flash's variable-length kernel on CUDA."""
+        Records packed end to end run flash's variable-length kernel on CUDA (fa4's own, when chosen);
+        fa4 keeps O(L), like flash."""
         implementation = self.attn_implementation
         kernel = self.kernel_at(longest) if implementation in ("sdpa", SPDS_ATTENTION) else implementation
-        if packed and self.device.type == "cuda":
+        if packed and self.device.type == "cuda" and kernel != "fa4":  # FlashAttention-2's variable-length kernel
             kernel = "flash"
         kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
         square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
@@ -360,7 +361,7 @@ class SoftPromptModel(nn.Module):
         if self.prompt.device.type == "cuda":  # a pinned, asynchronous copy: no host sync per micro-batch
             starts = starts.pin_memory().to(self.prompt.device, non_blocking=True)
         positions = torch.cat([torch.arange(n, device=self.prompt.device) for n in lengths])[None]
-        # no kernel choice to make: packed attention has one kernel per device (attention.packed_causal)
+        self.use_kernel(longest)  # fa4 runs its own variable-length kernel; any other, FlashAttention-2's
         checkpoint_first(self.student, self.checkpointing(checkpoint_positions or sum(lengths), longest, packed=True))
         output = self.student.base_model(inputs_embeds=torch.cat(joined)[None], position_ids=positions, use_cache=False,
                                          cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=longest,
@@ -415,7 +416,7 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
         student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
         if student_cfg.liger_kernels:
             apply_liger_kernels(student)
-    sdpa_backend = resolve_kernels(student_cfg.sdpa_backend, config.train.deterministic, device)
+    sdpa_backend = resolve_kernels(student_cfg.sdpa_backend, config.train.deterministic, student, device)
     if prompt is None:
         tokenizer = None
         if prompt_cfg.init.method == "text":

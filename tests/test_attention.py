@@ -116,6 +116,32 @@ def test_a_sliding_window_student_is_refused_not_attended_to_in_full():
     assert attention.install(student(window=False)) is not None
 
 
+def test_deterministic_auto_takes_fa4_only_where_it_runs_and_a_named_fa4_elsewhere_is_refused(monkeypatch):
+    """train.deterministic's "auto": FlashAttention-4 where it can run, else flex on CUDA, math on
+    the CPU; a config naming fa4 where it cannot run stops with the reason, before any work."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from spds.fsio import SpdsError
+
+    student = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           attn_implementation="sdpa"))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the device's type is read
+    seen = []
+    monkeypatch.setattr(attention, "fa4_unavailable", lambda head_dim: seen.append(head_dim) or "not installed")
+    assert attention.resolve("auto", True, student, cuda) == "flex"
+    assert attention.resolve("auto", True, student, cpu) == "math"
+    assert attention.resolve("auto", False, student, cuda) == "auto"
+    with pytest.raises(SpdsError, match="names fa4 .FlashAttention-4., but not installed; choose another kernel"):
+        attention.resolve({"below": 64, "short": "flash", "long": "fa4"}, True, student, cuda)
+    assert seen and set(seen) == {8}  # the student's head dimension is what is checked
+    monkeypatch.setattr(attention, "fa4_unavailable", lambda head_dim: None)
+    assert attention.resolve("auto", True, student, cuda) == "fa4"
+    assert attention.resolve("fa4", False, student, cuda) == "fa4"
+    with pytest.raises(SpdsError, match="there is no CUDA device"):
+        attention.resolve("fa4", False, student, cpu)
+
+
 @pytest.mark.parametrize("kernel", ["flex", "auto"])
 def test_queries_after_cached_keys_attend_causally_from_the_lower_right(kernel):
     """The teacher's record after its cached context: query i sits at position Lk - Lq + i."""

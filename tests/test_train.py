@@ -217,7 +217,11 @@ def test_corrupted_checkpoint_and_changed_identity_are_refused(run_dir):
     edit_config(run_dir, student={"liger_kernels": True})
     result = spds(["train", "config.json"], run_dir)
     assert result.returncode == 1 and "student.liger_kernels is true but" in result.stderr
-    edit_config(run_dir, student={"liger_kernels": False})
+    fa4_for_long = {"below": 64, "short": "auto", "long": "fa4"}
+    edit_config(run_dir, student={"liger_kernels": False, "sdpa_backend": fa4_for_long})
+    result = spds(["train", "config.json"], run_dir)
+    assert result.returncode == 1 and "student.sdpa_backend names fa4 (FlashAttention-4), but" in result.stderr
+    edit_config(run_dir, student={"sdpa_backend": "auto"})
     state = newest / "mp_rank_00_model_states.pt"
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0xFF
