@@ -153,6 +153,8 @@ VARIANTS["liger-packed-32k"] = (VARIANTS["liger"][0], {**VARIANTS["liger-packed"
 VARIANTS["liger-fa4"] = ({"sdpa_backend": "fa4", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-packed-fa4"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed"][1])
 VARIANTS["liger-packed-fa4-det"] = VARIANTS["liger-packed-fa4"]  # its deterministic backward (train.deterministic)
+# with attention cheaper, fewer and larger forwards for the short records may pay (unmeasured)
+VARIANTS["liger-packed-fa4-32k"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed-32k"][1])
 VARIANTS["packed-varlen"] = (VARIANTS["packed"][0], {**VARIANTS["packed"][1], "micro_batch_layout": "packed"})
 DETERMINISTIC = {"liger-det", "liger-det-flash", "liger-packed-fa4-det"}
 # loss.objective kl with the online teacher (the student with a CONTEXT-token context): its keys

@@ -100,11 +100,14 @@ def resolve(setting, deterministic: bool, student, device: torch.device):
     A named kernel that cannot run here (fa4 without its package or GPU) stops the build with
     what to change."""
     config = student.config
-    fa4_problem = fa4_unavailable(head_dim_of(config)) if device.type == "cuda" else "there is no CUDA device"
+
+    def fa4_problem() -> str | None:  # asked only where fa4 is in question: its import takes seconds
+        return fa4_unavailable(head_dim_of(config)) if device.type == "cuda" else "there is no CUDA device"
+
     if deterministic and setting == "auto":
-        return ("fa4" if fa4_problem is None else "flex") if device.type == "cuda" else "math"
-    if "fa4" in kernels_in(setting) and config._attn_implementation in ("sdpa", NAME) and fa4_problem:
-        raise SpdsError(f"student.sdpa_backend names fa4 (FlashAttention-4), but {fa4_problem}; choose another kernel")
+        return ("fa4" if fa4_problem() is None else "flex") if device.type == "cuda" else "math"
+    if "fa4" in kernels_in(setting) and config._attn_implementation in ("sdpa", NAME) and (problem := fa4_problem()):
+        raise SpdsError(f"student.sdpa_backend names fa4 (FlashAttention-4), but {problem}; choose another kernel")
     return setting
 
 

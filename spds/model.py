@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .attention import NAME as SPDS_ATTENTION
-from .attention import QUADRATIC_ATTENTION_BYTES, kernel_for
+from .attention import QUADRATIC_ATTENTION_BYTES, head_dim_of, kernel_for
 from .attention import install as install_attention
 from .attention import resolve as resolve_kernels
 
@@ -175,7 +175,7 @@ class CheckpointPolicy:
         config = student.config
         self.layers, self.hidden = config.num_hidden_layers, config.hidden_size
         self.heads = config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.head_dim = head_dim_of(config)
         self.attn_implementation = config._attn_implementation
         self.kernel_at = kernel_at  # padded sequence length -> the SDPA kernel name
         self.budget = budget_gib * 2**30 if budget_gib else None
