@@ -175,6 +175,7 @@ class CheckpointPolicy:
         config = student.config
         self.layers, self.hidden = config.num_hidden_layers, config.hidden_size
         self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = head_dim_of(config)
         self.attn_implementation = config._attn_implementation
         self.kernel_at = kernel_at  # padded sequence length -> the SDPA kernel name
@@ -187,15 +188,21 @@ class CheckpointPolicy:
 
     def attention_bytes(self, positions: int, longest: int, packed: bool = False) -> tuple[float, float]:
         """(bytes each plain layer keeps, bytes one running layer needs at most) for attention.
-        Records packed end to end run flash's variable-length kernel on CUDA (fa4's own, when chosen);
-        fa4 keeps O(L), like flash."""
+        Records packed end to end run flash's variable-length kernel on CUDA (fa4's own, when chosen).
+        fa4 keeps O(L), like flash; its backward allocates fp32 accumulators for dQ and, with
+        grouped-query heads, for dK and dV (flash_attn.cute's _flash_attn_bwd), one layer at a time."""
         implementation = self.attn_implementation
         kernel = self.kernel_at(longest) if implementation in ("sdpa", SPDS_ATTENTION) else implementation
         if packed and self.device.type == "cuda" and kernel != "fa4":  # FlashAttention-2's variable-length kernel
             kernel = "flash"
         kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
         square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
-        workspace = positions * self.dq_splits * self.heads * self.head_dim * 4 if kernel == "flash" else 0
+        workspace = 0
+        if kernel == "flash":
+            workspace = positions * self.dq_splits * self.heads * self.head_dim * 4
+        elif kernel == "fa4":
+            accumulated_heads = self.heads + (2 * self.kv_heads if self.kv_heads != self.heads else 0)
+            workspace = positions * accumulated_heads * self.head_dim * 4
         return kept * square, transient * square + workspace
 
     def __call__(self, positions: int, longest: int | None = None, packed: bool = False) -> int:

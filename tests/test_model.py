@@ -190,6 +190,14 @@ def test_auto_checkpointing_policy(student):
     with pytest.raises(SpdsError, match="quadratic in length"):
         quadratic(longest_linear)  # ...the math kernel's scores do not fit
     assert CheckpointPolicy(True, student, None, torch.device("cpu"))(1) == student.config.num_hidden_layers
+    # FlashAttention-4 keeps O(L), but its backward allocates fp32 accumulators for dQ (every query
+    # head) and, with grouped-query heads, dK and dV (every key/value head): counted while a layer runs.
+    fa4 = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cuda"), kernel_at=lambda n: "fa4")
+    config = student.config
+    assert config.num_key_value_heads < config.num_attention_heads  # the grouped-query case
+    accumulators = 1500 * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim * 4
+    assert fa4.attention_bytes(1500, 1500) == (0, accumulators)
+    assert fa4.attention_bytes(1500, 500, packed=True) == (0, accumulators)  # packed: fa4's own varlen kernel
     # Liger's kernels keep 26 bytes per position per hidden unit, not 40 (measured on H200): a
     # micro-batch over the budget at 40 fits whole with them.
     liger = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cpu"), liger_kernels=True)
