@@ -57,14 +57,17 @@ def qwen3_config(name: str, attn: str = "sdpa"):
                        attn_implementation=attn)
 
 
-def build_student(name: str):
+def build_student(name: str, layers: int | None = None):
+    """The random-weight student of shape `name` (its first `layers` decoder layers, if given)."""
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
+    config = qwen3_config(name)
+    config.num_hidden_layers = layers or config.num_hidden_layers
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(DEVICE):
-        model = Qwen3ForCausalLM(qwen3_config(name))
+        model = Qwen3ForCausalLM(config)
     torch.set_default_dtype(previous)
     return model.requires_grad_(False).eval()
 

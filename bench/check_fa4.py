@@ -17,12 +17,18 @@ bit where its default one does not have to.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import HEAD_DIM, SHAPES, build_student  # noqa: E402  (it puts the repository on sys.path)
+
+_, _, HEADS, KV_HEADS, _, _ = SHAPES["1.7b"]
 
 
 def milliseconds(step, repeats: int = 5) -> float:
@@ -41,26 +47,14 @@ def milliseconds(step, repeats: int = 5) -> float:
 def check_spds(lengths=(700, 3000, 9000), layers: int = 4) -> None:
     """spds's SoftPromptModel with fa4 against cuDNN, one record per forward, on a Qwen3-1.7B-
     shaped student of `layers` layers (random weights): loss sum and prompt gradient."""
-    import os
-    import sys
-    from pathlib import Path
-
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call (deterministic part)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from spds.attention import use_deterministic_kernels
     from spds.contract import section
     from spds.loss import make_loss
     from spds.model import Segment, SoftPromptModel
 
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         max_position_embeddings=65536, tie_word_embeddings=True, attn_implementation="sdpa")
-    with torch.device("cuda"):
-        student = Qwen3ForCausalLM(config).to(torch.bfloat16).requires_grad_(False).eval()
-    prompt = torch.randn(256, 2048, device="cuda") * 0.02
+    student = build_student("1.7b", layers)
+    prompt = torch.randn(256, student.config.hidden_size, device="cuda") * 0.02
     segments = [Segment(ids=torch.randint(0, 150000, (n,), device="cuda"), prefix_tokens=128, insert_at=3)
                 for n in lengths]
 

@@ -100,20 +100,28 @@ def resolve(setting, deterministic: bool, student, device: torch.device):
     A named kernel that cannot run here (fa4 without its package or GPU) stops the build with
     what to change."""
     config = student.config
-
-    def fa4_problem() -> str | None:  # asked only where fa4 is in question: its import takes seconds
-        return fa4_unavailable(head_dim_of(config)) if device.type == "cuda" else "there is no CUDA device"
-
     if deterministic and setting == "auto":
-        return ("fa4" if fa4_problem() is None else "flex") if device.type == "cuda" else "math"
-    if "fa4" in kernels_in(setting) and config._attn_implementation in ("sdpa", NAME) and (problem := fa4_problem()):
-        raise SpdsError(f"student.sdpa_backend names fa4 (FlashAttention-4), but {problem}; choose another kernel")
+        if device.type != "cuda":
+            return "math"
+        return "fa4" if fa4_unavailable(head_dim_of(config)) is None else "flex"
+    # FlashAttention-4 is asked about only where it is named: its import takes seconds of start-up
+    if "fa4" in kernels_in(setting) and config._attn_implementation in ("sdpa", NAME):
+        problem = fa4_unavailable(head_dim_of(config)) if device.type == "cuda" else "there is no CUDA device"
+        if problem:
+            raise SpdsError(f"student.sdpa_backend names fa4 (FlashAttention-4), but {problem}; choose another kernel")
     return setting
 
 
 def kernels_in(setting) -> set[str]:
     """The kernel names a student.sdpa_backend setting can choose."""
     return {setting["short"], setting["long"]} if isinstance(setting, dict) else {setting}
+
+
+def packed_kernel(kernel: str, device: torch.device) -> str:
+    """The kernel that runs records packed end to end when `kernel` is chosen (causal_attention):
+    FlashAttention-4's own variable-length kernel, else FlashAttention-2's on CUDA (packed_causal),
+    else `kernel` under a block-diagonal mask."""
+    return "flash" if device.type == "cuda" and kernel != "fa4" else kernel
 
 
 def kernel_for(setting, positions: int) -> str:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .attention import NAME as SPDS_ATTENTION
-from .attention import QUADRATIC_ATTENTION_BYTES, head_dim_of, kernel_for
+from .attention import QUADRATIC_ATTENTION_BYTES, head_dim_of, kernel_for, packed_kernel
 from .attention import install as install_attention
 from .attention import resolve as resolve_kernels
 
@@ -188,13 +188,13 @@ class CheckpointPolicy:
 
     def attention_bytes(self, positions: int, longest: int, packed: bool = False) -> tuple[float, float]:
         """(bytes each plain layer keeps, bytes one running layer needs at most) for attention.
-        Records packed end to end run flash's variable-length kernel on CUDA (fa4's own, when chosen).
-        fa4 keeps O(L), like flash; its backward allocates fp32 accumulators for dQ and, with
-        grouped-query heads, for dK and dV (flash_attn.cute's _flash_attn_bwd), one layer at a time."""
+        Records packed end to end run attention.packed_kernel. fa4 keeps O(L), like flash; its
+        backward allocates fp32 accumulators for dQ and, with grouped-query heads, for dK and dV
+        (flash_attn.cute's _flash_attn_bwd), one layer at a time."""
         implementation = self.attn_implementation
         kernel = self.kernel_at(longest) if implementation in ("sdpa", SPDS_ATTENTION) else implementation
-        if packed and self.device.type == "cuda" and kernel != "fa4":  # FlashAttention-2's variable-length kernel
-            kernel = "flash"
+        if packed:
+            kernel = packed_kernel(kernel, self.device)
         kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
         square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
         workspace = 0
