@@ -8,6 +8,11 @@ disk, Plan/deal, SoftPromptModel, the DeepSpeed engine and train_step (exact SUM
 HF+PEFT runs get_peft_model(PromptTuningConfig) with gradient checkpointing, one record per
 optimizer step, the loss from the model's own forward (materialised logits), as a user would.
 
+--second-visit times a second update over the same records after the first; --trace-visits says,
+per update, what the first visit paid that the second did not (VisitTrace: JIT compiles, the
+allocator, the micro-steps that ran slow); --profile first profiles the first visit instead of the
+timed one (host time too: it found Liger's per-length RoPE compilation, bench/RESULTS.md).
+
 Useful FLOPs per position = 4 x matmul parameters (lm_head included) + 6 x layers x seq x
 heads x head_dim (forward and input-gradient backward, causal attention, no recompute); MFU is
 that over the measured bf16 matmul peak.
@@ -254,21 +259,24 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         device = torch.device(DEVICE)
         stop = StopRequest()  # not installed: nothing asks this benchmark to stop
         warm = np.arange(len(warm_lengths))
-        train_step(engine, store, plan, plan.step_of(1, warm), 0, device, stop, None)  # kernels, JIT, plans
+        trace = VisitTrace(model) if TRACE else None
+        with phase(trace, f"{variant} warm-up"):
+            train_step(engine, store, plan, plan.step_of(1, warm), 0, device, stop, None)  # kernels, JIT, plans
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         batch = np.arange(len(warm_lengths), len(warm_lengths) + len(lengths))
         extra = {}
         if second_visit or variant in REVISIT:  # the first visit of the timed records, then the timed second one
             started = time.perf_counter()
-            train_step(engine, store, plan, plan.step_of(2, batch), 0, device, stop, None)
-            torch.cuda.synchronize()
+            with profiled(PROFILE == "first"), phase(trace, f"{variant} first visit"):
+                train_step(engine, store, plan, plan.step_of(2, batch), 0, device, stop, None)
+                torch.cuda.synchronize()
             extra = dict(first_visit_seconds=time.perf_counter() - started)
             if model.teacher is not None:
                 extra["teacher_memo_gib"] = model.teacher.memo_bytes / 2**30
         recomputed.clear()
         started = time.perf_counter()
-        with profiled(PROFILE):
+        with profiled(PROFILE == "timed"), phase(trace, f"{variant} {'second visit' if extra else 'timed'}"):
             metric, _ = train_step(engine, store, plan, plan.step_of(3, batch), 0, device, stop, None)
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
@@ -283,6 +291,76 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
 
 
 # ---------------------------------------------------------------- where the time goes
+
+TRACE = False
+
+
+class VisitTrace:
+    """--trace-visits: what an update pays that a later update over the same records does not.
+    Per phase (the warm-up, the first visit, the second visit): seconds, the micro-steps that took
+    longest for their size (forward to next forward, timed with a device sync at each forward),
+    the kernels JIT-compiled (Triton, counted in a fresh TRITON_CACHE_DIR; FlashAttention-4's
+    CuTe DSL, counted in its in-memory compile caches) and the caching allocator's device
+    allocations (cudaMalloc calls)."""
+
+    def __init__(self, model):
+        self.steps: list[tuple[int, float]] = []  # (positions, seconds) per micro-step
+        self.previous: list[tuple[int, float]] = []  # the phase before's
+        self.last = None
+        forward = model.forward
+
+        def timed(segments, *args, **kwargs):
+            self.tick(sum(len(s.ids) for s in segments))
+            return forward(segments, *args, **kwargs)
+
+        model.forward = timed
+
+    def tick(self, positions: int | None) -> None:
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.last is not None:
+            self.steps.append((self.last[0], now - self.last[1]))
+        self.last = (positions, now) if positions is not None else None
+
+    @staticmethod
+    def counters() -> dict:
+        cache = Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))
+        counts = dict(triton=sum(1 for _ in cache.glob("*/*.json")) if cache.is_dir() else 0, fa4=0,
+                      cuda_malloc=torch.cuda.memory_stats().get("num_device_alloc", 0) if DEVICE == "cuda" else 0)
+        interface = sys.modules.get("flash_attn.cute.interface")
+        for value in vars(interface).values() if interface else ():
+            cache_of = getattr(getattr(value, "compile_cache", None), "cache", None)
+            counts["fa4"] += len(cache_of) if isinstance(cache_of, dict) else 0
+        return counts
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        before, started = self.counters(), time.perf_counter()
+        self.steps, self.last = [], None
+        yield
+        self.tick(None)  # closes the last micro-step (its backward is done: train_step synchronized)
+        seconds, after = time.perf_counter() - started, self.counters()
+        grown = ", ".join(f"{k} +{after[k] - before[k]}" for k in after)
+        rate = float(np.median([t / n for n, t in self.steps])) if self.steps else 0.0
+        slowest = sorted(self.steps, key=lambda nt: nt[1] - rate * nt[0], reverse=True)[:4]
+        excess = sum(max(0.0, t - rate * n) for n, t in self.steps)
+        in_steps = sum(t for _, t in self.steps)
+        print(f"trace {name}: {seconds:.2f} s, {len(self.steps)} micro-steps {in_steps:.2f} s (median "
+              f"{rate * 1e6:.1f} us/position), {excess:.2f} s above the median "
+              f"s/position; slowest for their size " + ", ".join(f"{n} pos {t:.2f} s" for n, t in slowest)
+              + f"; {grown}", flush=True)
+        if [n for n, _ in self.previous] == [n for n, _ in self.steps]:  # the same micro-batches again
+            ratios = np.array([t0 / t for (_, t0), (_, t) in zip(self.previous, self.steps)])
+            print(f"trace {name}: the phase before took {np.percentile(ratios, 10):.2f}x / {np.median(ratios):.2f}x / "
+                  f"{np.percentile(ratios, 90):.2f}x this one's time per micro-step (10th percentile / median / 90th)",
+                  flush=True)
+        self.previous = self.steps
+
+
+def phase(trace, name: str):
+    return trace.phase(name) if trace else contextlib.nullcontext()
+
+
 
 PROFILE = False
 KERNEL_KINDS = (  # GPU kernel name pattern -> what it is (first match)
@@ -309,15 +387,25 @@ def profiled(enabled: bool):
         return
     from torch.profiler import ProfilerActivity, profile
 
+    started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         yield
-    # GPU kernels only: an aten:: op's entry carries its kernels' time again
+    wall = time.perf_counter() - started
+    # GPU kernels only: a host-side op's entry carries its kernels' time again. Filtering out aten::
+    # ops alone (before the ninth session) counted twice the kernels that Python autograd functions
+    # launch themselves (FlashAttention-4's through TVM FFI, Liger's).
+    from torch.autograd import DeviceType
+
     kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages()
-               if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
+               if e.self_device_time_total > 0 and e.device_type == DeviceType.CUDA]
     total = sum(t for _, t in kernels) or 1
     by_kind: dict[str, float] = {}
     for name, t in kernels:
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0) + t
+    print(f"profiled update: {wall:.2f} s wall, {total / 1e6:.2f} s of GPU kernels", flush=True)
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+    print("host time, the largest self CPU totals: " + ", ".join(
+        f"{e.key[:60]} {e.self_cpu_time_total / 1e6:.2f} s ({e.count})" for e in host), flush=True)
     print("GPU time by kind: " + ", ".join(f"{k} {v / 1e6:.2f} s ({100 * v / total:.0f}%)"
                                           for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])), flush=True)
     for name, t in sorted(kernels, key=lambda kv: -kv[1])[:12]:
@@ -380,18 +468,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, choices=sorted(SHAPES))
     parser.add_argument("--cases", nargs="+", required=True,
-                        help="fixed:L1,L2,...[:records]  or  mix:RECORDS  (log-uniform 512-32k)")
+                        help="fixed:L1,L2,...[:records]  or  mix:RECORDS[:SEED]  (log-uniform 512-32k)")
     parser.add_argument("--variants", default="default",
                         help="comma list of spds variants: " + ", ".join(VARIANTS))
     parser.add_argument("--no-peft", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--profile", action="store_true", help="torch.profiler over each timed spds update")
+    parser.add_argument("--profile", nargs="?", const="timed", choices=("timed", "first"), default=None,
+                        help="torch.profiler over each timed spds update, or (first) over its first visit")
     parser.add_argument("--second-visit", action="store_true",
                         help="time a second update over the same records (both systems), after a timed first one: "
                              "the steady state of a long run, where every shape's kernels and plans exist")
+    parser.add_argument("--trace-visits", action="store_true",
+                        help="per update of each spds variant: seconds, the slowest micro-steps for their size, "
+                             "JIT compiles and cudaMalloc calls (VisitTrace); its device syncs cost a little")
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, TRACE
+    PROFILE, TRACE = args.profile, args.trace_visits
+    if TRACE:  # before Triton first reads it: every compile of this process lands in an empty directory
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="spds-triton-")
     liger = [v for v in args.variants.split(",") if VARIANTS[v][0].get("liger_kernels")]
     if liger and len(liger) < len(args.variants.split(",")):
         parser.error(f"{liger} patch the student in place: run them in an invocation of their own")
@@ -415,12 +509,12 @@ def main() -> None:
     for case in args.cases:
         kind, spec, *rest = case.split(":")
         if kind == "mix":  # steady state: one update over another mix first, then the timed one
-            rng = np.random.default_rng(0)
+            rng = np.random.default_rng(int(rest[0]) if rest else 0)
             def draw():
                 return [int(x) for x in np.exp(rng.uniform(math.log(512), math.log(32768), int(spec)))]
 
             warm_lengths = draw()
-            groups = [(f"mix {spec} records 512-32k", draw())]
+            groups = [(f"mix {spec} records 512-32k" + (f" seed {rest[0]}" if rest else ""), draw())]
         else:
             records = int(rest[0]) if rest else 4
             groups = [(f"{int(L) / 1024:g}k x {records}", [int(L)] * records) for L in spec.split(",")]
