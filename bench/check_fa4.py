@@ -7,8 +7,8 @@ one sequence. Times forward + backward (all of dQ, dK, dV) with CUDA events afte
 first calls JIT-compile), and checks each kernel's gradient against cuDNN's.
 
 With --spds, the same question through spds's own model (student.sdpa_backend fa4, padded rows
-and packed records): the summed loss and the prompt gradient of a few records against each record
-alone under cuDNN, and whether FA4's deterministic backward (train.deterministic) repeats bit for
+and packed records): the summed loss and the prompt gradient of a few records against plain
+transformers and PyTorch (each record alone, nothing from spds), and whether FA4's deterministic backward (train.deterministic) repeats bit for
 bit where its default one does not have to.
 
     python bench/check_fa4.py --lengths 4096,8192,32768
@@ -44,19 +44,43 @@ def milliseconds(step, repeats: int = 5) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def reference_losses(segments, prompt: torch.Tensor, layers: int) -> tuple[float, torch.Tensor]:
+    """The summed response cross entropy and its prompt gradient with plain transformers and
+    PyTorch, nothing from spds: a fresh student of the same weights with its own SDPA attention,
+    each record alone, the prompt spliced into its input embeddings at insert_at, the logits
+    materialised and F.cross_entropy in fp32."""
+    student = build_student("1.7b", layers)
+    prompt = prompt.detach().clone().requires_grad_()
+    total = 0.0
+    for segment in segments:
+        a, P = segment.insert_at, prompt.shape[0]
+        own = student.get_input_embeddings()(segment.ids)
+        joined = torch.cat([own[:a], prompt.to(own.dtype), own[a:]])[None]
+        logits = student(inputs_embeds=joined).logits[0].float()
+        rows = logits[segment.prefix_tokens + P - 1:len(segment.ids) + P - 1]  # each predicts the next id
+        loss = F.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
+        loss.backward()
+        total += float(loss.detach())
+    del student
+    torch.cuda.empty_cache()
+    return total, prompt.grad
+
+
 def check_spds(lengths=(700, 3000, 9000), layers: int = 4) -> None:
-    """spds's SoftPromptModel with fa4 against cuDNN, one record per forward, on a Qwen3-1.7B-
-    shaped student of `layers` layers (random weights): loss sum and prompt gradient."""
+    """spds's SoftPromptModel with fa4 against plain transformers (reference_losses), on a
+    Qwen3-1.7B-shaped student of `layers` layers (random weights): loss sum and prompt gradient."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call (deterministic part)
     from spds.attention import use_deterministic_kernels
     from spds.contract import section
     from spds.loss import make_loss
     from spds.model import Segment, SoftPromptModel
 
-    student = build_student("1.7b", layers)
-    prompt = torch.randn(256, student.config.hidden_size, device="cuda") * 0.02
-    segments = [Segment(ids=torch.randint(0, 150000, (n,), device="cuda"), prefix_tokens=128, insert_at=3)
-                for n in lengths]
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    prompt = torch.randn(256, SHAPES["1.7b"][0], device="cuda", generator=generator) * 0.02
+    segments = [Segment(ids=torch.randint(0, 150000, (n,), device="cuda", generator=generator), prefix_tokens=128,
+                        insert_at=3) for n in lengths]
+    loss_ref, grad_ref = reference_losses(segments, prompt, layers)
+    student = build_student("1.7b", layers)  # the same seed: the reference's weights
 
     def run(backend: str, packed: bool, together: bool) -> tuple[float, torch.Tensor]:
         model = SoftPromptModel(student, prompt, make_loss(section("loss")), sdpa_backend=backend,
@@ -68,15 +92,17 @@ def check_spds(lengths=(700, 3000, 9000), layers: int = 4) -> None:
             total += float(loss.detach())
         return total, model.prompt.grad.clone()
 
-    print(f"spds SoftPromptModel, {layers} layers of Qwen3-1.7B's shape, records {list(lengths)} + 256 prompt")
-    print("| kernel | layout | loss sum | rel. diff | prompt grad max |diff| / max |grad| |")
+    print(f"spds SoftPromptModel, {layers} layers of Qwen3-1.7B's shape, records {list(lengths)} + 256 prompt, "
+          "against plain transformers (SDPA, materialised logits, F.cross_entropy), each record alone")
+    print("| spds kernel | layout | loss sum | rel. diff | prompt grad max |diff| / max |grad| |")
     print("|---|---|---|---|---|")
-    loss_ref, grad_ref = run("cudnn", False, False)
-    print(f"| cuDNN (reference) | one record per forward | {loss_ref:.4f} | 0 | 0 |")
-    for name, backend, packed in (("FA2 varlen (packed, without fa4)", "cudnn", True), ("FA4", "fa4", False),
-                                  ("FA4 varlen", "fa4", True)):
-        loss, grad = run(backend, packed, True)
-        layout, loss_diff = "packed" if packed else "padded rows", abs(loss - loss_ref) / loss_ref
+    print(f"| (reference: transformers) | one record per forward | {loss_ref:.4f} | 0 | 0 |")
+    for name, backend, packed, together in (("cuDNN", "cudnn", False, False),
+                                            ("FA2 varlen (packed, without fa4)", "cudnn", True, True),
+                                            ("FA4", "fa4", False, True), ("FA4 varlen", "fa4", True, True)):
+        loss, grad = run(backend, packed, together)
+        layout = "packed" if packed else ("padded rows" if together else "one record per forward")
+        loss_diff = abs(loss - loss_ref) / loss_ref
         grad_diff = float((grad - grad_ref).abs().max() / grad_ref.abs().max())
         print(f"| {name} | {layout} | {loss:.4f} | {loss_diff:.1e} | {grad_diff:.1e} |", flush=True)
     repeats = {"default": [run("fa4", True, True)[1] for _ in range(2)]}
