@@ -361,7 +361,6 @@ def phase(trace, name: str):
     return trace.phase(name) if trace else contextlib.nullcontext()
 
 
-
 PROFILE = False
 KERNEL_KINDS = (  # GPU kernel name pattern -> what it is (first match)
     ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),

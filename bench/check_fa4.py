@@ -8,8 +8,8 @@ first calls JIT-compile), and checks each kernel's gradient against cuDNN's.
 
 With --spds, the same question through spds's own model (student.sdpa_backend fa4, padded rows
 and packed records): the summed loss and the prompt gradient of a few records against plain
-transformers and PyTorch (each record alone, nothing from spds), and whether FA4's deterministic backward (train.deterministic) repeats bit for
-bit where its default one does not have to.
+transformers and PyTorch (each record alone, nothing from spds), and whether FA4's deterministic
+backward (train.deterministic) repeats bit for bit where its default one does not have to.
 
     python bench/check_fa4.py --lengths 4096,8192,32768
     python bench/check_fa4.py --spds
