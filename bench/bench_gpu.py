@@ -292,7 +292,7 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
 
 # ---------------------------------------------------------------- where the time goes
 
-TRACE = False
+TRACE = False  # --trace-visits
 
 
 class VisitTrace:
@@ -361,7 +361,7 @@ def phase(trace, name: str):
     return trace.phase(name) if trace else contextlib.nullcontext()
 
 
-PROFILE = False
+PROFILE = None  # --profile: "timed" (the timed update) or "first" (its first visit)
 KERNEL_KINDS = (  # GPU kernel name pattern -> what it is (first match)
     ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
