@@ -66,11 +66,27 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
+def import_fa4():
+    """flash_attn.cute, with its compiled kernels kept on disk across processes.
+
+    FA4 compiles each kernel (forward, backward, variable-length or not, deterministic or not) on
+    its first call in a process, and `spds smoke`, `spds train` and every resume are processes of
+    their own. Its persistent cache (off by default; read once, when flash_attn.cute is first
+    imported) keeps them under a fingerprint of its sources, cutlass and tvm_ffi, writes each entry
+    to a temporary name and renames it, recompiles an entry that does not load, and locks with
+    flock, which the kernel releases when a process dies: no stale lock can hang a later start.
+    A user's own FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED (and _DIR) stands."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    import flash_attn.cute
+
+    return flash_attn.cute
+
+
 def fa4_unavailable(head_dim: int) -> str | None:
     """Why FlashAttention-4 cannot run this student here, or None. Its kernels are Hopper's and
     Blackwell's (compute capability 9 to 11), for head dimensions 8 to 256 in multiples of 8."""
     try:
-        import flash_attn.cute  # noqa: F401
+        import_fa4()
     except Exception as error:  # not installed, or its CUDA libraries do not load
         return f"flash_attn.cute does not import ({type(error).__name__}: {str(error)[:120]}): pip install 'spds[fa4]'"
     if not torch.cuda.is_available():
@@ -249,8 +265,8 @@ def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = No
     """FlashAttention-4, causal, grouped-query keys as they are. Returns [B, L, Hq, D], or with
     `starts` (records packed end to end in one row) [positions, Hq, D]. Its backward is the
     deterministic one whenever PyTorch's deterministic algorithms are on (train.deterministic)."""
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-
+    fa4 = import_fa4()
+    flash_attn_func, flash_attn_varlen_func = fa4.flash_attn_func, fa4.flash_attn_varlen_func
     deterministic = torch.are_deterministic_algorithms_enabled()
     rows = [t.transpose(1, 2) for t in (query, key, value)]  # [B, L, heads, D], the layout it takes
     if starts is None:

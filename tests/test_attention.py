@@ -142,6 +142,25 @@ def test_deterministic_auto_takes_fa4_only_where_it_runs_and_a_named_fa4_elsewhe
         attention.resolve("fa4", False, student, cpu)
 
 
+@pytest.mark.parametrize("user_setting", [None, "0"])
+def test_fa4_finds_its_disk_cache_switched_on_when_it_is_first_imported(tmp_path, monkeypatch, user_setting):
+    """FlashAttention-4 reads FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED once, while flash_attn.cute is
+    imported; spds's import must have set it by then, and must leave a user's own value alone.
+    A stand-in package records what its import saw (the real one needs a Hopper GPU)."""
+    package = tmp_path / "flash_attn" / "cute"
+    package.mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("import os\nSEEN = os.environ.get('FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    if user_setting is None:
+        monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", user_setting)
+    assert attention.import_fa4().SEEN == (user_setting or "1")
+
+
 @pytest.mark.parametrize("kernel", ["flex", "auto"])
 def test_queries_after_cached_keys_attend_causally_from_the_lower_right(kernel):
     """The teacher's record after its cached context: query i sits at position Lk - Lq + i."""
