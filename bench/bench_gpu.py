@@ -300,8 +300,8 @@ class VisitTrace:
     Per phase (the warm-up, the first visit, the second visit): seconds, the micro-steps that took
     longest for their size (forward to next forward, timed with a device sync at each forward),
     the kernels JIT-compiled (Triton, counted in a fresh TRITON_CACHE_DIR; FlashAttention-4's
-    CuTe DSL, counted in its in-memory compile caches) and the caching allocator's device
-    allocations (cudaMalloc calls)."""
+    CuTe DSL, counted in its in-memory compile caches: compiled, or loaded from its disk cache)
+    and the caching allocator's device allocations (cudaMalloc calls)."""
 
     def __init__(self, model):
         self.steps: list[tuple[int, float]] = []  # (positions, seconds) per micro-step

@@ -4,6 +4,8 @@
 # README's GPU settings (Liger kernels, flash below 8k and cuDNN above), a pinned config, a first
 # run on this fresh machine (cold: no Triton cache) and a second one (warm).
 #   bash bench/gpu_startup.sh 1.7b [8b ...]      (PHASES=0: skip bench/startup_phases.py)
+#   KERNEL=fa4: FlashAttention-4 and packed micro-batches, whose kernels FA4 compiles in each process
+#   unless its disk cache is on (spds's default; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 turns it off)
 set -euo pipefail
 for model in "$@"; do
   work=$(mktemp -d)
@@ -13,7 +15,12 @@ import json, os, sys
 c = json.load(open(sys.argv[1]))
 c["optim"].update(updates=3, effective_batch=8)
 c["train"].update(require_smoke=False, deterministic=False)
-if os.environ.get("SPDS_BENCH_CPU") != "1":  # a dry run of this script on CPU: no Liger, CPU SDPA
+if os.environ.get("SPDS_BENCH_CPU") == "1":  # a dry run of this script on CPU: no Liger, CPU SDPA
+    pass
+elif os.environ.get("KERNEL") == "fa4":  # FlashAttention-4 (spds[fa4]), records packed end to end
+    c["student"].update(liger_kernels=True, sdpa_backend="fa4")
+    c["optim"].update(micro_batch_layout="packed")
+else:
     c["student"].update(liger_kernels=True, sdpa_backend={"below": 8192, "short": "flash", "long": "cudnn"})
 c["checkpoint"].update(every=100)
 json.dump(c, open(sys.argv[1], "w"), indent=2)
