@@ -3,6 +3,8 @@ checkpointed layer recomputes with. References are plain transformers forwards a
 computed element by element with numpy."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -152,12 +154,14 @@ def test_fa4_finds_its_disk_cache_switched_on_when_it_is_first_imported(tmp_path
     (tmp_path / "flash_attn" / "__init__.py").write_text("")
     (package / "__init__.py").write_text("import os\nSEEN = os.environ.get('FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    # set, then delete: monkeypatch then restores each one's absence too, so neither the stand-in
+    # modules nor the variable import_fa4 sets outlive this test
     for name in ("flash_attn", "flash_attn.cute"):
-        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", user_setting or "unset")
     if user_setting is None:
-        monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
-    else:
-        monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", user_setting)
+        monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")
     assert attention.import_fa4().SEEN == (user_setting or "1")
 
 
