@@ -71,6 +71,49 @@ def final_state(run_dir: Path) -> dict:
                 step=adam["step"], lr=state["lr_scheduler"]["_last_lr"][0])
 
 
+# ---------------------------------------------------------------- floating-point comparisons
+
+FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23
+BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7
+# Relative to its tensor's scale, how far two fp32 computations of the same quantity may differ
+# when only the order and grouping of their sums differ (another kernel or vector unit, chunks,
+# padding, a packed layout, another world size's all-reduce). A reordered sum of n terms moves
+# by at most about n * eps * sum|terms| (Higham, Accuracy and Stability of Numerical Algorithms,
+# section 4.2); the tiny students' longest reductions are a few hundred terms (positions x head
+# widths, two layers, forward and backward), and the terms are bounded by the tensor's largest
+# element, so 2**10 eps of that largest element (1.2e-4 of it) bounds rounding on any x86-64
+# vector unit. A wrong result (a term missing, a token off by one, another mask, a mean for a
+# sum) moves elements by a sizeable fraction of that scale, orders of magnitude outside.
+ROUNDING = 2**10 * FP32_EPS
+
+
+def assert_rounding_close(actual, expected, bound: float = ROUNDING, what: str = "") -> None:
+    """|actual - expected| <= bound * max|expected|, element-wise: the same quantity computed two
+    ways. The scale is the tensor's largest magnitude, not each element's own: an element near
+    zero is a cancellation of terms as large as the rest, and rounds like them (a per-element
+    absolute floor tuned on one CPU is a property of that CPU, not of the code)."""
+    actual, expected = torch.as_tensor(actual).detach().double(), torch.as_tensor(expected).detach().double()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    error = float((actual - expected).abs().max()) if expected.numel() else 0.0
+    assert error <= bound * scale, (f"{what}: max |difference| {error:.3g} exceeds {bound:.3g} of the largest "
+                                    f"magnitude {scale:.3g} (allowed {bound * scale:.3g})")
+
+
+def assert_same_adam_path(actual, expected, learning_rates: list[float], bound: float = ROUNDING,
+                          what: str = "") -> None:
+    """Two prompts after the same Adam updates from the same start, their gradients equal up to
+    `bound` relative rounding. Adam's step lr * m/(sqrt(v) + eps) is invariant to the gradients'
+    scale, and a relative perturbation d of them moves m/sqrt(v) by at most about 2d per element:
+    so the prompts differ by at most 2 * bound * sum(lr) in any element, whatever the prompt's own
+    scale. The one exception is an element whose gradient lies within rounding of zero, where
+    m/(sqrt(v) + eps) is steep; the tiny example's gradients are of order 1 to 50 (test_reference's
+    norms), far from it."""
+    allowed = 2 * bound * sum(learning_rates)
+    error = float((torch.as_tensor(actual).double() - torch.as_tensor(expected).double()).abs().max())
+    assert error <= allowed, f"{what}: max |difference| {error:.3g} exceeds 2 x {bound:.3g} x sum(lr) = {allowed:.3g}"
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

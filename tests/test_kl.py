@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import divergence
+from helpers import ROUNDING, assert_rounding_close, divergence
 
 from spds.contract import section
 from spds.loss import TeacherTargets, make_loss
@@ -45,6 +45,7 @@ CASES = [  # objective, direction, temperature, teacher
 ]
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("objective,direction,temperature,teacher", CASES)
 def test_distillation_loss_and_gradient_equal_the_plain_definitions(objective, direction, temperature, teacher):
     generator = torch.Generator().manual_seed(0)
@@ -70,9 +71,9 @@ def test_distillation_loss_and_gradient_equal_the_plain_definitions(objective, d
                               kl_weight, top_exact)
     expected.backward()
     assert float(expected.detach()) > 0
-    # The kernel works in fp32 (as on the GPU), the reference in float64.
-    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5 * float(theirs.grad.abs().max()))
+    # The kernel works in fp32 (as on the GPU), the reference in float64: the kernel's rounding.
+    assert_rounding_close(loss, expected, what="loss")
+    assert_rounding_close(mine.grad, theirs.grad, what="gradient")
 
 
 def test_a_different_teacher_moves_the_loss():
@@ -83,9 +84,12 @@ def test_a_different_teacher_moves_the_loss():
     loss_fn = make_loss(section("loss", objective="kl", kernel="chunked"))
     same = loss_fn(hidden, weight, targets, TeacherTargets(hidden=hidden))
     other = loss_fn(hidden, weight, targets, TeacherTargets(hidden=hidden.flip(0)))
-    assert abs(float(same)) < 1e-5 < float(other)
+    # KL of a distribution to itself is zero up to the rounding of its terms (each of the loss's
+    # own scale, a few units per row); another teacher's is of that scale itself
+    assert abs(float(same)) <= ROUNDING * float(other) < float(other)
 
 
+@pytest.mark.numeric
 def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(tiny_assets, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,10 +125,10 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(t
         states = plain.model(inputs_embeds=joined).last_hidden_state[0]
         # response token ids[t] sits at t + len(context) and is predicted from the position before
         expected.append(states[segment.prefix_tokens + len(context) - 1:len(ids) + len(context) - 1])
-    torch.testing.assert_close(rows, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    assert_rounding_close(rows, torch.cat(expected), what="teacher states")
     # Another record after a forward: the cache was cropped back to the prefix, not grown.
     again = teacher.targets(segments[:1]).hidden
-    torch.testing.assert_close(again, expected[0], rtol=1e-5, atol=1e-5)
+    assert_rounding_close(again, expected[0], what="teacher states after the crop")
     assert teacher.prefix_forwards == 1
 
 
