@@ -1,13 +1,18 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - build the tiny example and run spds on it end to end (CPU is enough)
 #   make test   - run the test suite (what CI runs)
-VENV ?= .venv
+# Both install the tested versions (requirements/); SPDS_UNPINNED=1 tries the newest, in a venv
+# of its own. make test-fast: the in-process tests only, for the edit-test loop.
+VENV ?= $(if $(filter 1,$(SPDS_UNPINNED)),.venv-unpinned,.venv)
 PY := $(VENV)/bin/python
 SPDS := $(VENV)/bin/spds
 TINY ?= examples/tiny/build
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+# The numeric tests run again on other CPU kernels (ATen's dispatch levels): a tolerance must hold
+# on any x86-64 machine, not only on the vector unit it was first run on.
+CAPABILITIES ?= avx2 default
 
-.PHONY: venv demo test lint bench-prepare clean
+.PHONY: venv demo test test-fast test-numeric lint format bench-prepare clean
 
 venv:
 	@bash tools/bootstrap.sh $(VENV)
@@ -18,6 +23,16 @@ demo: venv
 # Two workers: most tests wait on process start-up and collectives, not on both cores.
 test: venv lint
 	$(PY) -m pytest -q -n 2 tests
+	@$(MAKE) --no-print-directory test-numeric
+
+test-numeric: venv
+	@for capability in $(CAPABILITIES); do \
+	  echo "== numeric tests under ATEN_CPU_CAPABILITY=$$capability"; \
+	  ATEN_CPU_CAPABILITY=$$capability $(PY) -m pytest -q -n 2 -m numeric tests || exit 1; \
+	done
+
+test-fast: venv
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check spds tests bench examples

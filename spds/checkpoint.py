@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .contract import describe_errors, require_valid
 from .fsio import SpdsError, atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy, write_failure
+from .identity import code_change, refusing_keys
 from .settings import CheckpointSettings
 
 PATTERN = re.compile(r"^update-(\d{6,})$")
@@ -163,11 +164,6 @@ def verify(directory: Path) -> dict:
     return commit
 
 
-def identity_changes(saved: dict, current: dict) -> list[str]:
-    return [f"{key}: checkpoint {saved.get(key)!r:.80} != now {current.get(key)!r:.80}"
-            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
-
-
 def load_state(path: Path) -> dict:
     """A checkpoint file's contents: tensors and plain values only, never code."""
     import pickle
@@ -205,12 +201,15 @@ def load_engine_state(engine, directory: Path) -> None:
             setattr(engine, counter, state[counter])
 
 
-def restore(engine, directory: Path, identities: dict, rank: int, world: int) -> dict:
+def restore(engine, directory: Path, identities: dict, rank: int, world: int, require_same_code: bool = True) -> dict:
     """Load a verified checkpoint into the engine and this rank's RNG; return the cursor."""
     commit = verify(directory)
-    changes = identity_changes(commit["identities"], identities)
-    if changes:
-        raise SpdsError(f"cannot resume from {directory}: the run's identity changed", changes)
+    saved = commit["identities"]
+    changed = refusing_keys(saved, identities, require_same_code)
+    if changed:
+        raise SpdsError(f"cannot resume from {directory}: the run's identity changed",
+                        [f"{key}: checkpoint {saved.get(key)!r:.80} != now {identities.get(key)!r:.80}"
+                         for key in changed])
     load_engine_state(engine, directory)
     if prompt_digest(engine.module.prompt) != commit["prompt_sha256"]:
         raise SpdsError(f"{directory}: the restored soft prompt does not match the one its commit record names")
@@ -267,10 +266,12 @@ class Checkpointer:
     the run's identities and this rank."""
 
     def __init__(self, settings: CheckpointSettings, root: Path, backup_root: Path | None, smoke: bool,
-                 identities: dict, versions: dict, rank: int, world: int):
+                 identities: dict, versions: dict, rank: int, world: int, require_same_code: bool):
         self.every, self.keep_last = settings.every, settings.keep_last
         self.root, self.backup_root, self.smoke, self.versions = root, backup_root, smoke, versions
         self.identities, self.rank, self.world = identities, rank, world
+        self.require_same_code = require_same_code
+        self.code_change = None  # set by restore when the checkpoint was written by other spds code
 
     def newest(self) -> tuple[int, Path | None]:
         """The resume point: the newest committed checkpoint's (update, directory), or (0, None).
@@ -288,7 +289,11 @@ class Checkpointer:
             return 1
         if engine is None:
             return verify(directory)["cursor"]["next_update"]
-        return restore(engine, directory, self.identities, self.rank, self.world)["next_update"]
+        cursor = restore(engine, directory, self.identities, self.rank, self.world, self.require_same_code)
+        commit = read_json(directory / COMMIT)  # verified by restore
+        self.code_change = code_change("checkpoint", directory, commit["identities"], commit["versions"],
+                                       self.identities)
+        return cursor["next_update"]
 
     def reason(self, update: int, last: int, stopping: bool) -> str | None:
         """Why `update` is saved, or None: every N, the last update, a stop; the smoke's one update."""

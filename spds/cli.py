@@ -11,6 +11,7 @@ import sys
 import time
 
 from .fsio import SpdsError
+from .versions import warn_untested
 
 STARTED = time.time()  # `spds train` to update 1 is measured from here (run.json startup_seconds)
 
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         StopRequest.install()
     try:
         load_launch_environment()  # before torch, NCCL or transformers read any of it
+        warn_untested()
         return args.run(args)
     except SpdsError as error:
         print(f"spds {args.verb}: {error}", file=sys.stderr)

@@ -38,9 +38,17 @@ from .settings import (
     build,
 )
 
+# The schemas and the shipped DeepSpeed configs are package data (pyproject's package-data): an
+# installed wheel validates exactly as a checkout does. The checkout's top-level schemas/ and
+# ds_configs/ are links to these folders.
 PACKAGE_ROOT = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_ROOT.parent
-SCHEMA_DIR = REPO_ROOT / "schemas"
+SCHEMA_DIR = PACKAGE_ROOT / "schemas"
+SHIPPED_DS_CONFIGS = PACKAGE_ROOT / "ds_configs"
+
+
+def shipped_deepspeed_configs() -> list[str]:
+    """The names `deepspeed_config` may give instead of a path: zero0, zero3."""
+    return sorted(p.stem for p in SHIPPED_DS_CONFIGS.glob("*.json"))
 
 
 @lru_cache(maxsize=None)
@@ -200,11 +208,17 @@ class Config:
 
     @property
     def deepspeed_config_path(self) -> Path:
+        """A shipped config by name (zero0, zero3), else a path resolved against the config's
+        directory. "ds_configs/zero0.json", as configs written for a checkout name it, is the
+        shipped file when nothing of that name stands beside the config."""
         written = self.raw["deepspeed_config"]
+        if written in shipped_deepspeed_configs():
+            return SHIPPED_DS_CONFIGS / f"{written}.json"
         beside_config = self.resolve(written)
-        if beside_config.exists() or Path(written).is_absolute():
-            return beside_config
-        return (REPO_ROOT / written).resolve()
+        shipped = SHIPPED_DS_CONFIGS / Path(written).name
+        if not beside_config.exists() and Path(written).parent == Path("ds_configs") and shipped.is_file():
+            return shipped
+        return beside_config
 
     @cached_property
     def zero_stage(self) -> int:
@@ -237,7 +251,8 @@ class Config:
         fields["data"].pop("packed_dir", None)
         # Operational settings that never change the numbers of a run.
         for section, key in [("checkpoint", "keep_last"), ("checkpoint", "backup_dir"), ("checkpoint", "every"),
-                             ("train", "progress_bar"), ("train", "require_smoke"), ("distributed", "timeout_minutes"),
+                             ("train", "progress_bar"), ("train", "require_smoke"),
+                             ("train", "require_same_code"), ("distributed", "timeout_minutes"),
                              ("distributed", "master_addr"), ("distributed", "master_port"), ("data", "backup_dir"),
                              # recomputing a layer reproduces its activations exactly
                              ("student", "activation_checkpointing"), ("student", "activation_memory_gib")]:
@@ -497,7 +512,7 @@ def deepspeed_config_problems(config: Config) -> list[str]:
     if config.sharding == "fsdp" and zero_stage(ds_config) == 3:
         problems.append(f"sharding: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the "
                         "student; "
-                        "choose one (backend 'deepspeed' with stage 3, or fsdp with ds_configs/zero0.json)")
+                        "choose one (sharding 'deepspeed' with stage 3, or fsdp with deepspeed_config zero0)")
     return problems
 
 

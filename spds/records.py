@@ -51,7 +51,7 @@ class RunRecords:
         self.completed, self.checkpoint = update, checkpoint
 
     def begin(self, config: Config, smoke: bool, start: int, world: int, identities: dict, smoke_waived: bool,
-              model, startup_seconds: dict) -> None:
+              code_changes: list[dict], model, startup_seconds: dict) -> None:
         """run.json, and metrics.jsonl cut back to the updates before `start` (after a crash the
         updates after the checkpoint are redone, and each must appear once)."""
         if not self.writes:
@@ -63,6 +63,7 @@ class RunRecords:
             mode="smoke" if smoke else "train", started_at=time.time(), start_update=start, updates=self.last,
             world_size=world, identities=identities, versions=library_versions(), config=config.raw,
             config_path=str(config.path), launch=launch_environment(), smoke_waived=smoke_waived,
+            code_changes=code_changes,
             resumed_from=str(self.checkpoint) if self.checkpoint else None,
             trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
             loss_kernel=model.loss_fn.kernel, startup_seconds=startup_seconds), "run")

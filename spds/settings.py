@@ -111,6 +111,7 @@ class CheckpointSettings:
 class TrainSettings:
     require_smoke: bool
     progress_bar: bool
+    require_same_code: bool
     deterministic: bool
 
 

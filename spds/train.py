@@ -54,7 +54,7 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                         config.optim.quadratic_length or quadratic_length(config.model_path))
             clock.mark("data")
             identities = run_identities(config, store, world)
-            smoke_waived = False if smoke else check_smoke_evidence(config, identities)
+            smoke_waived, smoke_code_change = (False, None) if smoke else check_smoke_evidence(config, identities)
             seed_everything(config.optim.seed)
             clock.mark("identities")
             model = None if stopping else build_soft_prompt_model(config, device, store=store)
@@ -62,12 +62,13 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
             engine = None if stopping else build_engine(config, model, world)
             clock.mark("engine")
             saver = Checkpointer(config.checkpoint, out / "checkpoints", config.resolve(config.checkpoint.backup_dir),
-                                 smoke, identities, library_versions(), rank, world)
+                                 smoke, identities, library_versions(), rank, world, config.train.require_same_code)
             records.resume_point(*saver.newest())  # what terminal.json names, should the restore be refused
             start = saver.restore(engine, records.checkpoint)
             records.resume_point(start - 1, records.checkpoint)
             clock.mark("resume")
-            records.begin(config, smoke, start, world, identities, smoke_waived, model, clock.seconds)
+            code_changes = [c for c in (smoke_code_change, saver.code_change) if c]
+            records.begin(config, smoke, start, world, identities, smoke_waived, code_changes, model, clock.seconds)
             stopping = stopping or stop_agreed(stop, device)
             began, metric = time.monotonic(), None
             for update in range(start, records.last + 1):

@@ -10,8 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import edit_config, make_tiny
-from helpers import FAST, check, final_state, metrics, newest_checkpoint, read_json, spds, start, start_endless
+from conftest import REPO, edit_config, make_tiny
+from helpers import (
+    FAST,
+    ROUNDING,
+    assert_same_adam_path,
+    check,
+    final_state,
+    metrics,
+    newest_checkpoint,
+    read_json,
+    spds,
+    start,
+    start_endless,
+)
 
 from spds.contract import describe_errors, load_config
 from spds.data.packed import PackedStore
@@ -24,6 +36,7 @@ def run_dir(prepared):
 
 
 @pytest.mark.slow
+@pytest.mark.numeric
 def test_same_update_whatever_the_world_size(run_dir, tmp_path):
     runs = {  # name: (world, launcher, micro_batch, micro_batch_tokens, student dtype)
         "w1": (1, "plain", 1, None, "bfloat16"), "w3": (3, "torchrun", 1, None, "bfloat16"),
@@ -45,10 +58,9 @@ def test_same_update_whatever_the_world_size(run_dir, tmp_path):
     # test_reference.py (fp32 student); here a bf16 student gives the same update on 1, 2 and 3
     # ranks: fp32 summation order differs between world sizes; nothing else may.
     assert (prompts["w1"] - prompts["fp32"]).abs().max() > 1e-4  # bf16 and fp32 students really differ
-    for name in ("w3",):
-        torch.testing.assert_close(prompts[name], prompts["w1"], rtol=0, atol=2e-6,
-                                   msg=lambda m, name=name: f"{name} vs w1: {m}")
-    torch.testing.assert_close(prompts["fp32-packed"], prompts["fp32"], rtol=0, atol=2e-6)
+    rates = [m["learning_rate"] for m in lines["w1"]]
+    assert_same_adam_path(prompts["w3"], prompts["w1"], rates, what="w3 vs w1")
+    assert_same_adam_path(prompts["fp32-packed"], prompts["fp32"], rates, what="fp32-packed vs fp32")
     # The same records, losses, token counts and reduced gradient per update, whatever the world
     # size. (Adam is nearly blind to a uniform gradient scale, such as an averaged instead of a
     # summed all-reduce: the logged norm of the reduced gradient shows it.)
@@ -56,11 +68,12 @@ def test_same_update_whatever_the_world_size(run_dir, tmp_path):
         for a, b in zip(lines["w1"], lines[name]):
             assert a["global_batch_sha256"] == b["global_batch_sha256"]
             assert a["supervised_tokens"] == b["supervised_tokens"]
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+            # sums of non-negative terms (CE, squares), reordered: rounding relative to the sum
+            assert b["loss"] == pytest.approx(a["loss"], rel=ROUNDING)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=ROUNDING)
     for a, b in zip(lines["fp32"], lines["fp32-packed"]):
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=ROUNDING)
+        assert b["loss"] == pytest.approx(a["loss"], rel=ROUNDING)
 
 
 def _straight_and(run_dir, name: str, **env):
@@ -101,6 +114,45 @@ def test_sigterm_then_resume_is_bit_identical(run_dir, objective):
     assert read_json(run_dir / "stopped" / "terminal.json")["status"] == "complete"
     _assert_bit_identical(final_state(run_dir / "straight"), final_state(run_dir / "stopped"))
     assert [m["loss"] for m in metrics(run_dir / "straight")] == [m["loss"] for m in metrics(run_dir / "stopped")]
+
+
+def upgraded_spds(directory: Path) -> str:
+    """A copy of spds whose code digest differs from the checkout's (one comment added), as an
+    upgrade between a preemption and its resume leaves it: the PYTHONPATH that runs it."""
+    shutil.copytree(REPO / "spds", directory / "spds", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(directory / "spds" / "train.py", "a") as stream:
+        stream.write("# an upgrade\n")
+    return str(directory)
+
+
+@pytest.mark.slow
+def test_a_job_resumes_across_an_spds_upgrade_and_says_so(run_dir, tmp_path):
+    """Smoke and the first updates under one spds, the resume under another: it goes on from the
+    checkpoint and the smoke evidence, announces both, and records both code digests in run.json;
+    train.require_same_code restores the refusal."""
+    edit_config(run_dir, train={"require_smoke": True})
+    check(spds(["smoke", "config.json"], run_dir))
+    check(spds(["train", "config.json"], run_dir, SPDS_FAULT="sigterm-before-update-rank0:3"))
+    assert read_json(run_dir / "run" / "terminal.json")["status"] == "stopped"
+    before = read_json(run_dir / "run" / "run.json")
+    assert before["code_changes"] == []
+    upgraded = upgraded_spds(tmp_path)
+    edit_config(run_dir, train={"require_smoke": True, "require_same_code": True})
+    refused = spds(["train", "config.json"], run_dir, PYTHONPATH=upgraded)
+    assert refused.returncode == 1 and "smoke evidence" in refused.stderr and "code" in refused.stderr, refused.stderr
+    edit_config(run_dir, train={"require_smoke": False, "require_same_code": True})
+    refused = spds(["train", "config.json"], run_dir, PYTHONPATH=upgraded)
+    assert refused.returncode == 1 and "identity changed" in refused.stderr and "code:" in refused.stderr
+    edit_config(run_dir, train={"require_smoke": True, "require_same_code": False})
+    resumed = check(spds(["train", "config.json"], run_dir, PYTHONPATH=upgraded))
+    run = read_json(run_dir / "run" / "run.json")
+    assert run["start_update"] == 4 and read_json(run_dir / "run" / "terminal.json")["status"] == "complete"
+    changes = {change["what"]: change for change in run["code_changes"]}
+    assert set(changes) == {"checkpoint", "smoke evidence"}
+    assert changes["checkpoint"]["path"].endswith("update-000003")
+    for change in changes.values():
+        assert change["saved_code"] == before["identities"]["code"] != change["code"] == run["identities"]["code"]
+    assert resumed.stderr.count("written by other spds code") == 2, resumed.stderr
 
 
 @pytest.mark.slow
@@ -285,6 +337,7 @@ def test_deepspeed_monitor_receives_spds_metrics(run_dir, tmp_path):
     check(spds(["train", "config.json"], run_dir))
     loss_csv = next((tmp_path / "csv").rglob("spds_loss.csv"))
     values = [float(line.split(",")[1]) for line in loss_csv.read_text().splitlines()[1:]]
+    # the same floats, written as text by DeepSpeed's CSV monitor (which may drop digits)
     assert values == pytest.approx([m["loss"] for m in metrics(run_dir / "run")])
 
 
