@@ -18,11 +18,13 @@ STARTED = time.time()  # `spds train` to update 1 is measured from here (run.jso
 
 def cmd_validate(args) -> int:
     from .contract import load_config
+    from .preflight import require_preflight
 
     failures = 0
     for path in args.configs:
         try:
             config = load_config(path)
+            require_preflight(config)  # what prepare would refuse, before any generation or packing
             print(f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})")
         except SpdsError as error:
             failures += 1

@@ -39,7 +39,9 @@ def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
     manifest = read_json(config.packed_dir / "manifest.json")
     metadata = {"format": "spds-soft-prompt-v1", "spds_version": __version__, "placement": manifest["placement"],
                 "prompt_length": str(prompt.shape[0]), "hidden_size": str(prompt.shape[1]),
-                "scaffold": json.dumps(manifest["scaffold"]), "student_identity": student_identity(config),
+                "scaffold": json.dumps(manifest["scaffold"]),
+                "chat_template_kwargs": json.dumps(manifest["inputs"]["chat_template_kwargs"]),
+                "student_identity": student_identity(config),
                 "student_path": str(config.model_path), "checkpoint": str(directory), "update": str(commit["update"])}
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / FILE) as temporary:
@@ -73,6 +75,7 @@ def load_soft_prompt(path: str | Path) -> tuple[torch.Tensor, dict]:
         metadata = handle.metadata()
         prompt = handle.get_tensor("prompt")
     metadata["scaffold"] = json.loads(metadata["scaffold"])
+    metadata["chat_template_kwargs"] = json.loads(metadata.get("chat_template_kwargs", "{}"))  # rendering as trained
     return prompt, metadata
 
 
@@ -86,7 +89,7 @@ def insertion_point(ids: list[int], metadata: dict) -> tuple[list[int], int]:
     rules = RowRules(scaffold=Scaffold(**metadata["scaffold"]), placement=metadata["placement"], end_ids=frozenset(),
                      vocab_size=0, prompt_length=0, context_limit=0, template_kwargs={})
     try:
-        placed, _, insert_at, _ = place(np.asarray(ids, dtype=np.int64), 0, rules)
+        placed, _, insert_at, _ = place(np.asarray(ids, dtype=np.int64), len(ids), rules)  # all of it is prompt
     except ValueError as error:
         raise SpdsError(f"cannot place the soft prompt: {error}") from None
     return placed.tolist(), insert_at
@@ -103,7 +106,8 @@ def splice(student, prompt: torch.Tensor, ids: list[int], insert_at: int) -> tor
 @torch.no_grad()
 def generate(student, tokenizer, prompt: torch.Tensor, metadata: dict, messages: list[dict], **generate_kwargs) -> str:
     """Answer `messages` with the soft prompt spliced in as in training; return the decoded reply."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False,
+                                        **metadata.get("chat_template_kwargs", {}))
     ids, insert_at = insertion_point([int(i) for i in ids], metadata)
     inputs_embeds = splice(student, prompt, ids, insert_at)
     mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)

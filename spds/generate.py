@@ -1,11 +1,14 @@
 """spds generate: the teacher answers each question with the context; rows for spds prepare.
 
-The teacher (a local model, by default the student) sees [system: context] + the question's
-messages. The row records what the *student* will see: the question rendered by the student's
-chat template WITHOUT the context, then the teacher's response ids, ending in an end-of-turn
-token. Requests are batched in a fixed order with a seed per batch, so a run is deterministic,
-and resuming (request_ids already in the output are skipped; a half-written last line is cut)
-regenerates only what is missing, with the same result.
+The teacher (a local model, by default the student) sees the context where the soft prompt will
+go: as the system message ([system: context] + the question's messages), or, for placement
+first_user and templates without a system role (Gemma 2), at the start of the first user turn
+("context\n\nquestion", as Gemma 3's and Mistral's templates fold a system text). The row
+records what the *student* will see: the question rendered by the student's chat template
+WITHOUT the context, then the teacher's response ids, ending in an end-of-turn token. Requests
+are batched in a fixed order with a seed per batch, so a run is deterministic, and resuming
+(request_ids already in the output are skipped; a half-written last line is cut) regenerates
+only what is missing, with the same result.
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ def repair_and_read(output: Path) -> set[str]:
 def generate(config: Config, log=print) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .data.prepare import load_tokenizer
+    from .data.prepare import load_tokenizer, scaffold_for
+    from .preflight import require_preflight
 
     settings = config.generate
     if not settings.questions:
@@ -67,6 +71,9 @@ def generate(config: Config, log=print) -> dict:
     if not context:
         raise SpdsError("context.text or context.file must hold the system prompt to distill")
     tokenizer = load_tokenizer(config)
+    require_preflight(config, tokenizer)  # before the first batch: rows prepare would refuse cost no hour
+    context_in_user_turn = (config.soft_prompt.placement == "first_user"
+                            or scaffold_for(config, tokenizer).system_role == "none")
     tokenizer.padding_side = "left"
     kwargs = config.data.chat_template_kwargs
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
@@ -87,8 +94,8 @@ def generate(config: Config, log=print) -> dict:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
                 continue
-            prompts, responses = answer(teacher, tokenizer, batch, context, settings, end_ids, kwargs,
-                                        seed=settings.seed + number)
+            prompts, responses = answer(teacher, tokenizer, batch, context, context_in_user_turn, settings, end_ids,
+                                        kwargs, seed=settings.seed + number)
             for request, prompt, response in zip(batch, prompts, responses):
                 if request["request_id"] in done:
                     continue
@@ -104,11 +111,12 @@ def generate(config: Config, log=print) -> dict:
 
 
 @torch.no_grad()
-def answer(teacher, tokenizer, batch: list[dict], context: str, settings: dict, end_ids: list[int], kwargs: dict,
-           seed: int) -> tuple[list[list[int]], list[list[int]]]:
+def answer(teacher, tokenizer, batch: list[dict], context: str, context_in_user_turn: bool, settings: dict,
+           end_ids: list[int], kwargs: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """(the teacher's prompt ids, its response ids) for each request; a response ends at the first
     end token, which is kept."""
-    prompts = [render(tokenizer, [{"role": "system", "content": context}, *r["messages"]], True, kwargs) for r in batch]
+    prompts = [render(tokenizer, with_context(r["messages"], context, context_in_user_turn), True, kwargs)
+               for r in batch]
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=teacher.device)
@@ -123,6 +131,18 @@ def answer(teacher, tokenizer, batch: list[dict], context: str, settings: dict, 
         end = next((i for i, t in enumerate(row) if t in end_ids), None)
         responses.append(row[:end + 1] if end is not None else row + [end_ids[0]])  # cut at max_new_tokens: close it
     return prompts, responses
+
+
+def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list[dict]:
+    """The teacher's conversation: the context as its system message, or ahead of the first user
+    turn's text."""
+    if not in_user_turn:
+        return [{"role": "system", "content": context}, *messages]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        raise SpdsError("a question's messages hold no user turn for the context to precede")
+    return [*messages[:first], dict(messages[first], content=f"{context}\n\n{messages[first]['content']}"),
+            *messages[first + 1:]]
 
 
 @torch.no_grad()

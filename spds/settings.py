@@ -56,6 +56,7 @@ class DataSettings:
     context_limit: int
     end_tokens: tuple | None
     chat_template_kwargs: dict
+    missing_system: Literal["template", "empty"]
     backup_dir: str | None
     eval_fraction: float
 

@@ -2,23 +2,28 @@
 
 Every field a user is likely to change, with the schema's default and the schema's own
 description as its comment (schemas/config.schema.json stays the one source), the placement the
-student's chat template allows (`system` when it renders a system turn spds can find, else
-`prefix`), written atomically as YAML and checked with the same contract every command uses.
+student's chat template allows (`system` where it has a system message, `first_user` where it
+folds or refuses one, `prefix` without a template) and the date a dated template needs pinned,
+written atomically as YAML and checked with the contract and the checks prepare makes.
 """
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
 from .contract import apply_defaults, load_config, load_schema
+from .data.chat import derive_scaffold, stability_problem
 from .fsio import SpdsError, atomic_writer
 from .hub import model_directory
+from .preflight import require_preflight
 
 # (section, field) in the order a user reads them; the values come from the schema's defaults.
 FIELDS = [
     ("student", "model_path"), ("student", "dtype"), ("student", "liger_kernels"),
     ("soft_prompt", "length"), ("soft_prompt", "placement"),
     ("data", "candidates"), ("data", "packed_dir"), ("data", "context_limit"), ("data", "eval_fraction"),
+    ("data", "chat_template_kwargs"),
     ("context", "file"),
     ("optim", "updates"), ("optim", "effective_batch"), ("optim", "micro_batch"), ("optim", "micro_batch_tokens"),
     ("optim", "micro_batch_layout"), ("optim", "learning_rate"), ("optim", "warmup_updates"), ("optim", "schedule"),
@@ -30,18 +35,28 @@ FIELDS = [
 ]
 
 
-def placement_for(model: str, config_dir: Path) -> str:
-    """system when the student's chat template renders a system turn spds can place the prompt in."""
-    from .data.chat import derive_scaffold
+def template_choices(model: str, config_dir: Path) -> tuple[str, dict]:
+    """(the placement the student's chat template allows, the chat_template_kwargs it needs):
+    system where the template has a system message, first_user where it folds or refuses one,
+    prefix without a template; a template that writes today's date gets today pinned as
+    date_string (Llama 3.x's variable), so that rows rendered tomorrow have the same ids."""
+    from transformers import AutoTokenizer  # seconds of import, for init only
 
     path = model_directory(model, (config_dir / Path(model).expanduser()).resolve(), "MODEL")
     try:
-        from transformers import AutoTokenizer
-
-        derive_scaffold(AutoTokenizer.from_pretrained(str(path), local_files_only=True), {})
-        return "system"
-    except Exception:  # no chat template, or one without a system turn: before everything, as PEFT does
-        return "prefix"
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise SpdsError(f"MODEL {path}: its tokenizer does not load: {error}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        return "prefix", {}  # before everything, as PEFT does
+    kwargs = {}
+    if "date_string" in tokenizer.chat_template and stability_problem(tokenizer, {}, model):
+        kwargs["date_string"] = datetime.date.today().strftime("%d %b %Y")
+    try:
+        role = derive_scaffold(tokenizer, kwargs, model=model).system_role
+    except SpdsError:
+        return "prefix", kwargs
+    return ("system" if role in ("optional", "always") else "first_user"), kwargs
 
 
 def comment(schema_field: dict) -> str:
@@ -65,6 +80,8 @@ def render(values: dict, schema: dict) -> str:
             lines.append(f"{section}:")
         current = section
         indent = "  " if section else ""
+        if name == "chat_template_kwargs" and not value:
+            continue  # nothing the template needs
         if name == "candidates":
             lines.append(f"{indent}candidates:  # candidate rows (jsonl); spds pin records their sha256")
             lines.extend(f"{indent}  - path: {json.dumps(c['path'])}" for c in value)
@@ -81,12 +98,12 @@ def init(model: str, data: str, out: Path) -> Path:
     values = {key: {} for key in schema["properties"] if schema["properties"][key].get("type") == "object"}
     values.update(student={"model_path": model}, data={"candidates": [{"path": data}]}, output_dir="run")
     apply_defaults(values, schema)
-    values["soft_prompt"]["placement"] = placement_for(model, out.parent)
+    values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = template_choices(model, out.parent)
     text = render(values, schema)
     candidate = out.with_name(f".init-{out.name}")  # beside it: relative paths resolve alike
     candidate.write_text(text)
     try:
-        load_config(candidate, check_pins=False)  # the whole contract: schema, paths, DeepSpeed file
+        require_preflight(load_config(candidate, check_pins=False))  # the whole contract, and what prepare checks
     finally:
         candidate.unlink(missing_ok=True)
     with atomic_writer(out) as stream:

@@ -1,11 +1,9 @@
 """The system scaffold is derived from the chat template, never hard-coded."""
 from __future__ import annotations
 
-import pytest
 from conftest import make_tiny
 
 from spds.data.chat import derive_scaffold, render, render_chat_row
-from spds.fsio import SpdsError
 
 
 def test_chatml_scaffold():
@@ -29,10 +27,11 @@ def test_llama3_scaffold_keeps_the_begin_of_text_lead():
     assert with_empty == scaffold.lead + scaffold.system_header + scaffold.system_close + plain[len(scaffold.lead):]
 
 
-def test_template_with_a_default_system_prompt_is_refused():
+def test_a_template_with_a_default_system_prompt_keeps_it_for_the_soft_prompt_to_precede():
     tokenizer = make_tiny.chatml_tokenizer(make_tiny.DEFAULT_SYSTEM_TEMPLATE)
-    with pytest.raises(SpdsError, match="does not render an empty system message"):
-        derive_scaffold(tokenizer)
+    scaffold = derive_scaffold(tokenizer)
+    assert scaffold.system_role == "always" and tokenizer.decode(scaffold.default_system) == "You are helpful."
+    assert tokenizer.decode(scaffold.system_header) == "<|im_start|>system\n"
 
 
 def test_chat_form_renders_like_the_template():

@@ -1,29 +1,52 @@
-"""The system-message scaffold, derived from the tokenizer's own chat template.
+"""Where the soft prompt goes, derived from the tokenizer's own chat template as published.
 
-No token id is hard-coded. Rendering a probe conversation with and without an empty system
-message tells us, in token ids:
+No token id and no template is hard-coded. spds renders probe conversations and compares them
+in token ids: two renderings that differ only in one message's content show exactly where that
+content goes. From the system message's and the user message's, and a conversation without a
+system message, it learns
 
-    lead            tokens every rendering starts with (Llama-3's <|begin_of_text|>; often none)
-    system_header   the opening of a system message (ChatML: "<|im_start|>system\\n")
-    system_close    what ends it                     (ChatML: "<|im_end|>\\n")
-    user_header     the opening of a user turn
+    lead            what every rendering starts with before any turn (Llama-3's
+                    <|begin_of_text|>, Gemma's <bos>; often nothing)
+    system_header   what precedes a system message's content (ChatML "<|im_start|>system\\n";
+                    Llama-3.x's header and its "Cutting Knowledge Date ... Today Date ..." preamble)
+    system_close    what follows it, up to the first user turn
+    user_header     what precedes a user turn's content
+    default_system  the content a conversation *without* a system message is rendered with
+                    (Qwen2.5's "You are Qwen, created by Alibaba Cloud. ...", SmolLM2's; empty for
+                    Llama-3.x, whose block is always there)
 
-and we insist that  render([empty system] + conv) == lead + system_header + system_close +
-render(conv)[len(lead):]. A template for which that does not hold (one that injects a default
-system prompt, say) is refused: inserting a system message would then change the student's
-input in ways the teacher never saw.
+and what kind of system message the template has (`system_role`):
+
+    optional      rendered only when given (ChatML, Qwen3, Phi, DeepSeek-R1): where a row has
+                  none, an empty one is inserted for the soft prompt to stand in
+    always        rendered whether given or not, with default_system when not (Qwen2.5,
+                  SmolLM2, Llama-3.x)
+    in_user_turn  no block of its own: the text is folded into a user turn (Gemma 3, Mistral
+                  v0.3), so placement "system" would not be a system message at all
+    none          a system message is an error (Gemma 2)
+
+A template whose rendering depends on the day (Llama-3.x's strftime_now) or that renders one
+conversation two ways is refused, naming the setting that pins it: the same rows must give the
+same ids whenever they are prepared.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..fsio import SpdsError
 
 PROBE = "scaffold-check"
-SENTINEL = "XYZZY sentinel"
-KNOWN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+SENTINELS = ("XYZZY sentinel", "PLUGH marker")  # two contents: where renderings differ is where content goes
+ASSISTANT = "noted"
+# Turn ends of the mainstream templates (ChatML, Llama-3, Gemma, Phi, DeepSeek, Mistral's </s> is eos).
+KNOWN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<end_of_turn>",
+                    "<|end|>", "<｜end▁of▁sentence｜>")
+SYSTEM_ROLES = ("optional", "always", "in_user_turn", "none")
+MISSING_SYSTEM = ("template", "empty")
 
 
 @dataclass(frozen=True)
@@ -32,9 +55,22 @@ class Scaffold:
     system_header: list[int]
     system_close: list[int]
     user_header: list[int]
+    default_system: list[int] = field(default_factory=list)
+    system_role: str = "optional"
+    missing_system: str = "template"  # what the student sees for a row without a system message
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def system_problem(self, placement: str, model: str) -> str | None:
+        """Why `placement` cannot work with this template, naming what does; None if it can."""
+        if placement != "system" or self.system_role in ("optional", "always"):
+            return None
+        what = ("has no system role (a system message raises an error)" if self.system_role == "none" else
+                "has no system message of its own: it folds the system text into a user turn")
+        return (f"soft_prompt.placement: 'system' needs a system message, and the chat template of {model} {what}; "
+                "use placement 'first_user' (the start of the first user turn's content) or 'prefix' (before the "
+                "first token)")
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
@@ -51,44 +87,130 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _common_suffix(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    while n < min(len(a), len(b), limit) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return n
+
+
 def _show(tokenizer, ids: list[int]) -> str:
     return json.dumps(tokenizer.decode(ids))
 
 
-def derive_scaffold(tokenizer, template_kwargs: dict | None = None) -> Scaffold:
+def content_span(tokenizer, conversation, kwargs: dict) -> tuple[list[int], int, int]:
+    """(a rendering, tokens before, tokens after) the content that `conversation(text)` varies."""
+    a, b = (render(tokenizer, conversation(text), True, kwargs) for text in SENTINELS)
+    before = _common_prefix(a, b)
+    after = _common_suffix(a, b, min(len(a), len(b)) - before)
+    if before + after >= len(a):
+        raise SpdsError(f"the chat template renders two different message contents identically: {_show(tokenizer, a)}")
+    return a, before, after
+
+
+@contextlib.contextmanager
+def clock_at(day: datetime.datetime):
+    """transformers' strftime_now (the template global that reads today's date) as of `day`: to see
+    whether a template's rendering depends on the day it is rendered."""
+    from transformers.utils import chat_template_utils
+
+    real = chat_template_utils.datetime
+
+    class Fixed(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return day
+
+    chat_template_utils.datetime = Fixed
+    try:
+        yield
+    finally:
+        chat_template_utils.datetime = real
+
+
+def stability_problem(tokenizer, kwargs: dict, model: str) -> str | None:
+    """Renders one conversation on two days, and twice on one: the same ids each time, or why not."""
+    conversation = [{"role": "user", "content": PROBE}]
+    with clock_at(datetime.datetime(2001, 2, 3)):
+        first, again = (render(tokenizer, conversation, True, kwargs) for _ in range(2))
+    with clock_at(datetime.datetime(2002, 11, 12)):
+        other_day = render(tokenizer, conversation, True, kwargs)
+    if first != again:
+        return (f"the chat template of {model} renders one conversation two ways ({_show(tokenizer, first)}, then "
+                f"{_show(tokenizer, again)}): rows would not give the same ids twice")
+    if first != other_day:
+        source = tokenizer.chat_template or ""
+        pin = ("set data.chat_template_kwargs.date_string (for example \"26 Jul 2024\", the day your rows were "
+               "rendered with)" if "date_string" in source else
+               "pin it through data.chat_template_kwargs (the variable the template reads instead of today's date)")
+        return (f"the chat template of {model} writes today's date into every conversation (strftime_now), so rows "
+                f"rendered on another day get other token ids ({_show(tokenizer, first)} on one day, "
+                f"{_show(tokenizer, other_day)} on another): {pin}")
+    return None
+
+
+def derive_scaffold(tokenizer, template_kwargs: dict | None = None, missing_system: str = "template",
+                    model: str = "the student") -> Scaffold:
     kwargs = template_kwargs or {}
     if not getattr(tokenizer, "chat_template", None):
-        raise SpdsError("the tokenizer has no chat template: spds needs one to find the system message scaffold")
-    user = [{"role": "user", "content": PROBE}]
-    plain = render(tokenizer, user, True, kwargs)
-    with_empty = render(tokenizer, [{"role": "system", "content": ""}, *user], True, kwargs)
-    # The shortest lead such that with_empty = lead + S + plain[lead:] for some system message S.
-    lead_length = next((k for k in range(len(plain) + 1)
-                        if with_empty[:k] == plain[:k] and len(with_empty) > len(plain)
-                        and with_empty[len(with_empty) - (len(plain) - k):] == plain[k:]), None)
+        raise SpdsError(f"the tokenizer of {model} has no chat template: spds needs one to find where the soft "
+                        "prompt goes (placement 'prefix' needs none; set it, or give the tokenizer a template)")
+    problem = stability_problem(tokenizer, kwargs, model)
+    if problem:
+        raise SpdsError(problem)
+    probe = [{"role": "user", "content": PROBE}]
+    plain = render(tokenizer, probe, True, kwargs)
+    user, user_before, _ = content_span(tokenizer, lambda text: [{"role": "user", "content": text}], kwargs)
+    # The header of a second user turn, after an assistant turn: what opens a user turn, whatever precedes it.
+    second, second_before, _ = content_span(tokenizer, lambda text: [{"role": "user", "content": PROBE}, {
+        "role": "assistant", "content": ASSISTANT}, {"role": "user", "content": text}], kwargs)
+    try:
+        system, before, after = content_span(tokenizer, lambda text: [{"role": "system", "content": text}, *probe],
+                                             kwargs)
+    except SpdsError:
+        raise
+    except Exception as error:  # the template refuses a system message (Gemma 2 raises)
+        lead, user_header = _first_user_turn(user, user_before, second, second_before)
+        if not user_header:
+            raise SpdsError(f"the chat template of {model} refuses a system message ({type(error).__name__}: "
+                            f"{error}) and its user turns cannot be told apart: {_show(tokenizer, user)}; use "
+                            "placement 'prefix'") from None
+        return Scaffold(lead=lead, system_header=[], system_close=[], user_header=user_header, system_role="none",
+                        missing_system=missing_system)
+    prefix, tail = system[:before], system[len(system) - after:]
+    if before == user_before and prefix == user[:user_before]:  # the system text goes where the user's does
+        lead, user_header = _first_user_turn(user, user_before, second, second_before)
+        return Scaffold(lead=lead, system_header=[], system_close=[], user_header=user_header,
+                        system_role="in_user_turn", missing_system=missing_system)
+    if plain[:before] == prefix and plain[len(plain) - after:] == tail and len(plain) >= before + after:
+        # A system block whether given or not: a conversation without one gets the template's default.
+        default = plain[before:len(plain) - after]
+        opening = user[before + len(default):user_before]  # the system block's close, then the user header
+        header_length = _common_suffix(opening, second[:second_before], len(opening))
+        return Scaffold(lead=[], system_header=prefix, system_close=opening[:len(opening) - header_length],
+                        user_header=opening[len(opening) - header_length:], default_system=default,
+                        system_role="always", missing_system=missing_system)
+    # A block only when given: with it = lead + block + the rest, the shortest such lead.
+    lead_length = next((k for k in range(min(before, len(plain)) + 1)
+                        if system[:k] == plain[:k] and system[len(system) - (len(plain) - k):] == plain[k:]), None)
     if lead_length is None:
-        raise SpdsError("the chat template does not render an empty system message as a block inserted before the "
-                        f"conversation: without it {_show(tokenizer, plain)}, with it {_show(tokenizer, with_empty)}")
-    lead = plain[:lead_length]
-    system_block = with_empty[lead_length:len(with_empty) - (len(plain) - lead_length)]
-
-    with_text = render(tokenizer, [{"role": "system", "content": SENTINEL}, *user], True, kwargs)
-    header_length = _common_prefix(system_block, with_text[lead_length:])
-    header, close = system_block[:header_length], system_block[header_length:]
-    tail = close + plain[lead_length:]
-    content_ok = (with_text[:lead_length + header_length] == lead + header
-                  and len(with_text) > len(lead + header + tail)
-                  and with_text[len(with_text) - len(tail):] == tail)
-    if not header or not close or not content_ok:
-        raise SpdsError("cannot split the chat template's system message into header and closing tokens: empty "
-                        f"system renders {_show(tokenizer, system_block)}, a system text renders "
-                        f"{_show(tokenizer, with_text)}")
-
-    other_user = render(tokenizer, [{"role": "user", "content": SENTINEL}], True, kwargs)
-    user_header = plain[lead_length:lead_length + _common_prefix(plain[lead_length:], other_user[lead_length:])]
+        raise SpdsError(f"the chat template of {model} renders a system message neither as a block of its own nor in "
+                        f"a user turn: without one {_show(tokenizer, plain)}, with one {_show(tokenizer, system)}; "
+                        "use placement 'prefix'")
+    block_end = len(system) - (len(plain) - lead_length)
+    user_header = plain[lead_length:user_before]
     if not user_header:
         raise SpdsError(f"cannot find the user-turn header in {_show(tokenizer, plain)}")
-    return Scaffold(lead=lead, system_header=header, system_close=close, user_header=user_header)
+    return Scaffold(lead=plain[:lead_length], system_header=system[lead_length:before],
+                    system_close=system[len(system) - after:block_end], user_header=user_header,
+                    system_role="optional", missing_system=missing_system)
+
+
+def _first_user_turn(user: list[int], user_before: int, second: list[int], second_before: int):
+    """(lead, user header) of a template without a system block: the header is what opens a user
+    turn after an assistant turn too; what precedes it in the first turn is the lead."""
+    header_length = _common_suffix(user[:user_before], second[:second_before], user_before)
+    return user[:user_before - header_length], user[user_before - header_length:user_before]
 
 
 def end_token_ids(tokenizer, configured: list[str] | None) -> list[int]:
@@ -120,13 +242,20 @@ def render_chat_row(tokenizer, messages: list[dict], response: str, end_ids: lis
     """Token ids and prefix length of a chat-form row, exactly as the chat template renders them.
 
     The response is rendered as the assistant turn that follows the generation prompt; the ids
-    end at the first end-of-turn token after the prompt (what the teacher emitted last)."""
+    end at the first end-of-turn token after the prompt (what the teacher emitted last). A
+    reasoning template (DeepSeek-R1's) opens its generation prompt with a thought ("<think>\n")
+    that its rendering of a finished assistant turn drops: there the row is the generation prompt,
+    the response's tokens as the teacher emitted them after it, and the template's turn end."""
     prompt = render(tokenizer, messages, True, template_kwargs)
     full = render(tokenizer, [*messages, {"role": "assistant", "content": response}], False, template_kwargs)
-    if full[:len(prompt)] != prompt:
-        raise ValueError("chat template renders the assistant turn differently from the generation prompt "
-                         f"(prompt {_show(tokenizer, prompt)}, conversation {_show(tokenizer, full)})")
     ends = set(end_ids)
+    if full[:len(prompt)] != prompt:
+        before = render(tokenizer, messages, False, template_kwargs)  # the conversation so far, no opening
+        end = next((t for t in full[len(before):] if t in ends), None)
+        if full[:len(before)] != before or prompt[:len(before)] != before or end is None:
+            raise ValueError("chat template renders the assistant turn differently from the generation prompt "
+                             f"(prompt {_show(tokenizer, prompt)}, conversation {_show(tokenizer, full)})")
+        return prompt + tokenizer.encode(response, add_special_tokens=False) + [end], len(prompt)
     end = next((i for i in range(len(prompt), len(full)) if full[i] in ends), None)
     if end is None or end == len(prompt):
         raise ValueError("rendered response has no end-of-turn token or is empty")

@@ -17,7 +17,7 @@ from .. import __version__
 from ..contract import Config, require_valid
 from ..digests import sha256_path
 from ..fsio import SpdsError, exclusive_lock, verified_copy
-from .chat import derive_scaffold, end_token_ids, tokenizer_identity
+from .chat import Scaffold, derive_scaffold, end_token_ids, stability_problem, tokenizer_identity
 from .packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from .rows import RowRules, read_records
 
@@ -26,6 +26,26 @@ def load_tokenizer(config: Config):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(config.tokenizer_path), local_files_only=True)
+
+
+def scaffold_for(config: Config, tokenizer) -> Scaffold:
+    """Where the soft prompt goes for this config's placement and the student's chat template, or
+    an SpdsError naming what cannot work and the setting that does (spds/data/chat.py)."""
+    data, placement = config.data, config.soft_prompt.placement
+    model = config.student.tokenizer_path or config.student.model_path
+    if placement == "prefix":  # before the first token: no system message, no template needed
+        problem = tokenizer.chat_template and stability_problem(tokenizer, data.chat_template_kwargs, model)
+        if problem:
+            raise SpdsError(problem)
+        try:
+            return derive_scaffold(tokenizer, data.chat_template_kwargs, data.missing_system, model)
+        except SpdsError:
+            return Scaffold(lead=[], system_header=[], system_close=[], user_header=[], system_role="none")
+    scaffold = derive_scaffold(tokenizer, data.chat_template_kwargs, data.missing_system, model)
+    problem = scaffold.system_problem(placement, model)
+    if problem:
+        raise SpdsError(problem)
+    return scaffold
 
 
 def split_of(question_id: str, eval_fraction: float) -> str:
@@ -42,7 +62,9 @@ def packing_inputs(config: Config, tokenizer, sources: list[dict], end_ids: list
     return dict(sources=sources, tokenizer=tokenizer_identity(tokenizer), placement=config.soft_prompt.placement,
                 prompt_length=config.soft_prompt.length, context_limit=data.context_limit,
                 end_token_ids=end_ids, chat_template_kwargs=data.chat_template_kwargs,
-                eval_fraction=data.eval_fraction)
+                eval_fraction=data.eval_fraction,
+                # the default's packed bytes are those of stores packed before the setting existed
+                **({"missing_system": data.missing_system} if data.missing_system != "template" else {}))
 
 
 def prepare(config: Config, log=print) -> dict:
@@ -105,7 +127,7 @@ def offline_teacher(config: Config) -> bool:
 
 def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
     data = config.data
-    scaffold = derive_scaffold(tokenizer, data.chat_template_kwargs)
+    scaffold = scaffold_for(config, tokenizer)
     rules = RowRules(scaffold=scaffold, placement=config.soft_prompt.placement,
                      end_ids=frozenset(inputs["end_token_ids"]),
                      vocab_size=min(len(tokenizer), model_vocabulary_rows(config) or len(tokenizer)),
@@ -114,7 +136,8 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
     writer = PackedWriter(config.packed_dir)
     # 8-byte request_id hashes in a compact array: uniqueness without a set of a million strings.
     id_hashes = array.array("Q")
-    counts = dict(existing_system=0, added_empty_system=0, prefix_placement=0, train=0, eval=0)
+    counts = dict(existing_system=0, added_empty_system=0, prefix_placement=0, first_user_placement=0, train=0,
+                  eval=0)
     source_rows = []
     started = time.monotonic()
     try:
@@ -126,7 +149,7 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
                 split = split_of(record.question_id, data.eval_fraction)
                 writer.add(record, split)
                 counts[split] += 1
-                counts["prefix_placement" if rules.placement == "prefix" else
+                counts[f"{rules.placement}_placement" if rules.placement != "system" else
                        "added_empty_system" if record.added_system else "existing_system"] += 1
                 rows += 1
             if rows == 0:  # a truncated export or a wrong path: never silently train on less

@@ -42,7 +42,7 @@ class Record:
 class RowRules:
     """What prepare needs to know to accept, normalise and place a row."""
     scaffold: Scaffold
-    placement: str  # "system" | "prefix"
+    placement: str  # "system" | "first_user" | "prefix"
     end_ids: frozenset[int]
     vocab_size: int
     prompt_length: int
@@ -116,21 +116,45 @@ def token_row(row: dict) -> tuple[np.ndarray, int]:
 
 
 def place(ids: np.ndarray, prefix: int, rules: RowRules) -> tuple[np.ndarray, int, int, bool]:
-    """Insert an empty system message where the row has none; return (ids, prefix, insert_at, added)."""
+    """Where the soft prompt goes in a row: (ids, prefix, insert_at, whether a system message was
+    added). The rule for each placement and template kind is spds/data/chat.py's; the same function
+    places the prompt at inference (spds.export.insertion_point)."""
     if rules.placement == "prefix":
         return ids, prefix, 0, False
     s = rules.scaffold
-    lead, head, close, user = len(s.lead), s.system_header, s.system_close, s.user_header
+    lead = len(s.lead)
     _check(ids[:lead].tolist() == s.lead, "conversation start",
            f"row does not begin with the template's lead tokens {s.lead}")
+    if rules.placement == "first_user":
+        at = _find(ids, s.user_header, lead, prefix)
+        _check(at is not None, "conversation start",
+               f"no user turn ({s.user_header}) in the row's prompt (its first {prefix} ids)")
+        return ids, prefix, at + len(s.user_header), False
+    head, close, user = s.system_header, s.system_close, s.user_header
     if ids[lead:lead + len(head)].tolist() == head:
-        return ids, prefix, lead + len(head), False
+        at = lead + len(head)
+        default = s.default_system
+        if (s.missing_system == "empty" and default
+                and ids[at:at + len(default) + len(close) + len(user)].tolist() == default + close + user):
+            # the template's default system prompt is what a row without a system message holds: the
+            # student sees an empty system message instead, the soft prompt alone in it
+            ids = np.concatenate([ids[:at], ids[at + len(default):]])
+            return ids, prefix - len(default), at, True
+        return ids, prefix, at, False
     # Refuse anything but a user turn rather than insert a system message at a guessed boundary.
     _check(ids[lead:lead + len(user)].tolist() == user, "conversation start",
            f"after the lead the row must open a system or user turn ({head} or {user}), "
            f"found {ids[lead:lead + len(user)].tolist()}")
     inserted = np.concatenate([ids[:lead], np.asarray(head + close, dtype=np.int64), ids[lead:]])
     return inserted, prefix + len(head) + len(close), lead + len(head), True
+
+
+def _find(ids: np.ndarray, needle: list[int], start: int, stop: int) -> int | None:
+    """The first index >= start where `needle` begins and ends by `stop`, or None."""
+    if not needle:
+        return start
+    first = np.flatnonzero(ids[start:stop - len(needle) + 1] == needle[0]) + start
+    return next((int(i) for i in first if ids[i:i + len(needle)].tolist() == needle), None)
 
 
 def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
