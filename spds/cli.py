@@ -89,10 +89,29 @@ def cmd_eval(args) -> int:
     print(f"NLL per token  floor {nll['floor']:.4f}  soft {nll['soft']:.4f}  ceiling {ceiling}  gap recovered {gap}")
     if result["kl_to_teacher"] is not None:
         print(f"KL(teacher || soft) per token {result['kl_to_teacher']:.4f} (teacher: {result['teacher']})")
+    if result.get("samples"):
+        from .sample import show
+
+        print(show(result["samples"]))
     if result["tokens_per_second"]:
         print(f"{result['tokens_per_second']:,.0f} positions/s over {result['world_size']} rank(s), "
               f"{result['seconds']:.1f} s")
     print(f"eval.json and plot in {load_config(args.config).output_dir}")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from pathlib import Path
+
+    from .contract import load_config
+    from .sample import answers, show, write
+
+    config = load_config(args.config)
+    rows = answers(config, args.n, Path(args.questions) if args.questions else None, args.checkpoint,
+                   config.eval.max_new_tokens)
+    print(show(rows))
+    jsonl, markdown = write(config.output_dir, rows)
+    print(f"{len(rows)} answers in {jsonl} and {markdown}")
     return 0
 
 
@@ -148,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
     p.set_defaults(run=cmd_eval)
+    p = verbs.add_parser("sample", help="answers by the bare student, with the context, and with the soft prompt")
+    p.add_argument("config")
+    p.add_argument("--n", type=int, default=5, choices=range(1, 1001), metavar="N", help="how many questions (1-1000, "
+                   "default 5)")
+    p.add_argument("--questions", default=None, help="a questions file (jsonl, as generate.questions); default: "
+                   "the held-out records")
+    p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
+    p.set_defaults(run=cmd_sample)
     p = verbs.add_parser("export", help="safetensors soft prompt (and a PEFT adapter for prefix placement)")
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")

@@ -26,7 +26,7 @@ from .contract import Config, require_valid
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
 from .fsio import SpdsError, atomic_path, atomic_write_json
-from .loss import make_loss
+from .loss import final_logit_softcap, make_loss
 from .model import build_soft_prompt_model, load_segments
 from .settings import KLSettings
 from .teacher import build_teacher, teacher_kind
@@ -53,8 +53,9 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         shard_student(config, model, world)
     # The figures are the same whatever the training objective: NLL of the teacher's tokens, and
     # forward KL(teacher || student) at temperature 1, through the training loss's own kernels.
-    nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"))
-    kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=KLSettings("forward", 1.0, 0.5)))
+    cap = final_logit_softcap(student)
+    nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"), cap)
+    kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=KLSettings("forward", 1.0, 0.5)), cap)
     teacher = eval_teacher(config, model, store) if config.eval.kl else None
     text = config.context_text
     blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
@@ -104,6 +105,11 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     out = config.output_dir
     if rank != 0:
         return result
+    if config.eval.samples and not sharded:  # a few answers beside the figures, by the student already loaded
+        from .sample import answers  # spds.sample imports this module's neighbours, not this one's callers
+
+        result["samples"] = answers(config, config.eval.samples, checkpoint=str(directory),
+                                    max_new_tokens=config.eval.max_new_tokens, student=student)
     result["plot"] = plot(out / "metrics.jsonl", nll, out / "eval.png")
     require_valid(result, "eval", "eval.json")
     atomic_write_json(out / "eval.json", result)

@@ -104,12 +104,24 @@ def splice(student, prompt: torch.Tensor, ids: list[int], insert_at: int) -> tor
 
 
 @torch.no_grad()
-def generate(student, tokenizer, prompt: torch.Tensor, metadata: dict, messages: list[dict], **generate_kwargs) -> str:
-    """Answer `messages` with the soft prompt spliced in as in training; return the decoded reply."""
+def prompt_embeds(student, tokenizer, prompt: torch.Tensor, metadata: dict, messages: list[dict]) -> torch.Tensor:
+    """The student's input for `messages` with the soft prompt in it, [positions, hidden] in the
+    student's dtype: the embedding sequence training built (the chat template's rendering with
+    the generation prompt, the prompt spliced by training's rule). It is what vLLM's
+    `prompt_embeds` input and SGLang's `input_embeds` take:
+
+        LLM(model=path, enable_prompt_embeds=True).generate({"prompt_embeds": prompt_embeds(...)})
+    """
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False,
                                         **metadata.get("chat_template_kwargs", {}))
     ids, insert_at = insertion_point([int(i) for i in ids], metadata)
-    inputs_embeds = splice(student, prompt, ids, insert_at)
+    return splice(student, prompt, ids, insert_at)[0]
+
+
+@torch.no_grad()
+def generate(student, tokenizer, prompt: torch.Tensor, metadata: dict, messages: list[dict], **generate_kwargs) -> str:
+    """Answer `messages` with the soft prompt spliced in as in training; return the decoded reply."""
+    inputs_embeds = prompt_embeds(student, tokenizer, prompt, metadata, messages)[None]
     mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
     output = student.generate(inputs_embeds=inputs_embeds, attention_mask=mask, **generate_kwargs)
     return tokenizer.decode(output[0], skip_special_tokens=True)

@@ -17,6 +17,7 @@ of the plain sum (grad_output 1); any other scale is applied in fp32 and rounded
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,16 +25,24 @@ import torch
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                 chunk: int = 4096) -> torch.Tensor:
+                                 chunk: int = 4096, softcap: float | None = None) -> torch.Tensor:
     """sum_i CE(hidden_i @ weight.T, targets_i), fp32 scalar; hidden [N, H], weight [V, H]: the
     chunked kernel below with cross entropy alone (one vocabulary-wide block per row besides the
-    logits, as a CE-only kernel would keep)."""
-    return _ChunkedLinearLoss.apply(hidden, weight, targets, None, None, None, CROSS_ENTROPY, chunk)
+    logits, as a CE-only kernel would keep). `softcap`: the student's final logit soft cap."""
+    spec = CROSS_ENTROPY if softcap is None else dataclasses.replace(CROSS_ENTROPY, softcap=softcap)
+    return _ChunkedLinearLoss.apply(hidden, weight, targets, None, None, None, spec, chunk)
 
 
 def reference_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The plain definition, logits materialised: for tests only."""
     return torch.nn.functional.cross_entropy((hidden @ weight.t()).float(), targets, reduction="sum")
+
+
+def final_logit_softcap(student) -> float | None:
+    """The cap c of a student whose logits are c * tanh(logits / c) (Gemma 2's
+    final_logit_softcapping), or None: the loss must see the logits the model's own head gives."""
+    cap = getattr(getattr(student, "config", None), "final_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def liger_available() -> bool:
@@ -44,10 +53,10 @@ def liger_available() -> bool:
     return torch.cuda.is_available()
 
 
-def liger_cross_entropy():
+def liger_cross_entropy(softcap: float | None = None):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+    liger = LigerFusedLinearCrossEntropyLoss(reduction="sum", softcap=softcap)
 
     def summed(hidden, weight, targets, teacher=None):
         return liger(weight, hidden, targets).float()
@@ -55,9 +64,9 @@ def liger_cross_entropy():
     return summed
 
 
-def chunked_cross_entropy(chunk: int):
+def chunked_cross_entropy(chunk: int, softcap: float | None = None):
     def summed(hidden, weight, targets, teacher=None):
-        return chunked_linear_cross_entropy(hidden, weight, targets, chunk)
+        return chunked_linear_cross_entropy(hidden, weight, targets, chunk, softcap)
 
     return summed
 
@@ -86,6 +95,7 @@ class Divergence:
     direction: str = "forward"
     temperature: float = 1.0
     beta: float = 0.5
+    softcap: float | None = None  # the student's final logit soft cap: both sides' logits c * tanh(z / c)
 
 
 def bucket_divergence(log_p: torch.Tensor, log_q: torch.Tensor, spec: Divergence):
@@ -156,10 +166,16 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             rows = slice(start, start + chunk)
             logits = (hidden[rows] @ weight.t()).float()  # the matmul in the input dtype, the rest in fp32
             teacher = (teacher_hidden[rows] @ weight.t()).float() if teacher_hidden is not None else None
+            if spec.softcap is not None:  # the model head's own logits: c * tanh(z / c)
+                squashed = torch.tanh(logits / spec.softcap)
+                logits = squashed * spec.softcap
+                teacher = torch.tanh(teacher / spec.softcap) * spec.softcap if teacher is not None else None
             part, grad = distillation_rows(logits, targets[rows], teacher,
                                            top_ids[rows] if top_ids is not None else None,
                                            top_logprobs[rows] if top_logprobs is not None else None, spec)
             total += part
+            if spec.softcap is not None:
+                grad.mul_(1.0 - squashed.square_())  # d(c tanh(z / c)) / dz
             if grad_hidden is not None:
                 grad_hidden[rows] = grad.to(hidden.dtype) @ weight
         ctx.save_for_backward(grad_hidden if grad_hidden is not None else hidden.new_empty(0))
@@ -190,15 +206,16 @@ def chunked_distillation(spec: Divergence, chunk: int):
 
 # ---------------------------------------------------------------- the seam
 
-def divergence_of(settings) -> Divergence:
+def divergence_of(settings, softcap: float | None = None) -> Divergence:
     """loss.* -> what the distillation kernel computes."""
     ce, kl = {"ce": (1.0, 0.0), "kl": (0.0, 1.0), "mix": (settings.ce_weight, settings.kl_weight)}[settings.objective]
     return Divergence(ce_weight=ce, kl_weight=kl, direction=settings.kl.direction,
-                      temperature=settings.kl.temperature, beta=settings.kl.jsd_beta)
+                      temperature=settings.kl.temperature, beta=settings.kl.jsd_beta, softcap=softcap)
 
 
-def make_loss(settings):
-    """f(hidden, weight, targets, teacher=None) -> fp32 summed loss, for loss.* (LossSettings).
+def make_loss(settings, softcap: float | None = None):
+    """f(hidden, weight, targets, teacher=None) -> fp32 summed loss, for loss.* (LossSettings), on
+    the logits of a head with final logit soft cap `softcap` (final_logit_softcap(student)).
 
     ce: Liger's fused linear cross entropy on CUDA when installed (kernel auto), else spds's
     chunked one; kl and mix: spds's chunked distillation kernel on every device (Liger's fused
@@ -212,11 +229,11 @@ def make_loss(settings):
                         "(pip install 'spds[gpu]', or set loss.kernel to 'auto')")
     if settings.objective == "ce":
         chosen = "liger" if kernel == "liger" or (kernel == "auto" and liger_available()) else "chunked"
-        loss_fn = liger_cross_entropy() if chosen == "liger" else chunked_cross_entropy(chunk)
+        loss_fn = liger_cross_entropy(softcap) if chosen == "liger" else chunked_cross_entropy(chunk, softcap)
         loss_fn.needs_teacher = False
     else:
         chosen = "chunked-distillation"
-        loss_fn = chunked_distillation(divergence_of(settings), chunk)
+        loss_fn = chunked_distillation(divergence_of(settings, softcap), chunk)
         loss_fn.needs_teacher = True
-    loss_fn.kernel = chosen
+    loss_fn.kernel, loss_fn.softcap = chosen, softcap
     return loss_fn

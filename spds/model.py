@@ -28,6 +28,8 @@ from .attention import NAME as SPDS_ATTENTION
 from .attention import QUADRATIC_ATTENTION_BYTES, head_dim_of, kernel_for, packed_kernel
 from .attention import install as install_attention
 from .attention import resolve as resolve_kernels
+from .fsio import SpdsError
+from .loss import final_logit_softcap
 
 
 @dataclass
@@ -408,6 +410,10 @@ class SoftPromptModel(nn.Module):
                checkpoint_positions: int | None = None) -> list[torch.Tensor]:
         """Each of `loss_fns` over one forward of the student (eval: the NLL and the KL together)."""
         # The teacher first: its activations are freed before the student's are stored.
+        cap = final_logit_softcap(self.student)
+        if any(getattr(f, "softcap", None) != cap for f in loss_fns):  # never train on other logits than the head's
+            raise SpdsError(f"{type(self.student).__name__} soft-caps its logits at {cap}, and a loss was built for "
+                            f"another cap: build it with make_loss(settings, final_logit_softcap(student))")
         teacher = self.teacher.targets(segments) if any(f.needs_teacher for f in loss_fns) else None
         rows, targets = self.response_states(segments, inserted, checkpoint_positions)
         weight = self.student.get_output_embeddings().weight
@@ -439,7 +445,7 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
 
             tokenizer = load_tokenizer(config)
         prompt = initial_prompt(student, prompt_cfg.length, prompt_cfg.init, config.optim.seed, tokenizer)
-    loss_fn = make_loss(config.loss)
+    loss_fn = make_loss(config.loss, final_logit_softcap(student))
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
     model = SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg.activation_memory_gib,
                             student_cfg.pad_to_multiple_of, device, config.train.deterministic,

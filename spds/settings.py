@@ -148,6 +148,8 @@ class GenerateSettings:
 class EvalSettings:
     max_records: int | None
     kl: bool
+    samples: int
+    max_new_tokens: int
 
 
 # The config's sections, by key, in schema order.

@@ -1,8 +1,9 @@
 """The whole loop on a tiny student for published chat templates, one process for many runs.
 
-    python tests/template_runs.py OUT NAME:PLACEMENT [NAME:PLACEMENT ...]
+    python tests/template_runs.py OUT NAME:PLACEMENT[:FAMILY] ...
 
-For each case: a tiny random student with the family's tokenizer (tests/fixtures/templates),
+For each case: a tiny random student of the template's decoder family (or FAMILY;
+tests/fixtures/models) with a tokenizer holding the template and its tokens (tests/fixtures/templates),
 teacher rows in both forms (token rows as a teacher writes them, chat rows spds renders), then
 prepare -> smoke -> train -> eval -> export -> an answer through spds.export.generate, through
 spds's library functions (the CLI's own verbs are tested elsewhere; one process keeps dozens of
@@ -21,6 +22,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples" / "tiny"))
 
 import make_tiny  # noqa: E402
+from test_families import FAMILIES, save_family  # noqa: E402
 from test_templates import TEMPLATES, end_token, fixture_tokenizer  # noqa: E402
 
 CONTEXT = "Lumen Bay ferries leave at dawn and dusk."
@@ -52,7 +54,7 @@ def rows_for(name: str, tokenizer, kwargs: dict, count: int = 16) -> list[dict]:
     return rows
 
 
-def run_case(out: Path, name: str, placement: str) -> dict:
+def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     import torch
 
     from spds.contract import load_config
@@ -63,18 +65,23 @@ def run_case(out: Path, name: str, placement: str) -> dict:
     from spds.model import load_student
     from spds.train import run
 
-    directory = out / f"{name}-{placement}"
+    directory = out / f"{name}-{placement}-{family}"
     tokenizer = fixture_tokenizer(name)
     kwargs = TEMPLATES[name].get("kwargs", {})
-    make_tiny.save_student(directory / "student", tokenizer, hidden=32)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    save_family(directory / "student", family, len(tokenizer), end_token(tokenizer, name), pad)
+    tokenizer.save_pretrained(directory / "student")
+    attention = FAMILIES[family]["attn_implementation"]
     make_tiny.write_jsonl(directory / "rows.jsonl", rows_for(name, tokenizer, kwargs))
     config = {
-        "student": {"model_path": "student", "dtype": "float32"},
+        "student": {"model_path": "student", "dtype": "float32", "attn_implementation": attention},
         "soft_prompt": {"length": 3, "placement": placement, "init": {"method": "random_normal", "std": 0.1}},
         "data": {"candidates": [{"path": "rows.jsonl"}], "packed_dir": "packed", "context_limit": 2048,
                  "eval_fraction": 0.3, "chat_template_kwargs": kwargs},
         "context": {"text": CONTEXT},
-        "optim": {"updates": 2, "effective_batch": 4, "micro_batch": 2, "learning_rate": 0.01, "seed": 1},
+        "optim": {"updates": 2, "effective_batch": 4, "micro_batch": 2, "learning_rate": 0.01, "seed": 1,
+                  # records end to end in one forward wherever spds computes the attention
+                  "micro_batch_layout": "packed" if attention == "sdpa" else "padded"},
         "checkpoint": {"every": 2, "keep_last": 1}, "train": {"progress_bar": False},
         "output_dir": "run",
     }
@@ -93,7 +100,7 @@ def run_case(out: Path, name: str, placement: str) -> dict:
     result["nll"] = report["nll"]
     exported = export(loaded, None, loaded.output_dir / "export")
     prompt, metadata = load_soft_prompt(exported["soft_prompt"])
-    student = load_student(loaded.model_path, "float32", "sdpa", torch.device("cpu"))
+    student = load_student(loaded.model_path, "float32", attention, torch.device("cpu"))
     result["answer"] = generate(student, tokenizer, prompt, metadata, [{"role": "user", "content": "Tell me more."}],
                                 max_new_tokens=3, do_sample=False)
     return result
@@ -102,9 +109,9 @@ def run_case(out: Path, name: str, placement: str) -> dict:
 def main(out: Path, cases: list[str]) -> None:
     results = {}
     for case in cases:
-        name, placement = case.split(":")
+        name, placement, *family = case.split(":")
         try:
-            results[case] = run_case(out, name, placement)
+            results[case] = run_case(out, name, placement, family[0] if family else TEMPLATES[name]["family"])
         except Exception:
             results[case] = {"error": traceback.format_exc()[-3000:]}
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -14,6 +14,7 @@ from spds.contract import load_config, section
 from spds.data.packed import PackedStore
 from spds.export import insertion_point, load_soft_prompt, splice
 from spds.model import load_student
+from spds.sample import VIEWS
 
 
 @pytest.fixture
@@ -183,7 +184,14 @@ def test_export_round_trip_and_generation_splices_as_training(tiny):
         hidden = model.hidden_states([Segment(torch.tensor(ids), len(ids) - 1, insert_at)], model.prompt)[0]
         training_logits = hidden[-1] @ student.get_output_embeddings().weight.t()
     assert_rounding_close(generation_logits, training_logits, what="logits")
-    from spds.export import generate
+    # What a server takes (vLLM's prompt_embeds, SGLang's input_embeds): training's embeddings, bit for bit.
+    from spds.export import generate, prompt_embeds
+
+    served = prompt_embeds(student, tokenizer, prompt, metadata, messages)
+    assert served.dtype == student.dtype and served.shape == (len(ids) + len(prompt), student.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(served, model.joined_embeddings([Segment(torch.tensor(ids), len(ids), insert_at)],
+                                                           model.prompt)[0])
 
     reply = generate(student, tokenizer, prompt, metadata, messages, max_new_tokens=5, do_sample=False)
     assert isinstance(reply, str)
@@ -215,3 +223,46 @@ def test_peft_adapter_gives_the_same_loss_for_prefix_placement(tiny):
             peft_loss = model(input_ids=ids[None], labels=labels[None]).loss
             spds_loss = reference([Segment(ids, int(store.prefix_tokens[i]), 0)]) / int(store.supervised_tokens[i])
             assert_rounding_close(peft_loss, spds_loss, what=f"record {i}'s loss")
+
+
+@pytest.mark.slow
+def test_sample_answers_three_ways_as_a_plain_greedy_decode_would(tiny):
+    """spds sample: the soft prompt's answer is what plain transformers decodes greedily from the
+    rendered question with the prompt spliced after the system header by hand; the bare and
+    context answers likewise; a rerun writes the same file."""
+    from transformers import AutoModelForCausalLM
+
+    edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2}}, student={"dtype": "float32"},
+                context={"text": make_tiny.CONTEXT}, eval={"max_new_tokens": 6}, data={"eval_fraction": 0.3})
+    (tiny / "questions.jsonl").write_text(json.dumps({"question_id": "x", "question": "What is the comet?"}) + "\n")
+    check(spds(["prepare", "config.json"], tiny))
+    check(spds(["train", "config.json"], tiny))
+    shown = check(spds(["sample", "config.json", "--questions", "questions.jsonl", "--n", "1"], tiny)).stdout
+    assert "Q: What is the comet?" in shown and "soft" in shown
+    rows = [json.loads(line) for line in (tiny / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["question"] == "What is the comet?" and (tiny / "run" / "samples.md").exists()
+    tokenizer = make_tiny.chatml_tokenizer()
+    plain = AutoModelForCausalLM.from_pretrained(load_config(tiny / "config.json").model_path, dtype=torch.float32)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the comet?"}], tokenize=True,
+                                        add_generation_prompt=True, return_dict=False)
+    header = tokenizer.encode("<|im_start|>system\n", add_special_tokens=False)  # ChatML's, written out
+    close = tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
+    context = tokenizer.encode(make_tiny.CONTEXT, add_special_tokens=False)
+    embed = plain.get_input_embeddings()
+    inserted = {"bare": torch.zeros(0, plain.config.hidden_size), "soft": final_state(tiny / "run")["prompt"],
+                "context": embed(torch.tensor(context))}
+    for view, block in inserted.items():
+        with torch.no_grad():
+            inputs = torch.cat([embed(torch.tensor(header)), block, embed(torch.tensor(close + list(ids)))])[None]
+            output = plain.generate(inputs_embeds=inputs, attention_mask=torch.ones(inputs.shape[:2], dtype=torch.long),
+                                    max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id)
+        assert rows[0][view] == tokenizer.decode(output[0], skip_special_tokens=True).strip(), view
+    assert rows[0]["soft"] != rows[0]["bare"]
+    before = (tiny / "run" / "samples.jsonl").read_bytes()
+    check(spds(["sample", "config.json", "--questions", "questions.jsonl", "--n", "1"], tiny))
+    assert (tiny / "run" / "samples.jsonl").read_bytes() == before
+    # spds eval reports a few held-out ones beside its figures
+    check(spds(["eval", "config.json"], tiny))
+    report = read_json(tiny / "run" / "eval.json")
+    assert 1 <= len(report["samples"]) <= 3 and all(set(VIEWS) <= set(row) for row in report["samples"])

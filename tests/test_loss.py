@@ -54,3 +54,35 @@ def test_a_backward_scale_is_applied_in_fp32_not_rounded_to_bf16_first():
     expected = (unscaled.grad.float() / n).to(torch.bfloat16)  # plain torch: one fp32 product, one rounding
     assert torch.equal(scaled.grad, expected)
     assert not torch.equal(scaled.grad, unscaled.grad * torch.tensor(1 / n).to(torch.bfloat16))
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("objective", ["ce", "kl"])
+def test_a_soft_capped_head_is_the_loss_of_its_capped_logits(objective):
+    """Gemma 2's head returns c * tanh(logits / c): the kernels' value and gradient are those of
+    the capped logits, written out (fp32 kernel against a float64 reference: its rounding)."""
+    from spds.loss import TeacherTargets
+
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(19, 8, generator=generator, dtype=torch.float64) * 4  # logits well past the cap
+    weight = torch.randn(23, 8, generator=generator, dtype=torch.float64)
+    teacher_hidden = hidden + torch.randn(19, 8, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, 23, (19,), generator=generator)
+    cap = 5.0
+    loss_fn = make_loss(section("loss", objective=objective, kernel="chunked", chunk_tokens=8), softcap=cap)
+    mine = hidden.clone().requires_grad_()
+    loss = loss_fn(mine, weight, targets, TeacherTargets(hidden=teacher_hidden) if objective == "kl" else None)
+    loss.backward()
+    theirs = hidden.clone().requires_grad_()
+    student = cap * torch.tanh(theirs @ weight.t() / cap)
+    if objective == "ce":
+        expected = torch.nn.functional.cross_entropy(student, targets, reduction="sum")
+    else:
+        teacher = torch.log_softmax(cap * torch.tanh(teacher_hidden @ weight.t() / cap), -1)
+        expected = (teacher.exp() * (teacher - torch.log_softmax(student, -1))).sum()
+    expected.backward()
+    assert_rounding_close(loss, expected, what="loss")
+    assert_rounding_close(mine.grad, theirs.grad, what="gradient")
+    uncapped = make_loss(section("loss", objective=objective, kernel="chunked", chunk_tokens=8))
+    assert abs(float(uncapped(hidden, weight, targets, TeacherTargets(hidden=teacher_hidden)
+                              if objective == "kl" else None)) - float(expected)) > 1.0  # the cap matters here

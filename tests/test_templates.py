@@ -166,9 +166,9 @@ def test_a_template_that_renders_one_conversation_two_ways_is_refused():
         derive_scaffold(Drifting(fixture_tokenizer("chatml")), {})
 
 
-# Every template with every placement it allows (prefix is the same for all: twice), split in two
-# for the two workers.
-LOOP_CASES = [f"{name}:{placement}" for name, placement in CASES] + ["chatml:prefix", "gemma-2:prefix"]
+# Every template with every placement it allows, each on its own decoder family (prefix is the same
+# for all: twice, once on OLMo 2, which has no template here), split in two for the two workers.
+LOOP_CASES = [f"{name}:{placement}" for name, placement in CASES] + ["chatml:prefix:olmo2", "gemma-2:prefix"]
 
 
 @pytest.mark.slow
@@ -188,7 +188,7 @@ def test_the_whole_loop_runs_for_every_template_and_placement(tmp_path, half):
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     for case in cases:
-        name, placement = case.split(":")
+        name, placement = case.split(":")[:2]
         result = results[case]
         assert "error" not in result, f"{case}:\n{result['error']}"
         expected = "" if placement == "prefix" else EXPECTED[(name, placement)].split(P)[0].replace(
@@ -199,3 +199,58 @@ def test_the_whole_loop_runs_for_every_template_and_placement(tmp_path, half):
         assert isinstance(result["answer"], str), case
         assert result["counts"][{"system": "existing_system", "first_user": "first_user_placement",
                                  "prefix": "prefix_placement"}[placement]] or result["counts"]["added_empty_system"]
+
+
+def save_fixture_student(directory: Path, name: str) -> Path:
+    from test_families import save_family
+
+    tokenizer = fixture_tokenizer(name)
+    save_family(directory, TEMPLATES[name]["family"], len(tokenizer), end_token(tokenizer, name),
+                tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+def test_init_picks_what_the_template_allows_and_validate_refuses_what_prepare_would(tmp_path):
+    """spds init on a dated template (Llama 3.2) pins today's date and keeps placement system; on
+    Gemma 3 it chooses first_user. spds validate refuses placement system on Gemma 3, and an
+    unpinned dated template, with what prepare would say, before any work."""
+    import yaml
+    from helpers import check, spds
+
+    for name in ("llama-3.2", "gemma-3"):
+        save_fixture_student(tmp_path / name, name)
+    (tmp_path / "rows.jsonl").write_text("")
+    check(spds(["init", "llama-3.2", "rows.jsonl", "--out", "llama.yaml"], tmp_path))
+    written = yaml.safe_load((tmp_path / "llama.yaml").read_text())
+    assert written["soft_prompt"]["placement"] == "system"
+    assert written["data"]["chat_template_kwargs"] == {"date_string": datetime.date.today().strftime("%d %b %Y")}
+    check(spds(["init", "gemma-3", "rows.jsonl", "--out", "gemma.yaml"], tmp_path))
+    assert yaml.safe_load((tmp_path / "gemma.yaml").read_text())["soft_prompt"]["placement"] == "first_user"
+    config = yaml.safe_load((tmp_path / "gemma.yaml").read_text())
+    config["soft_prompt"]["placement"] = "system"
+    (tmp_path / "gemma-system.yaml").write_text(yaml.safe_dump(config))
+    refused = spds(["validate", "gemma-system.yaml"], tmp_path)
+    # the model named as the config names it, the feature, and the placements that work
+    assert refused.returncode == 1 and "the chat template of gemma-3 has no system message of its own" in refused.stderr
+    assert "'first_user'" in refused.stderr and "'prefix'" in refused.stderr
+    written["data"]["chat_template_kwargs"] = {}
+    (tmp_path / "llama-unpinned.yaml").write_text(yaml.safe_dump(written))
+    refused = spds(["validate", "llama-unpinned.yaml"], tmp_path)
+    assert refused.returncode == 1 and "today's date" in refused.stderr and "date_string" in refused.stderr
+
+
+def test_the_teacher_sees_the_context_where_the_prompt_goes():
+    """spds generate: the context as the system message where the template has one; ahead of the
+    first user turn's text for first_user and for a template that refuses a system message."""
+    from spds.generate import with_context
+
+    messages = [{"role": "user", "content": "Tell me about the comet."}]
+    tokenizer = fixture_tokenizer("gemma-2")
+    folded = tokenizer.decode(render(tokenizer, with_context(messages, "Be brief.", True), True, {}))
+    assert folded == ("<bos><start_of_turn>user\nBe brief.\n\nTell me about the comet.<end_of_turn>\n"
+                      "<start_of_turn>model\n")
+    tokenizer = fixture_tokenizer("chatml")
+    system = tokenizer.decode(render(tokenizer, with_context(messages, "Be brief.", False), True, {}))
+    assert system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nTell me")

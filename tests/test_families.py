@@ -1,0 +1,85 @@
+"""Decoder families (tests/fixtures/models/families.json: the published configs' architecture at a
+tiny size): spds's loss and prompt gradient equal a plain transformers forward of the same weights,
+padded and packed, for each. The references import nothing from spds's model, loss or engine."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_rounding_close
+
+from spds.contract import section
+from spds.loss import final_logit_softcap, make_loss
+from spds.model import Segment, SoftPromptModel, load_student
+
+FAMILIES = {k: v for k, v in json.loads((Path(__file__).parent / "fixtures" / "models" / "families.json").read_text())
+            .items() if not k.startswith("_")}
+VOCAB = 300
+
+
+def save_family(directory: Path, family: str, vocab_size: int = VOCAB, eos: int = 1, pad: int = 0) -> Path:
+    """A tiny random student of `family`, saved as a checkpoint directory from_pretrained loads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(FAMILIES[family]["config"])
+    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=vocab_size, eos_token_id=eos, pad_token_id=pad,
+                                  bos_token_id=None, initializer_range=0.2, **fields)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def plain_loss(model, prompt, segment: Segment):
+    """The student's own forward over the spliced embeddings: summed CE of the response tokens."""
+    embeddings = model.get_input_embeddings()(segment.ids)
+    a, length = segment.insert_at, prompt.shape[0]
+    joined = torch.cat([embeddings[:a], prompt, embeddings[a:]])[None]
+    logits = model(inputs_embeds=joined).logits[0].float()
+    rows = logits[segment.prefix_tokens + length - 1:len(segment.ids) + length - 1]
+    return torch.nn.functional.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: save_family(root / family, family) for family in FAMILIES}
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_and_prompt_gradient_equal_the_familys_own_forward(saved, family):
+    from transformers import AutoModelForCausalLM
+
+    implementation = FAMILIES[family]["attn_implementation"]
+    student = load_student(saved[family], "float32", implementation, torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32,
+                                                 attn_implementation="eager").requires_grad_(False)
+    generator = torch.Generator().manual_seed(1)
+    segments = [Segment(ids=torch.randint(2, VOCAB, (n,), generator=generator), prefix_tokens=p, insert_at=a)
+                for n, p, a in ((23, 9, 2), (14, 5, 0), (31, 20, 3))]
+    prompt = torch.randn(3, student.config.hidden_size, generator=generator) * 0.3
+    layouts = [False, True] if implementation == "sdpa" else [False]  # packed records need spds's attention
+    for packed in layouts:
+        loss_fn = make_loss(section("loss", kernel="chunked", chunk_tokens=16), final_logit_softcap(student))
+        model = SoftPromptModel(student, prompt.clone(), loss_fn, sdpa_backend="math", packed=packed)
+        loss = model(segments)
+        loss.backward()
+        reference_prompt = prompt.clone().requires_grad_()
+        expected = sum(plain_loss(plain, reference_prompt, s) for s in segments)
+        expected.backward()
+        what = f"{family} {'packed' if packed else 'padded'}"
+        assert_rounding_close(loss, expected, what=f"{what} loss")
+        assert_rounding_close(model.prompt.grad, reference_prompt.grad, what=f"{what} prompt gradient")
+
+
+def test_a_loss_built_without_the_students_logit_soft_cap_is_refused(saved):
+    """Gemma 2 soft-caps its logits (final_logit_softcapping): a loss over the uncapped logits would
+    train against another model's distribution, silently."""
+    student = load_student(saved["gemma2"], "float32", "eager", torch.device("cpu"))
+    model = SoftPromptModel(student, torch.zeros(2, student.config.hidden_size), make_loss(section("loss")))
+    from spds.fsio import SpdsError
+
+    with pytest.raises(SpdsError, match="soft-caps its logits at 30.0"):
+        model([Segment(ids=torch.arange(2, 12), prefix_tokens=4, insert_at=0)])
