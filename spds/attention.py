@@ -167,11 +167,6 @@ def install(student) -> KernelChoice | None:
     if len(modules) != config.num_hidden_layers:  # transformers' attention modules, one per layer
         raise SpdsError(f"cannot find the attention modules of {type(student).__name__} (found {len(modules)} "
                         f"for {config.num_hidden_layers} layers): set student.attn_implementation to eager")
-    windowed = any(getattr(m, "sliding_window", None) for m in modules)  # per layer: None when off
-    if windowed or getattr(config, "attn_logit_softcapping", None):
-        raise SpdsError(f"{type(student).__name__} uses {'a sliding window' if windowed else 'a logit soft cap'} "
-                        "in attention, and spds's attention is plain causal attention: set "
-                        "student.attn_implementation to eager (or flash_attention_2)")
     for module in modules:
         module.spds_kernel = choice
     config._attn_implementation = NAME  # unknown to transformers' mask builders: they build no mask
@@ -181,12 +176,16 @@ def install(student) -> KernelChoice | None:
 def causal_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature: query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D] with
     Lk >= Lq, each query at position Lk - Lq + i seeing keys up to its own. Returns [B, Lq, Hq, D]."""
-    if kwargs.get("sliding_window") or kwargs.get("s_aux") is not None or kwargs.get("softcap"):
-        # install() refuses these models; never compute something else silently
-        raise SpdsError("spds's attention is plain causal attention: this model needs a sliding window, sinks or a "
-                        "soft cap (set student.attn_implementation to eager)")
+    if kwargs.get("s_aux") is not None:  # never compute something else silently
+        raise SpdsError("spds's attention has no attention sinks, which this model uses: set "
+                        "student.attn_implementation to eager")
     choice = getattr(module, "spds_kernel", None)
     kernel = choice.kernel if choice is not None else "auto"
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window or softcap:  # Gemma 2 and 3, Mistral v0.1: the layer's own window and cap
+        output = windowed_attention(kernel, query, key, value, scaling, window, softcap,
+                                    kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
+        return output, None
     if kwargs.get("cu_seq_lens_q") is not None:  # records packed end to end (optim.micro_batch_layout)
         starts, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
         if kernel == "fa4":
@@ -276,6 +275,99 @@ def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = No
                                         max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=scaling,
                                         causal=True, deterministic=deterministic)
     return output[0] if isinstance(output, tuple) else output  # (output, lse) in some versions
+
+
+# ---------------------------------------------------------------- sliding windows and soft caps
+
+def windowed_attention(kernel: str, query, key, value, scaling, window: int | None, softcap: float | None,
+                       starts=None, longest: int | None = None):
+    """A layer with a sliding window (each query sees the `window` keys up to its own, as
+    transformers' masks have it: key > query - window) and/or a soft cap on the scores
+    (c * tanh(s / c) before the softmax). Returns [B, Lq, Hq, D], or [1, positions, Hq, D] for
+    records packed end to end (`starts`).
+
+    On CUDA, a layer without a cap: packed records run FlashAttention-2's variable-length kernel
+    with its left window, a row per record flex with a windowed block mask (whatever kernel the
+    length chose). A soft-capped layer (Gemma 2), and every layer on the CPU, materialises its
+    scores (O(L^2) memory, as transformers' eager attention does), with the window, the records'
+    boundaries and the causal rule as one mask; flex's score modifier for the cap did not compile
+    under its backward here (bench/RESULTS.md)."""
+    window = window or None
+    flash_dtype = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0
+    if starts is not None:
+        if flash_dtype and not softcap:
+            rows = [t[0].transpose(0, 1) for t in (query, key, value)]
+            left = window - 1 if window else -1  # -1: no window
+            return torch.ops.aten._flash_attention_forward(*rows, starts, starts, longest, longest, 0.0, True, False,
+                                                           scale=scaling, window_size_left=left,
+                                                           window_size_right=0)[0][None]
+        record = torch.repeat_interleave(torch.arange(len(starts) - 1, device=query.device), starts.diff().long())
+        allowed = windowed_mask(query.shape[2], key.shape[2], window, query.device) & (record[:, None] == record[None])
+        return explicit_attention(query, key, value, scaling, allowed, softcap)[0].transpose(0, 1)[None]
+    if query.is_cuda and not softcap:
+        return flex_windowed(query, key, value, scaling, window).transpose(1, 2).contiguous()
+    allowed = windowed_mask(query.shape[2], key.shape[2], window, query.device)
+    return explicit_attention(query, key, value, scaling, allowed, softcap).transpose(1, 2).contiguous()
+
+
+def windowed_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor:
+    """[queries, keys] bool: query i (at position keys - queries + i) sees key j when j <= its
+    position and, with a window, j > its position - window."""
+    position = torch.arange(queries, device=device)[:, None] + (keys - queries)
+    column = torch.arange(keys, device=device)[None]
+    allowed = column <= position
+    return allowed & (column > position - window) if window else allowed
+
+
+def explicit_attention(query, key, value, scaling, allowed, softcap: float | None):
+    """softmax(cap(q k^T * scaling), masked) v with the scores materialised, as transformers'
+    eager attention computes them (the scores in the inputs' dtype, the softmax in fp32)."""
+    key, value = repeated_heads(query, key, value)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+
+
+def flex_windowed(query, key, value, scaling, window: int):
+    mask = windowed_block_mask(query.shape[2], key.shape[2], window, query.device)
+    return compiled_flex()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+
+
+@functools.lru_cache(maxsize=256)
+def windowed_block_mask(queries: int, keys: int, window: int | None, device: torch.device):
+    """The causal block mask of `causal_block_mask`, limited to each query's window: a key block
+    is visited when some query of the row tile sees some of its keys, and skips the mask when
+    every query of the tile sees all of its keys."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not window:
+        return causal_block_mask(queries, keys, device)
+    offset = keys - queries
+    query_blocks, key_blocks = math.ceil(queries / BLOCK), math.ceil(keys / BLOCK)
+    partial, full = [], []
+    for tile in range(query_blocks):
+        first, last = tile * BLOCK + offset, min(queries, (tile + 1) * BLOCK) - 1 + offset  # the tile's positions
+        seen_lo, seen_hi = max(0, first - window + 1), last  # keys some query of the tile sees
+        full_lo, full_hi = max(0, last - window + 1), first  # keys every query of the tile sees
+        own_full = [j for j in range(key_blocks) if j * BLOCK >= full_lo and min((j + 1) * BLOCK, keys) - 1 <= full_hi
+                    and (j + 1) * BLOCK <= keys]
+        own_partial = [j for j in range(seen_lo // BLOCK, min(key_blocks, seen_hi // BLOCK + 1)) if j not in own_full]
+        partial.append(own_partial)
+        full.append(own_full)
+
+    def padded(lists):
+        width = key_blocks  # flex's layout: a row of key-block indices per query tile
+        counts = torch.tensor([len(x) for x in lists], dtype=torch.int32)
+        indices = torch.tensor([x + [0] * (width - len(x)) for x in lists], dtype=torch.int32)
+        return counts.to(device)[None, None].contiguous(), indices.to(device)[None, None].contiguous()
+
+    def windowed(batch, head, q, k):
+        return (k <= q + offset) & (k > q + offset - window)
+
+    return BlockMask.from_kv_blocks(*padded(partial), *padded(full), BLOCK_SIZE=BLOCK, mask_mod=windowed,
+                                    seq_lengths=(queries, keys))
 
 
 # ---------------------------------------------------------------- flex

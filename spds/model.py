@@ -16,6 +16,7 @@ gradient accumulates in FP32).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -68,10 +69,20 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
 
 
 def load_student(model_path, dtype: str, attn_implementation: str, device: torch.device) -> nn.Module:
+    """An sdpa student runs spds's attention (spds/attention.py), which computes windows and soft
+    caps itself: a family transformers does not offer SDPA for (Gemma 2, for its soft cap) is
+    loaded with its eager attention and then given spds's."""
     from transformers import AutoModelForCausalLM
 
-    student = AutoModelForCausalLM.from_pretrained(str(model_path), local_files_only=True, dtype=getattr(torch, dtype),
-                                                   attn_implementation=attn_implementation)
+    load = functools.partial(AutoModelForCausalLM.from_pretrained, str(model_path), local_files_only=True,
+                             dtype=getattr(torch, dtype))
+    try:
+        student = load(attn_implementation=attn_implementation)
+    except ValueError as error:
+        if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(error):
+            raise
+        student = load(attn_implementation="eager")
+        student.config._attn_implementation = "sdpa"  # install_attention replaces it with spds's
     student.requires_grad_(False)
     return student.to(device)
 

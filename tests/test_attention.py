@@ -102,22 +102,50 @@ def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypa
     assert [k for k, during in used if during] == ["math"] * layers  # every layer recomputed, on math
 
 
-def test_a_sliding_window_student_is_refused_not_attended_to_in_full():
-    """spds's attention is plain causal attention: a model whose layers attend within a window
-    would otherwise train silently against the wrong attention."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+@pytest.mark.parametrize("queries,keys,window", [(1, 1, 4), (130, 130, 8), (300, 300, 128), (300, 300, 129),
+                                                 (100, 400, 50), (257, 1000, 300), (1000, 1000, 1000)])
+def test_windowed_block_mask_covers_exactly_the_allowed_pairs(queries, keys, window):
+    """flex's block mask for a sliding-window layer: the window's pairs, element by element."""
+    position = np.arange(queries)[:, None] + (keys - queries)
+    allowed = (np.arange(keys)[None] <= position) & (np.arange(keys)[None] > position - window)
+    partial, full = block_sets(attention.windowed_block_mask(queries, keys, window, torch.device("cpu")))
+    assert not partial & full
+    for row in range(-(-queries // BLOCK)):
+        for column in range(-(-keys // BLOCK)):
+            tile = allowed[row * BLOCK:(row + 1) * BLOCK, column * BLOCK:(column + 1) * BLOCK]
+            assert ((row, column) in partial | full) == bool(tile.any()), (row, column)
+            if (row, column) in full:
+                assert tile.shape[1] == BLOCK and tile.all(), (row, column)
 
-    from spds.fsio import SpdsError
 
-    def student(window: bool):
-        return Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, use_sliding_window=window, sliding_window=16, max_window_layers=0,
-            attn_implementation="sdpa"))
+@pytest.mark.numeric
+def test_a_sliding_window_layer_attends_within_its_window(tiny_assets):
+    """A Qwen3 student with sliding-window layers (use_sliding_window): spds's attention gives the
+    loss and prompt gradient of transformers' own eager forward, whose mask holds the window."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
 
-    with pytest.raises(SpdsError, match="sliding window.*attn_implementation to eager"):
-        attention.install(student(window=True))
-    assert attention.install(student(window=False)) is not None
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, sliding_window=5, max_window_layers=0, initializer_range=0.3)
+    config = Qwen3Config(use_sliding_window=True, **shape)
+    torch.manual_seed(0)
+    student = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").requires_grad_(False)
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="eager").requires_grad_(False)
+    plain.load_state_dict(student.state_dict())
+    segment = Segment(ids=torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(1)), prefix_tokens=6,
+                      insert_at=2)
+    prompt = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
+    model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked")), sdpa_backend="math")
+    loss = model([segment])
+    loss.backward()
+    reference_prompt = prompt.clone().requires_grad_()
+    expected = reference_loss(plain, reference_prompt, segment)
+    expected.backward()
+    assert_rounding_close(loss, expected, what="loss")
+    assert_rounding_close(model.prompt.grad, reference_prompt.grad, what="prompt gradient")
+    unwindowed = AutoModelForCausalLM.from_config(Qwen3Config(use_sliding_window=False, **shape),
+                                                  attn_implementation="eager").requires_grad_(False)
+    unwindowed.load_state_dict(student.state_dict())
+    assert abs(float(reference_loss(unwindowed, prompt, segment)) - float(expected)) > 1e-2  # the window binds
 
 
 def test_deterministic_auto_takes_fa4_only_where_it_runs_and_a_named_fa4_elsewhere_is_refused(monkeypatch):
