@@ -199,6 +199,8 @@ class CheckpointPolicy:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = head_dim_of(config)
         self.attn_implementation = config._attn_implementation
+        # a soft-capped layer (Gemma 2) materialises its scores whatever the kernel (spds/attention.py)
+        self.materialised = bool(getattr(config, "attn_logit_softcapping", None))
         self.kernel_at = kernel_at  # padded sequence length -> the SDPA kernel name
         self.budget = budget_gib * 2**30 if budget_gib else None
         self.device = device
@@ -216,6 +218,8 @@ class CheckpointPolicy:
         kernel = self.kernel_at(longest) if implementation in ("sdpa", SPDS_ATTENTION) else implementation
         if packed:
             kernel = packed_kernel(kernel, self.device)
+        if self.materialised:
+            kernel = "eager"  # the scores in the inputs' dtype, their softmax in fp32, as eager keeps them
         kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
         square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
         workspace = 0
