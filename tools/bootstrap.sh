@@ -59,5 +59,12 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 extras=test
 if [ "$gpu" = true ]; then extras=test,gpu; fi
+if [ -z "$lock" ]; then
+  # the newest of everything but torch, which stays the build chosen above (a CPU build here;
+  # an eager upgrade would fetch the registry's default, a multi-GB CUDA build)
+  kept="$venv/.spds-constraints.txt"
+  "$py" -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > "$kept"
+  constraints=(-c "$kept")
+fi
 "${pip[@]}" "${constraints[@]}" -e ".[$extras]"
 echo "$want" > "$stamp"
