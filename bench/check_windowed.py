@@ -20,6 +20,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers import spliced_reference_loss as plain_loss  # noqa: E402  (the tests' plain-transformers reference)
 
 from spds.contract import section  # noqa: E402
 from spds.loss import final_logit_softcap, make_loss  # noqa: E402
@@ -42,15 +45,6 @@ def student_pair(family: str, dtype):
         spds_student.config._attn_implementation = "sdpa"
     spds_student.load_state_dict(plain.state_dict())
     return spds_student.requires_grad_(False), plain.requires_grad_(False)
-
-
-def plain_loss(model, prompt, segment):
-    embeddings = model.get_input_embeddings()(segment.ids)
-    a, length = segment.insert_at, prompt.shape[0]
-    joined = torch.cat([embeddings[:a], prompt.to(embeddings.dtype), embeddings[a:]])[None]
-    logits = model(inputs_embeds=joined).logits[0].float()
-    rows = logits[segment.prefix_tokens + length - 1:len(segment.ids) + length - 1]
-    return torch.nn.functional.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
 
 
 def main() -> None:

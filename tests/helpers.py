@@ -114,6 +114,17 @@ def assert_same_adam_path(actual, expected, learning_rates: list[float], bound: 
     assert error <= allowed, f"{what}: max |difference| {error:.3g} exceeds 2 x {bound:.3g} x sum(lr) = {allowed:.3g}"
 
 
+def spliced_reference_loss(student, prompt, segment) -> torch.Tensor:
+    """The student's own forward over the record's embeddings with `prompt` spliced at its
+    insertion point, logits materialised: the summed CE of its response tokens (no spds code)."""
+    embeddings = student.get_input_embeddings()(segment.ids)
+    a, length = segment.insert_at, prompt.shape[0]
+    joined = torch.cat([embeddings[:a], prompt.to(embeddings.dtype), embeddings[a:]])[None]
+    logits = student(inputs_embeds=joined).logits[0].float()
+    rows = logits[segment.prefix_tokens + length - 1:len(segment.ids) + length - 1]
+    return torch.nn.functional.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny
 from helpers import assert_rounding_close
+from helpers import spliced_reference_loss as reference_loss
 
 from spds import attention
 from spds.contract import section
@@ -32,24 +33,20 @@ def block_sets(mask) -> tuple[set, set]:
                                           (257, 1000), (128, 256), (1000, 1000), (129, 4000)])
 def test_causal_block_mask_covers_exactly_the_allowed_pairs(queries, keys):
     allowed = np.arange(keys)[None] <= np.arange(queries)[:, None] + (keys - queries)  # element by element
-    partial, full = block_sets(attention.causal_block_mask(queries, keys, torch.device("cpu")))
+    assert_visits_exactly(attention.causal_block_mask(queries, keys, torch.device("cpu")), allowed)
+
+
+def assert_visits_exactly(mask, allowed: np.ndarray) -> None:
+    """Every block with an allowed pair is visited; a block skips the mask only when whole and all allowed."""
+    partial, full = block_sets(mask)
     assert not partial & full
+    queries, keys = allowed.shape
     for row in range(-(-queries // BLOCK)):
         for column in range(-(-keys // BLOCK)):
             tile = allowed[row * BLOCK:(row + 1) * BLOCK, column * BLOCK:(column + 1) * BLOCK]
-            # every block with an allowed pair is visited; a block skips the mask only when whole and all allowed
             assert ((row, column) in partial | full) == bool(tile.any()), (row, column)
             if (row, column) in full:
                 assert tile.shape[1] == BLOCK and tile.all(), (row, column)
-
-
-def reference_loss(student, prompt, segment):
-    embeddings = student.get_input_embeddings()(segment.ids)
-    a, P = segment.insert_at, prompt.shape[0]
-    joined = torch.cat([embeddings[:a], prompt, embeddings[a:]])[None]
-    logits = student(inputs_embeds=joined).logits[0].float()
-    rows = logits[segment.prefix_tokens + P - 1:len(segment.ids) + P - 1]
-    return torch.nn.functional.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
 
 
 @pytest.mark.numeric
@@ -108,14 +105,7 @@ def test_windowed_block_mask_covers_exactly_the_allowed_pairs(queries, keys, win
     """flex's block mask for a sliding-window layer: the window's pairs, element by element."""
     position = np.arange(queries)[:, None] + (keys - queries)
     allowed = (np.arange(keys)[None] <= position) & (np.arange(keys)[None] > position - window)
-    partial, full = block_sets(attention.windowed_block_mask(queries, keys, window, torch.device("cpu")))
-    assert not partial & full
-    for row in range(-(-queries // BLOCK)):
-        for column in range(-(-keys // BLOCK)):
-            tile = allowed[row * BLOCK:(row + 1) * BLOCK, column * BLOCK:(column + 1) * BLOCK]
-            assert ((row, column) in partial | full) == bool(tile.any()), (row, column)
-            if (row, column) in full:
-                assert tile.shape[1] == BLOCK and tile.all(), (row, column)
+    assert_visits_exactly(attention.windowed_block_mask(queries, keys, window, torch.device("cpu")), allowed)
 
 
 @pytest.mark.numeric

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_rounding_close
+from helpers import spliced_reference_loss as plain_loss
 
 from spds.contract import section
 from spds.loss import final_logit_softcap, make_loss
@@ -29,16 +30,6 @@ def save_family(directory: Path, family: str, vocab_size: int = VOCAB, eos: int 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
-
-
-def plain_loss(model, prompt, segment: Segment):
-    """The student's own forward over the spliced embeddings: summed CE of the response tokens."""
-    embeddings = model.get_input_embeddings()(segment.ids)
-    a, length = segment.insert_at, prompt.shape[0]
-    joined = torch.cat([embeddings[:a], prompt, embeddings[a:]])[None]
-    logits = model(inputs_embeds=joined).logits[0].float()
-    rows = logits[segment.prefix_tokens + length - 1:len(segment.ids) + length - 1]
-    return torch.nn.functional.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
 
 
 @pytest.fixture(scope="module")
