@@ -82,7 +82,8 @@ def load_student(model_path, dtype: str, attn_implementation: str, device: torch
         if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(error):
             raise
         student = load(attn_implementation="eager")
-        student.config._attn_implementation = "sdpa"  # install_attention replaces it with spds's
+        student.config._attn_implementation = "sdpa"
+        install_attention(student)  # spds's from the start: transformers' own sdpa path refuses the cap
     student.requires_grad_(False)
     return student.to(device)
 

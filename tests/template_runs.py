@@ -5,7 +5,8 @@
 For each case: a tiny random student of the template's decoder family (or FAMILY;
 tests/fixtures/models) with a tokenizer holding the template and its tokens (tests/fixtures/templates),
 teacher rows in both forms (token rows as a teacher writes them, chat rows spds renders), then
-prepare -> smoke -> train -> eval -> export -> an answer through spds.export.generate, through
+prepare -> smoke -> train -> eval -> export -> an answer through spds.export.generate and
+spds sample's three views of two held-out questions, through
 spds's library functions (the CLI's own verbs are tested elsewhere; one process keeps dozens of
 runs to seconds each). Writes OUT/results.json: per case, what each step reported.
 """
@@ -63,6 +64,7 @@ def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     from spds.evaluate import evaluate
     from spds.export import export, generate, load_soft_prompt
     from spds.model import load_student
+    from spds.sample import answers
     from spds.train import run
 
     directory = out / f"{name}-{placement}-{family}"
@@ -103,6 +105,7 @@ def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     student = load_student(loaded.model_path, "float32", attention, torch.device("cpu"))
     result["answer"] = generate(student, tokenizer, prompt, metadata, [{"role": "user", "content": "Tell me more."}],
                                 max_new_tokens=3, do_sample=False)
+    result["samples"] = answers(loaded, 2, max_new_tokens=3, student=student)  # spds sample's three views
     return result
 
 

@@ -174,8 +174,8 @@ LOOP_CASES = [f"{name}:{placement}" for name, placement in CASES] + ["chatml:pre
 @pytest.mark.slow
 @pytest.mark.parametrize("half", [0, 1])
 def test_the_whole_loop_runs_for_every_template_and_placement(tmp_path, half):
-    """prepare -> smoke -> train -> eval -> export -> an answer, on a tiny student with each
-    family's tokenizer; the prompt in the packed rows sits where the expectations above say."""
+    """prepare -> smoke -> train -> eval -> export -> an answer -> sample, on a tiny student with
+    each family's tokenizer; the prompt in the packed rows sits where the expectations above say."""
     import math
     import subprocess
     import sys
@@ -197,6 +197,7 @@ def test_the_whole_loop_runs_for_every_template_and_placement(tmp_path, half):
         assert result["smoke"] == "complete" and result["train"] == "complete", case
         assert all(math.isfinite(result["nll"][k]) for k in ("floor", "soft", "ceiling")), case
         assert isinstance(result["answer"], str), case
+        assert len(result["samples"]) == 2 and all(row["context"] is not None for row in result["samples"]), case
         assert result["counts"][{"system": "existing_system", "first_user": "first_user_placement",
                                  "prefix": "prefix_placement"}[placement]] or result["counts"]["added_empty_system"]
 
