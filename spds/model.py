@@ -40,12 +40,28 @@ class Segment:
     prefix_tokens: int
     insert_at: int
     index: int = -1  # the record's index in the packed store (-1: not from one)
-    top_ids: torch.Tensor | None = None  # int64 [L - prefix_tokens, K]: an offline teacher's top-k (if packed)
+    top_ids: torch.Tensor | None = None  # int64 [supervised tokens, K]: an offline teacher's top-k (if packed)
     top_logprobs: torch.Tensor | None = None  # float32, the same shape
+    # [start, end) of each supervised run when a record trains several assistant turns; None: the
+    # one run from prefix_tokens to its end
+    spans: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        return self.spans or ((self.prefix_tokens, len(self.ids)),)
 
     @property
     def supervised_tokens(self) -> int:
-        return len(self.ids) - self.prefix_tokens
+        return sum(end - start for start, end in self.runs)
+
+    def supervised_rows(self, states: torch.Tensor, offset: int) -> torch.Tensor:
+        """The rows of `states` that predict the supervised tokens: row r + offset predicts ids[r + 1]."""
+        runs = [states[start + offset - 1:end + offset - 1] for start, end in self.runs]
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
+
+    def supervised_ids(self) -> torch.Tensor:
+        runs = [self.ids[start:end] for start, end in self.runs]
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
 def load_segments(store, records: list[int], device: torch.device) -> dict[int, Segment]:
@@ -60,7 +76,7 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
 
     ids = to_device([store.ids(i) for i in records])
     segments = {i: Segment(ids=own, prefix_tokens=int(store.prefix_tokens[i]), insert_at=int(store.insert_at[i]),
-                           index=int(i)) for i, own in zip(records, ids)}
+                           index=int(i), spans=store.spans.get(int(i))) for i, own in zip(records, ids)}
     if store.top_k:  # an offline teacher's top-k: [supervised tokens, K] per record, likewise in one copy each
         tops = [store.top_k_of(i) for i in records]
         for i, top_ids, top_logprobs in zip(records, to_device([t[0] for t in tops]), to_device([t[1] for t in tops])):
@@ -411,9 +427,8 @@ class SoftPromptModel(nn.Module):
         P = block.shape[0]
         rows, targets = [], []
         for segment, hidden in zip(segments, self.hidden_states(segments, block, checkpoint_positions)):
-            L = len(segment.ids)
-            rows.append(hidden[segment.prefix_tokens + P - 1:L + P - 1])
-            targets.append(segment.ids[segment.prefix_tokens:])
+            rows.append(segment.supervised_rows(hidden, P))  # the prompt's P rows precede every response token
+            targets.append(segment.supervised_ids())
         return torch.cat(rows), torch.cat(targets)
 
     def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None,

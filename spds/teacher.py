@@ -121,8 +121,8 @@ class ContextTeacher:
         # tensor, so the prefix's own keys and values were never written to: put them back.
         for layer, (keys, values) in zip(cache.layers, prefix_states):
             layer.keys, layer.values = keys, values
-        # Row r predicts x[a + r]: the response tokens x[prefix_tokens:] are rows prefix_tokens - a onwards.
-        return hidden[segment.prefix_tokens - a:len(segment.ids) - a]
+        # Row r predicts x[a + r] (row 0 is the context's last token): token x[t] is row t - a.
+        return segment.supervised_rows(hidden, 1 - a)
 
     def forward(self, embeddings: torch.Tensor, start: int, cache):
         """(final hidden states, the cache) of `embeddings` at positions start.., after `cache`."""

@@ -37,6 +37,7 @@ def test_a_template_with_a_default_system_prompt_keeps_it_for_the_soft_prompt_to
 def test_chat_form_renders_like_the_template():
     tokenizer = make_tiny.chatml_tokenizer()
     messages = [{"role": "user", "content": "Why?"}]
-    ids, prefix = render_chat_row(tokenizer, messages, "Because.", [tokenizer.eos_token_id], {})
+    ids, prefix, spans = render_chat_row(tokenizer, messages, "Because.", [tokenizer.eos_token_id], {})
+    assert spans is None  # one assistant turn: one run, to the end
     assert ids[:prefix] == render(tokenizer, messages, True, {})
     assert tokenizer.decode(ids[prefix:]) == "Because.<|im_end|>"

@@ -28,7 +28,7 @@ def test_packed_tokens_equal_source_tokens_plus_scaffold(tiny):
         source = row.get("input_ids")
         if source is None:  # chat form: rendered by the template
             from spds.data.chat import render_chat_row
-            source, _ = render_chat_row(tokenizer, row["messages"], row["response"], [tokenizer.eos_token_id], {})
+            source, _, _ = render_chat_row(tokenizer, row["messages"], row["response"], [tokenizer.eos_token_id], {})
         if entry["added_system"]:
             assert ids == header + close + source
         else:

@@ -238,25 +238,38 @@ def tokenizer_identity(tokenizer) -> str:
 
 
 def render_chat_row(tokenizer, messages: list[dict], response: str, end_ids: list[int],
-                    template_kwargs: dict) -> tuple[list[int], int]:
-    """Token ids and prefix length of a chat-form row, exactly as the chat template renders them.
-
-    The response is rendered as the assistant turn that follows the generation prompt; the ids
-    end at the first end-of-turn token after the prompt (what the teacher emitted last). A
-    reasoning template (DeepSeek-R1's) opens its generation prompt with a thought ("<think>\n")
-    that its rendering of a finished assistant turn drops: there the row is the generation prompt,
-    the response's tokens as the teacher emitted them after it, and the template's turn end."""
-    prompt = render(tokenizer, messages, True, template_kwargs)
-    full = render(tokenizer, [*messages, {"role": "assistant", "content": response}], False, template_kwargs)
+                    template_kwargs: dict) -> tuple[list[int], int, tuple | None]:
+    """Token ids, prefix length and supervised runs of a chat-form row, exactly as the chat
+    template renders them: every assistant turn (those in `messages` and the final `response`)
+    is supervised, from the end of its generation prompt to its first end-of-turn token; the runs
+    are None for one turn. A reasoning template (DeepSeek-R1's) opens its generation prompt with
+    a thought ("<think>\n") that its rendering of a finished assistant turn drops: there a
+    one-turn row is the generation prompt, the response's tokens as the teacher emitted them
+    after it, and the template's turn end."""
+    conversation = [*messages, {"role": "assistant", "content": response}]
+    turns = [k for k, message in enumerate(conversation) if message.get("role") == "assistant"]
+    full = render(tokenizer, conversation, False, template_kwargs)
     ends = set(end_ids)
-    if full[:len(prompt)] != prompt:
-        before = render(tokenizer, messages, False, template_kwargs)  # the conversation so far, no opening
-        end = next((t for t in full[len(before):] if t in ends), None)
-        if full[:len(before)] != before or prompt[:len(before)] != before or end is None:
-            raise ValueError("chat template renders the assistant turn differently from the generation prompt "
-                             f"(prompt {_show(tokenizer, prompt)}, conversation {_show(tokenizer, full)})")
-        return prompt + tokenizer.encode(response, add_special_tokens=False) + [end], len(prompt)
-    end = next((i for i in range(len(prompt), len(full)) if full[i] in ends), None)
-    if end is None or end == len(prompt):
-        raise ValueError("rendered response has no end-of-turn token or is empty")
-    return full[:end + 1], len(prompt)
+    spans = []
+    for k in turns:
+        opening = render(tokenizer, conversation[:k], True, template_kwargs)
+        if full[:len(opening)] != opening:
+            if len(turns) == 1:
+                return _reasoning_row(tokenizer, messages, response, opening, full, ends, template_kwargs)
+            raise ValueError(f"chat template renders assistant turn {len(spans) + 1} differently from its generation "
+                             f"prompt (prompt {_show(tokenizer, opening)}, conversation {_show(tokenizer, full)}): "
+                             "give this conversation as a token row")
+        end = next((i for i in range(len(opening), len(full)) if full[i] in ends), None)
+        if end is None or end == len(opening):
+            raise ValueError(f"rendered assistant turn {len(spans) + 1} has no end-of-turn token or is empty")
+        spans.append((len(opening), end + 1))
+    return full[:spans[-1][1]], spans[0][0], (tuple(spans) if len(spans) > 1 else None)
+
+
+def _reasoning_row(tokenizer, messages, response, prompt, full, ends, template_kwargs):
+    before = render(tokenizer, messages, False, template_kwargs)  # the conversation so far, no opening
+    end = next((t for t in full[len(before):] if t in ends), None)
+    if full[:len(before)] != before or prompt[:len(before)] != before or end is None:
+        raise ValueError("chat template renders the assistant turn differently from the generation prompt "
+                         f"(prompt {_show(tokenizer, prompt)}, conversation {_show(tokenizer, full)})")
+    return prompt + tokenizer.encode(response, add_special_tokens=False) + [end], len(prompt), None

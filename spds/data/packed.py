@@ -66,6 +66,8 @@ class PackedWriter:
                      supervised_tokens=record.supervised_tokens, insert_at=record.insert_at,
                      response_sha256=record.response_sha256, crc32=zlib.crc32(data), added_system=record.added_system,
                      split=split, source=record.source)
+        if record.spans is not None:  # several supervised runs (assistant turns): [start, end) each
+            entry["spans"] = [list(span) for span in record.spans]
         top_k_crc32 = self.add_top_k(record)
         if top_k_crc32 is not None:
             entry.update(top_k_offset=self.top_offset - record.supervised_tokens, top_k_crc32=top_k_crc32)
@@ -149,6 +151,7 @@ class PackedStore:
     insert_at: np.ndarray
     crc32: np.ndarray
     is_train: np.ndarray
+    spans: dict = None  # record -> its supervised runs, for records with several (the rest: prefix to end)
     top_k: int = 0  # K of the packed top-k log-probabilities; 0: none
     top_k_offset: np.ndarray | None = None
     top_k_crc32: np.ndarray | None = None
@@ -163,6 +166,7 @@ class PackedStore:
         names = ["offset", "length", "prefix_tokens", "supervised_tokens", "insert_at", "crc32"]
         columns = {k: np.empty(n, dtype=np.int64) for k in names + (["top_k_offset", "top_k_crc32"] if top_k else [])}
         is_train = np.empty(n, dtype=bool)
+        spans = {}
         with open(directory / INDEX) as stream:
             for i, line in enumerate(stream):
                 entry = json.loads(line)
@@ -172,10 +176,12 @@ class PackedStore:
                 for key, column in columns.items():
                     column[i] = entry[key]
                 is_train[i] = entry["split"] == "train"
+                if "spans" in entry:
+                    spans[i] = tuple(tuple(span) for span in entry["spans"])
         tokens_file = open(directory / TOKENS, "rb")
         top_files = tuple(open(directory / name, "rb") for name in (TOP_IDS, TOP_LOGPROBS)) if top_k else ()
-        return cls(directory=directory, manifest=manifest, tokens_file=tokens_file, is_train=is_train, top_k=top_k,
-                   top_files=top_files, **columns)
+        return cls(directory=directory, manifest=manifest, tokens_file=tokens_file, is_train=is_train, spans=spans,
+                   top_k=top_k, top_files=top_files, **columns)
 
     def __len__(self) -> int:
         return len(self.offset)

@@ -32,10 +32,11 @@ class Record:
     source: str  # "file:line"
     top_ids: np.ndarray | None = None  # int32 [supervised tokens, k]: an offline teacher's top-k
     top_logprobs: np.ndarray | None = None  # float32, the same shape
+    spans: tuple[tuple[int, int], ...] | None = None  # several supervised runs (assistant turns); None: one
 
     @property
     def supervised_tokens(self) -> int:
-        return len(self.ids) - self.prefix_tokens
+        return sum(e - s for s, e in self.spans) if self.spans else len(self.ids) - self.prefix_tokens
 
 
 @dataclass(frozen=True)
@@ -98,21 +99,31 @@ def _check(condition: bool, rule: str, detail: str) -> None:
         raise ValueError(f"rule '{rule}': {detail}")
 
 
-def token_row(row: dict) -> tuple[np.ndarray, int]:
+def token_row(row: dict) -> tuple[np.ndarray, int, tuple | None]:
+    """(ids, prefix_tokens, spans): the supervised runs are where labels are the ids (every
+    assistant turn of a conversation), -100 elsewhere; spans None for the one run to the end."""
     ids = np.asarray(row["input_ids"], dtype=np.int64)
     prefix = row["prefix_tokens"]
     labels = np.asarray(row["labels"], dtype=np.int64)
     _check(prefix < len(ids), "non-empty supervision", f"prefix_tokens {prefix} leaves no response in {len(ids)} ids")
-    _check(row["supervised_tokens"] == len(ids) - prefix, "supervised_tokens consistent",
-           f"supervised_tokens {row['supervised_tokens']} != len(input_ids) - prefix_tokens = {len(ids) - prefix}")
-    expected = ids.copy()
-    expected[:prefix] = -100
-    if len(labels) != len(ids) or not np.array_equal(labels, expected):
-        where = ("length differs" if len(labels) != len(ids)
-                 else f"first difference at position {int(np.flatnonzero(labels != expected)[0])}")
-        raise ValueError("rule 'labels mask': labels must equal [-100]*prefix_tokens + input_ids[prefix_tokens:] "
-                         f"({where})")
-    return ids, prefix
+    _check(len(labels) == len(ids), "labels mask", f"labels hold {len(labels)} entries for {len(ids)} input_ids")
+    supervised = labels != -100
+    wrong = np.flatnonzero(supervised & (labels != ids))
+    _check(not len(wrong), "labels mask", f"labels must be -100 or the input_id at each position (first difference "
+           f"at position {int(wrong[0]) if len(wrong) else 0})")
+    first = int(np.argmax(supervised)) if supervised.any() else len(ids)
+    _check(first == prefix and not supervised[:prefix].any(), "labels mask",
+           f"prefix_tokens {prefix} must be the first supervised position (labels first differ from -100 at {first})")
+    _check(row["supervised_tokens"] == int(supervised.sum()), "supervised_tokens consistent",
+           f"supervised_tokens {row['supervised_tokens']} != the {int(supervised.sum())} positions labels supervise")
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], supervised, [False]]).astype(np.int8)))
+    spans = tuple(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+    return ids, prefix, (spans if len(spans) > 1 or spans[0][1] != len(ids) else None)
+
+
+def shifted(spans: tuple | None, by: int) -> tuple | None:
+    """Supervised runs after `by` tokens were inserted before them (removed, if negative)."""
+    return None if spans is None else tuple((start + by, end + by) for start, end in spans)
 
 
 def place(ids: np.ndarray, prefix: int, rules: RowRules) -> tuple[np.ndarray, int, int, bool]:
@@ -159,26 +170,31 @@ def _find(ids: np.ndarray, needle: list[int], start: int, stop: int) -> int | No
 
 def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
     if "messages" in row:
-        ids_list, prefix = render_chat_row(tokenizer, row["messages"], row["response"], sorted(rules.end_ids),
-                                           rules.template_kwargs)
+        ids_list, prefix, spans = render_chat_row(tokenizer, row["messages"], row["response"], sorted(rules.end_ids),
+                                                  rules.template_kwargs)
         ids = np.asarray(ids_list, dtype=np.int64)
         response_sha256 = hashlib.sha256(row["response"].encode()).hexdigest()
         inner = set(tokenizer.encode(row["response"], add_special_tokens=False)) & rules.end_ids
         _check(not inner, "response text", f"the response holds end-of-turn token(s) {sorted(inner)} as text; the "
                "template would end the turn there and drop the rest, while response_sha256 covers all of it")
     else:
-        ids, prefix = token_row(row)
+        ids, prefix, spans = token_row(row)
         response_sha256 = row["response_sha256"]
     _check(int(ids.max()) < rules.vocab_size, "token ids in vocabulary",
            f"id {int(ids.max())} >= vocabulary size {rules.vocab_size}")
     _check(int(ids[-1]) in rules.end_ids, "ends with end-of-turn",
            f"last id {int(ids[-1])} is not an end token {sorted(rules.end_ids)}")
+    for start, end in spans or ():  # every assistant turn ends its own turn
+        _check(int(ids[end - 1]) in rules.end_ids, "ends with end-of-turn",
+               f"the supervised run at {start}..{end - 1} ends with id {int(ids[end - 1])}, not an end token "
+               f"{sorted(rules.end_ids)}")
+    supervised = sum(e - s for s, e in spans) if spans else len(ids) - prefix
     _check("top_logprobs" in row or not rules.require_top_k, "top-k for an offline teacher",
            "loss.objective is kl or mix with an offline teacher (loss.teacher top_k, or auto without a context), "
            "and this row carries no top_logprobs")
-    top_ids, top_logprobs = top_k_of(row["top_logprobs"], len(ids) - prefix, rules) if "top_logprobs" in row else (
-        None, None)
-    ids, prefix, insert_at, added = place(ids, prefix, rules)
+    top_ids, top_logprobs = top_k_of(row["top_logprobs"], supervised, rules) if "top_logprobs" in row else (None, None)
+    placed, placed_prefix, insert_at, added = place(ids, prefix, rules)
+    ids, prefix, spans = placed, placed_prefix, shifted(spans, placed_prefix - prefix)
     total = len(ids) + rules.prompt_length
     _check(total <= rules.context_limit, "context limit",
            f"{len(ids)} tokens + {rules.prompt_length} soft-prompt tokens = {total} > "
@@ -186,7 +202,7 @@ def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
     return Record(request_id=row["request_id"], question_id=row["question_id"], sample_index=row["sample_index"],
                   ids=ids.astype(np.uint32), prefix_tokens=prefix, insert_at=insert_at,
                   response_sha256=response_sha256, added_system=added, source=source, top_ids=top_ids,
-                  top_logprobs=top_logprobs)
+                  top_logprobs=top_logprobs, spans=spans)
 
 
 MAX_TOP_K = 64

@@ -1,0 +1,139 @@
+"""Conversations with several assistant turns: every assistant turn is trained, and the loss
+counts exactly the supervised tokens. References: the labels themselves (-100 elsewhere) and a
+plain transformers forward, no spds code."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import edit_config, make_tiny
+from helpers import FAST, assert_rounding_close, check, spds
+
+from spds.contract import load_config, section
+from spds.data.chat import render
+from spds.data.packed import PackedStore
+from spds.loss import make_loss
+from spds.model import Segment, SoftPromptModel, load_student
+
+CONVERSATION = [{"role": "user", "content": "Where is the comet?"}, {"role": "assistant", "content": "Far away."},
+                {"role": "user", "content": "And the harbor?"}]
+FINAL = "By the sea. Archived."
+
+
+def two_turn_token_row(tokenizer, request_id: str) -> dict:
+    """A token row as a trainer of multi-turn data writes it: labels -100 but on the assistant turns."""
+    first = render(tokenizer, CONVERSATION[:1], True, {})
+    answer = tokenizer.encode("Far away.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    second = render(tokenizer, CONVERSATION, True, {})[len(first) + len(answer):]  # "\n<|im_start|>user..."
+    final = tokenizer.encode(FINAL, add_special_tokens=False) + [tokenizer.eos_token_id]
+    ids = first + answer + second + final
+    labels = [-100] * len(first) + answer + [-100] * len(second) + final
+    return dict(request_id=request_id, question_id=request_id, sample_index=0, input_ids=ids, prefix_tokens=len(first),
+                labels=labels, supervised_tokens=len(answer) + len(final),
+                response_sha256=hashlib.sha256(FINAL.encode()).hexdigest())
+
+
+def test_every_assistant_turn_is_packed_as_a_supervised_run(tiny):
+    tokenizer = make_tiny.chatml_tokenizer()
+    rows = [two_turn_token_row(tokenizer, "t0"),
+            dict(request_id="c0", question_id="c0", sample_index=0, messages=CONVERSATION, response=FINAL)]
+    (tiny / "turns.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    edit_config(tiny, **FAST, data={"candidates": [{"path": "turns.jsonl"}], "packed_dir": "packed-turns"})
+    check(spds(["prepare", "config.json"], tiny))
+    store = PackedStore.open(tiny / "packed-turns")
+    for i, row in enumerate(rows):
+        ids = store.ids(i)
+        supervised = "".join(tokenizer.decode(ids[s:e].tolist()) for s, e in store.spans[i])
+        assert supervised == "Far away.<|im_end|>By the sea. Archived.<|im_end|>", row["request_id"]
+        assert int(store.supervised_tokens[i]) == sum(e - s for s, e in store.spans[i])
+        assert tokenizer.decode(ids[:int(store.insert_at[i])].tolist()) == "<|im_start|>system\n"
+    # the chat row renders to the token row's ids, once the empty system message is in both
+    assert store.ids(0).tolist() == store.ids(1).tolist() and store.spans[0] == store.spans[1]
+
+
+@pytest.mark.parametrize("labels,rule", [
+    (lambda r: r["labels"].__setitem__(len(r["labels"]) - 3, 7), "labels must be -100 or the input_id"),
+    (lambda r: r.__setitem__("supervised_tokens", r["supervised_tokens"] + 1), "supervised_tokens consistent"),
+])
+def test_a_multi_turn_row_whose_labels_do_not_hold_is_refused(tiny, labels, rule):
+    row = two_turn_token_row(make_tiny.chatml_tokenizer(), "t0")
+    labels(row)
+    (tiny / "turns.jsonl").write_text(json.dumps(row) + "\n")
+    edit_config(tiny, data={"candidates": [{"path": "turns.jsonl"}], "packed_dir": "packed-turns"})
+    result = spds(["prepare", "config.json"], tiny)
+    assert result.returncode == 1 and "turns.jsonl:1: request_id t0" in result.stderr and rule in result.stderr
+
+
+def test_an_assistant_turn_that_does_not_end_its_turn_is_refused(tiny):
+    tokenizer = make_tiny.chatml_tokenizer()
+    row = two_turn_token_row(tokenizer, "t0")
+    first_end = row["labels"].index(tokenizer.eos_token_id)
+    row["labels"][first_end] = -100  # the first run now stops before its <|im_end|>
+    row["supervised_tokens"] -= 1
+    (tiny / "turns.jsonl").write_text(json.dumps(row) + "\n")
+    edit_config(tiny, data={"candidates": [{"path": "turns.jsonl"}], "packed_dir": "packed-turns"})
+    result = spds(["prepare", "config.json"], tiny)
+    assert result.returncode == 1 and "rule 'ends with end-of-turn'" in result.stderr
+    assert "the supervised run at" in result.stderr
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_loss_counts_exactly_the_supervised_tokens_of_every_turn(tiny_assets, packed):
+    """spds's loss and prompt gradient over two multi-turn records and one single-turn record
+    equal CE over the positions whose labels are not -100, from a plain transformers forward."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = make_tiny.chatml_tokenizer()
+    row = two_turn_token_row(tokenizer, "t0")
+    ids = torch.tensor(row["input_ids"])
+    labels = torch.tensor(row["labels"])
+    supervised = (labels != -100).numpy()
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], supervised.astype(np.int8), [0]])))
+    spans = tuple(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+    segments = [Segment(ids=ids, prefix_tokens=row["prefix_tokens"], insert_at=0, spans=spans),
+                Segment(ids=ids, prefix_tokens=row["prefix_tokens"], insert_at=3, spans=spans),
+                Segment(ids=ids[:spans[0][1]], prefix_tokens=row["prefix_tokens"], insert_at=3)]
+    student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_assets / "student", dtype=torch.float32).requires_grad_(False)
+    prompt = torch.randn(4, student.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.3
+    model = SoftPromptModel(student, prompt.clone(), make_loss(section("loss", kernel="chunked")), sdpa_backend="math",
+                            packed=packed)
+    loss = model(segments)
+    loss.backward()
+    reference = prompt.clone().requires_grad_()
+    expected = 0
+    for segment in segments:
+        embeddings = plain.get_input_embeddings()(segment.ids)
+        a = segment.insert_at
+        joined = torch.cat([embeddings[:a], reference, embeddings[a:]])[None]
+        logits = plain(inputs_embeds=joined).logits[0]
+        # labels with the prompt's positions unsupervised, shifted by one: the plain recipe
+        own = labels[:len(segment.ids)].clone() if segment.spans else torch.cat(
+            [torch.full((segment.prefix_tokens,), -100), segment.ids[segment.prefix_tokens:]])
+        spliced = torch.cat([own[:a], torch.full((4,), -100), own[a:]])
+        expected = expected + torch.nn.functional.cross_entropy(logits[:-1], spliced[1:], reduction="sum")
+    expected.backward()
+    assert sum(s.supervised_tokens for s in segments) == 2 * int(supervised.sum()) + spans[0][1] - spans[0][0]
+    assert_rounding_close(loss, expected, what="loss")
+    assert_rounding_close(model.prompt.grad, reference.grad, what="prompt gradient")
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_trains_and_resumes_from_what_it_packed(tiny):
+    """smoke and train over conversations with two assistant turns each, with the context teacher
+    (kl): the packed runs reach the loss, the token counts of every update add up."""
+    tokenizer = make_tiny.chatml_tokenizer()
+    rows = [two_turn_token_row(tokenizer, f"t{i}") for i in range(8)]
+    (tiny / "turns.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2, "effective_batch": 4}},
+                data={"candidates": [{"path": "turns.jsonl"}], "packed_dir": "packed-turns"},
+                loss={"objective": "mix", "reuse_context_kv": True}, context={"text": make_tiny.CONTEXT})
+    check(spds(["prepare", "config.json"], tiny))
+    check(spds(["train", "config.json"], tiny))
+    lines = [json.loads(line) for line in (tiny / "run" / "metrics.jsonl").read_text().splitlines()]
+    store = PackedStore.open(load_config(tiny / "config.json").packed_dir)
+    assert [m["supervised_tokens"] for m in lines] == [4 * int(store.supervised_tokens[0])] * 2
