@@ -5,7 +5,8 @@ go: as the system message ([system: context] + the question's messages), or, for
 first_user and templates without a system role (Gemma 2), at the start of the first user turn
 ("context\n\nquestion", as Gemma 3's and Mistral's templates fold a system text). The row
 records what the *student* will see: the question rendered by the student's chat template
-WITHOUT the context, then the teacher's response ids, ending in an end-of-turn token. Requests
+WITHOUT the context, then the teacher's response ids, ending in an end-of-turn token; a question of
+several user turns is answered turn by turn and its row supervises every answer. Requests
 are batched in a fixed order with a seed per batch, so a run is deterministic, and resuming
 (request_ids already in the output are skipped; a half-written last line is cut) regenerates
 only what is missing, with the same result.
@@ -94,14 +95,18 @@ def generate(config: Config, log=print) -> dict:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
                 continue
-            prompts, responses = answer(teacher, tokenizer, batch, context, context_in_user_turn, settings, end_ids,
-                                        kwargs, seed=settings.seed + number)
-            for request, prompt, response in zip(batch, prompts, responses):
+            turns = answer_turns(teacher, tokenizer, batch, context, context_in_user_turn, settings, end_ids, kwargs,
+                                 seed=settings.seed + number)
+            for request, asked in zip(batch, turns):
                 if request["request_id"] in done:
                     continue
-                row = candidate_row(tokenizer, request, response, end_ids, kwargs)
+                responses = [response for _, response in asked]
+                row = (candidate_row(tokenizer, request, responses[0], end_ids, kwargs) if len(asked) == 1 else
+                       multi_turn_row(tokenizer, request, responses, end_ids, kwargs))
                 if settings.top_k_logprobs:
-                    row["top_logprobs"] = teacher_top_k(teacher, prompt, response, settings.top_k_logprobs)
+                    tops = [teacher_top_k(teacher, prompt, response, settings.top_k_logprobs)
+                            for prompt, response in asked]
+                    row["top_logprobs"] = {key: [v for top in tops for v in top[key]] for key in ("ids", "logprobs")}
                 stream.write(json.dumps(row) + "\n")
                 written += 1
             stream.flush()
@@ -131,6 +136,74 @@ def answer(teacher, tokenizer, batch: list[dict], context: str, context_in_user_
         end = next((i for i, t in enumerate(row) if t in end_ids), None)
         responses.append(row[:end + 1] if end is not None else row + [end_ids[0]])  # cut at max_new_tokens: close it
     return prompts, responses
+
+
+TURN_SEED_STRIDE = 1_000_003  # turn t of a batch samples with seed + t * stride: its own stream, reproducible
+
+
+def user_turns(messages: list[dict]) -> list[int]:
+    return [i for i, message in enumerate(messages) if message["role"] == "user"]
+
+
+def answer_turns(teacher, tokenizer, batch: list[dict], context: str, context_in_user_turn: bool, settings,
+                 end_ids: list[int], kwargs: dict, seed: int) -> list[list[tuple[list[int], list[int]]]]:
+    """For each request, (the teacher's prompt ids, its answer ids) for each of its user turns, in
+    order: a question of several user turns is answered turn by turn, each turn asked with the
+    teacher's earlier answers in the conversation (as text)."""
+    asked = [[] for _ in batch]
+    for turn in range(max(len(user_turns(r["messages"])) for r in batch)):
+        active = [i for i, r in enumerate(batch) if len(user_turns(r["messages"])) > turn]
+        conversations = [conversation_through(batch[i]["messages"], turn, asked[i], tokenizer) for i in active]
+        prompts, responses = answer(teacher, tokenizer, [dict(messages=c) for c in conversations], context,
+                                    context_in_user_turn, settings, end_ids, kwargs,
+                                    seed=seed + turn * TURN_SEED_STRIDE)
+        for i, prompt, response in zip(active, prompts, responses):
+            asked[i].append((prompt, response))
+    return asked
+
+
+def conversation_through(messages: list[dict], turn: int, asked: list, tokenizer) -> list[dict]:
+    """The question's messages through its `turn`-th user message, each earlier user turn followed
+    by the teacher's answer to it."""
+    through = user_turns(messages)[turn]
+    conversation, answered = [], 0
+    for index, message in enumerate(messages[:through + 1]):
+        conversation.append(message)
+        if message["role"] == "user" and index < through:
+            conversation.append({"role": "assistant", "content": tokenizer.decode(asked[answered][1][:-1])})
+            answered += 1
+    return conversation
+
+
+def multi_turn_row(tokenizer, request: dict, responses: list[list[int]], end_ids: list[int], kwargs: dict) -> dict:
+    """A token row of a conversation answered turn by turn: the student's view of each turn's
+    opening (the template's tokens, without the context) and the teacher's exact answer ids,
+    labels on the answers only."""
+    ends = set(end_ids)
+    ids, labels, before = [], [], []
+    for turn, response in enumerate(responses):
+        conversation = conversation_through(request["messages"], turn, [(None, r) for r in responses], tokenizer)
+        opening = render(tokenizer, conversation, True, kwargs)
+        if opening[:len(before)] != before:
+            raise SpdsError(f"request {request['request_id']}: the chat template renders the conversation's earlier "
+                            f"turns differently once turn {turn + 1} follows them; ask these questions one turn each")
+        new = opening[len(before):]
+        if turn:  # the template's tokens of the previous answer, up to its end token, are the teacher's instead
+            end = next((i for i, t in enumerate(new) if t in ends), None)
+            if end is None:
+                raise SpdsError(f"request {request['request_id']}: the chat template renders the teacher's answer to "
+                                f"turn {turn} with no end-of-turn token")
+            new = new[end + 1:]
+        if not turn:
+            prefix = len(opening)
+        ids += new + response
+        labels += [-100] * len(new) + response
+        before = opening
+    text = tokenizer.decode(responses[-1][:-1])
+    return dict(request_id=request["request_id"], question_id=request["question_id"],
+                sample_index=request["sample_index"], input_ids=ids, prefix_tokens=prefix, labels=labels,
+                supervised_tokens=sum(len(r) for r in responses),
+                response_sha256=hashlib.sha256(text.encode()).hexdigest())
 
 
 def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list[dict]:

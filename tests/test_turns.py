@@ -137,3 +137,51 @@ def test_a_multi_turn_run_trains_and_resumes_from_what_it_packed(tiny):
     lines = [json.loads(line) for line in (tiny / "run" / "metrics.jsonl").read_text().splitlines()]
     store = PackedStore.open(load_config(tiny / "config.json").packed_dir)
     assert [m["supervised_tokens"] for m in lines] == [4 * int(store.supervised_tokens[0])] * 2
+
+
+@pytest.mark.slow
+def test_generate_answers_a_conversation_turn_by_turn(tiny_assets, tmp_path):
+    """A question of two user turns: the teacher answers the first, then the second with its first
+    answer in the conversation. Greedy, so plain transformers decoding the teacher's own prompt
+    (the context as system message, the first answer as text) gives the same second answer; the
+    row supervises both answers and prepare packs it as two runs."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    for name in ("student", "loop.json", "questions.jsonl"):
+        source = tiny_assets / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / name)
+    (tmp_path / "questions.jsonl").write_text(json.dumps({"question_id": "two", "messages": [
+        {"role": "user", "content": "Where is the comet?"}, {"role": "user", "content": "And the harbor?"}]}) + "\n")
+    config = json.loads((tmp_path / "loop.json").read_text())
+    config["generate"].update(samples_per_question=1, temperature=0.0, max_new_tokens=12)
+    config["data"]["eval_fraction"] = 0.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check(spds(["generate", "config.json"], tmp_path))
+    (row,) = [json.loads(line) for line in (tmp_path / "generated.jsonl").read_text().splitlines()]
+    tokenizer = make_tiny.chatml_tokenizer()
+    labels = np.array(row["labels"])
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], (labels != -100).astype(np.int8), [0]])))
+    assert len(runs) == 4, "two supervised runs: the two answers"
+    first, second = (row["input_ids"][s:e] for s, e in zip(runs[0::2], runs[1::2]))
+    text = tokenizer.decode(row["input_ids"])
+    assert text.startswith("<|im_start|>user\nWhere is the comet?<|im_end|>\n<|im_start|>assistant\n")
+    assert "<|im_start|>user\nAnd the harbor?<|im_end|>\n<|im_start|>assistant\n" in text
+    assert "Lumen Bay" not in text  # the student's view has no context
+    teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "student", dtype=torch.bfloat16)
+    prompt = tokenizer.apply_chat_template([
+        {"role": "system", "content": make_tiny.CONTEXT}, {"role": "user", "content": "Where is the comet?"},
+        {"role": "assistant", "content": tokenizer.decode(first[:-1])}, {"role": "user", "content": "And the harbor?"}],
+        tokenize=True, add_generation_prompt=True, return_dict=False)
+    with torch.no_grad():
+        output = teacher.generate(input_ids=torch.tensor([list(prompt)]), max_new_tokens=12, do_sample=False,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    expected = output[0, len(prompt):].tolist()
+    if tokenizer.eos_token_id in expected:
+        assert second == expected[:expected.index(tokenizer.eos_token_id) + 1]
+    else:  # cut at max_new_tokens: spds closes the turn with an end token of its own
+        assert second[:-1] == expected and second[-1] in tokenizer.convert_tokens_to_ids(make_tiny.CHATML_SPECIALS)
+    check(spds(["prepare", "config.json"], tmp_path))
+    store = PackedStore.open(tmp_path / "loop-packed")
+    assert len(store.spans[0]) == 2 and int(store.supervised_tokens[0]) == len(first) + len(second)
