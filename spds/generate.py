@@ -62,7 +62,7 @@ def repair_and_read(output: Path) -> set[str]:
 def generate(config: Config, log=print) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .data.prepare import load_tokenizer, scaffold_for
+    from .data.prepare import load_tokenizer
     from .preflight import require_preflight
 
     settings = config.generate
@@ -72,9 +72,8 @@ def generate(config: Config, log=print) -> dict:
     if not context:
         raise SpdsError("context.text or context.file must hold the system prompt to distill")
     tokenizer = load_tokenizer(config)
-    require_preflight(config, tokenizer)  # before the first batch: rows prepare would refuse cost no hour
-    context_in_user_turn = (config.soft_prompt.placement == "first_user"
-                            or scaffold_for(config, tokenizer).system_role == "none")
+    scaffold = require_preflight(config, tokenizer)  # before the first batch: refused rows cost no hour
+    context_in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
     tokenizer.padding_side = "left"
     kwargs = config.data.chat_template_kwargs
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)

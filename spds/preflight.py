@@ -15,12 +15,13 @@ from .data.prepare import load_tokenizer, model_vocabulary_rows, scaffold_for
 from .fsio import SpdsError
 
 
-def preflight_problems(config: Config, tokenizer=None) -> list[str]:
-    """Every problem prepare would find from the config and tokenizer alone, each naming its setting."""
+def preflight_problems(config: Config, tokenizer=None) -> tuple[list[str], object]:
+    """Every problem prepare would find from the config and tokenizer alone, each naming its
+    setting; and the scaffold it derived (None when it could not)."""
     try:
         tokenizer = tokenizer or load_tokenizer(config)
     except (OSError, ValueError) as error:
-        return [f"student.tokenizer_path: the tokenizer of {config.tokenizer_path} does not load: {error}"]
+        return [f"student.tokenizer_path: the tokenizer of {config.tokenizer_path} does not load: {error}"], None
     problems = []
     end_ids = []
     try:
@@ -42,10 +43,12 @@ def preflight_problems(config: Config, tokenizer=None) -> list[str]:
         if fixed + config.soft_prompt.length + 1 >= config.data.context_limit:
             problems.append(f"data.context_limit: {config.data.context_limit} positions cannot hold the soft prompt "
                             f"({config.soft_prompt.length}) and the template's own {fixed} tokens with any answer")
-    return problems
+    return problems, scaffold
 
 
-def require_preflight(config: Config, tokenizer=None) -> None:
-    problems = preflight_problems(config, tokenizer)
+def require_preflight(config: Config, tokenizer=None):
+    """The scaffold prepare will use, or an SpdsError listing every problem prepare would find."""
+    problems, scaffold = preflight_problems(config, tokenizer)
     if problems:
         raise SpdsError(f"{config.path}: prepare would refuse this config", problems)
+    return scaffold

@@ -35,8 +35,9 @@ FIELDS = [
 ]
 
 
-def template_choices(model: str, config_dir: Path) -> tuple[str, dict]:
-    """(the placement the student's chat template allows, the chat_template_kwargs it needs):
+def template_choices(model: str, config_dir: Path) -> tuple[str, dict, object]:
+    """(the placement the student's chat template allows, the chat_template_kwargs it needs, the
+    tokenizer, for the checks that follow):
     system where the template has a system message, first_user where it folds or refuses one,
     prefix without a template; a template that writes today's date gets today pinned as
     date_string (Llama 3.x's variable), so that rows rendered tomorrow have the same ids."""
@@ -48,15 +49,15 @@ def template_choices(model: str, config_dir: Path) -> tuple[str, dict]:
     except (OSError, ValueError) as error:
         raise SpdsError(f"MODEL {path}: its tokenizer does not load: {error}") from None
     if not getattr(tokenizer, "chat_template", None):
-        return "prefix", {}  # before everything, as PEFT does
+        return "prefix", {}, tokenizer  # before everything, as PEFT does
     kwargs = {}
     if "date_string" in tokenizer.chat_template and stability_problem(tokenizer, {}, model):
         kwargs["date_string"] = datetime.date.today().strftime("%d %b %Y")
     try:
         role = derive_scaffold(tokenizer, kwargs, model=model).system_role
     except SpdsError:
-        return "prefix", kwargs
-    return ("system" if role in ("optional", "always") else "first_user"), kwargs
+        return "prefix", kwargs, tokenizer
+    return ("system" if role in ("optional", "always") else "first_user"), kwargs, tokenizer
 
 
 def comment(schema_field: dict) -> str:
@@ -98,12 +99,14 @@ def init(model: str, data: str, out: Path) -> Path:
     values = {key: {} for key in schema["properties"] if schema["properties"][key].get("type") == "object"}
     values.update(student={"model_path": model}, data={"candidates": [{"path": data}]}, output_dir="run")
     apply_defaults(values, schema)
-    values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = template_choices(model, out.parent)
+    placement, kwargs, tokenizer = template_choices(model, out.parent)
+    values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = placement, kwargs
     text = render(values, schema)
     candidate = out.with_name(f".init-{out.name}")  # beside it: relative paths resolve alike
     candidate.write_text(text)
     try:
-        require_preflight(load_config(candidate, check_pins=False))  # the whole contract, and what prepare checks
+        # the whole contract, and what prepare checks (the config names MODEL's own tokenizer)
+        require_preflight(load_config(candidate, check_pins=False), tokenizer)
     finally:
         candidate.unlink(missing_ok=True)
     with atomic_writer(out) as stream:

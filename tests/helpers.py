@@ -114,6 +114,20 @@ def assert_same_adam_path(actual, expected, learning_rates: list[float], bound: 
     assert error <= allowed, f"{what}: max |difference| {error:.3g} exceeds 2 x {bound:.3g} x sum(lr) = {allowed:.3g}"
 
 
+def assert_matches_reference(model, segments, reference, prompt, what: str = "") -> torch.Tensor:
+    """spds's loss and prompt gradient over `segments` against `reference(p)`, a plain forward's
+    summed loss of a fresh copy p of `prompt` that autograd differentiates: both to rounding.
+    Returns the reference's loss."""
+    loss = model(segments)
+    loss.backward()
+    theirs = prompt.clone().requires_grad_()
+    expected = reference(theirs)
+    expected.backward()
+    assert_rounding_close(loss, expected, what=f"{what} loss".strip())
+    assert_rounding_close(model.prompt.grad, theirs.grad, what=f"{what} prompt gradient".strip())
+    return expected
+
+
 def spliced_reference_loss(student, prompt, segment) -> torch.Tensor:
     """The student's own forward over the record's embeddings with `prompt` spliced at its
     insertion point, logits materialised: the summed CE of its response tokens (no spds code)."""

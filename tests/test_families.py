@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_rounding_close
+from helpers import assert_matches_reference
 from helpers import spliced_reference_loss as plain_loss
 
 from spds.contract import section
@@ -55,14 +55,8 @@ def test_loss_and_prompt_gradient_equal_the_familys_own_forward(saved, family):
     for packed in layouts:
         loss_fn = make_loss(section("loss", kernel="chunked", chunk_tokens=16), final_logit_softcap(student))
         model = SoftPromptModel(student, prompt.clone(), loss_fn, sdpa_backend="math", packed=packed)
-        loss = model(segments)
-        loss.backward()
-        reference_prompt = prompt.clone().requires_grad_()
-        expected = sum(plain_loss(plain, reference_prompt, s) for s in segments)
-        expected.backward()
-        what = f"{family} {'packed' if packed else 'padded'}"
-        assert_rounding_close(loss, expected, what=f"{what} loss")
-        assert_rounding_close(model.prompt.grad, reference_prompt.grad, what=f"{what} prompt gradient")
+        assert_matches_reference(model, segments, lambda p: sum(plain_loss(plain, p, s) for s in segments), prompt,
+                                 what=f"{family} {'packed' if packed else 'padded'}")
 
 
 def test_a_loss_built_without_the_students_logit_soft_cap_is_refused(saved):

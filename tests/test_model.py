@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny
-from helpers import assert_rounding_close
+from helpers import assert_matches_reference, assert_rounding_close
 
 from spds.contract import section
 from spds.fsio import SpdsError
@@ -61,13 +61,7 @@ def test_loss_and_prompt_gradient_match_the_students_own_forward(student, plain_
     segment.insert_at = insert_at
     prompt = initial_prompt(student, 5, init(method="random_normal", std=0.5), seed=3)
     model = SoftPromptModel(student, prompt, CHUNKED_16)
-    loss = model([segment])
-    loss.backward()
-    reference_prompt = prompt.clone().requires_grad_()
-    expected = reference_loss(plain_student, reference_prompt, segment)
-    expected.backward()
-    assert_rounding_close(loss, expected, what="loss")
-    assert_rounding_close(model.prompt.grad, reference_prompt.grad, what="prompt gradient")
+    assert_matches_reference(model, [segment], lambda p: reference_loss(plain_student, p, segment), prompt)
     assert model.prompt.grad.dtype == torch.float32
     assert all(p.grad is None for p in student.parameters())
 
@@ -116,14 +110,9 @@ def test_packed_micro_batch_equals_plain_forwards_of_each_record(student, plain_
     rows_seen, forward = [], student.model.forward  # what each forward of the student's body is given
     monkeypatch.setattr(student.model, "forward", lambda **kw: rows_seen.append(kw["inputs_embeds"].shape)
                         or forward(**kw))
-    loss = model(segments)
-    loss.backward()
+    assert_matches_reference(model, segments, lambda p: sum(reference_loss(plain_student, p, s) for s in segments),
+                             prompt)
     assert rows_seen == [torch.Size([1, sum(len(s.ids) + 4 for s in segments), student.config.hidden_size])]
-    reference_prompt = prompt.clone().requires_grad_()
-    expected = sum(reference_loss(plain_student, reference_prompt, s) for s in segments)
-    expected.backward()
-    assert_rounding_close(loss, expected, what="loss")
-    assert_rounding_close(model.prompt.grad, reference_prompt.grad, what="prompt gradient")
 
 
 @pytest.mark.numeric

@@ -36,7 +36,12 @@ class Record:
 
     @property
     def supervised_tokens(self) -> int:
-        return sum(e - s for s, e in self.spans) if self.spans else len(self.ids) - self.prefix_tokens
+        return supervised_count(self.spans, len(self.ids), self.prefix_tokens)
+
+
+def supervised_count(spans: tuple | None, length: int, prefix: int) -> int:
+    """Tokens the loss counts: every run's, or the one run from the prefix to the end."""
+    return sum(end - start for start, end in spans) if spans else length - prefix
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,7 @@ def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
         _check(int(ids[end - 1]) in rules.end_ids, "ends with end-of-turn",
                f"the supervised run at {start}..{end - 1} ends with id {int(ids[end - 1])}, not an end token "
                f"{sorted(rules.end_ids)}")
-    supervised = sum(e - s for s, e in spans) if spans else len(ids) - prefix
+    supervised = supervised_count(spans, len(ids), prefix)
     _check("top_logprobs" in row or not rules.require_top_k, "top-k for an offline teacher",
            "loss.objective is kl or mix with an offline teacher (loss.teacher top_k, or auto without a context), "
            "and this row carries no top_logprobs")
