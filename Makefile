@@ -11,7 +11,7 @@ export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia
 # The numeric tests run again on other CPU kernels (ATen's dispatch levels, below): a tolerance
 # must hold on any x86-64 machine, not only on the vector unit it was first run on.
 
-.PHONY: venv demo test test-fast test-numeric lint format bench-prepare clean
+.PHONY: venv cluster-deps demo test test-fast test-numeric lint format bench-prepare clean
 
 venv:
 	@bash tools/bootstrap.sh $(VENV)
@@ -19,9 +19,14 @@ venv:
 demo: venv
 	@bash examples/tiny/demo.sh $(VENV) $(TINY)
 
-# Two workers: most tests wait on process start-up and collectives, not on both cores.
-test: venv lint
-	$(PY) -m pytest -q -n 2 tests
+# The multi-node tests' sshd, pdsh and SLURM (root and apt-get; they skip elsewhere, except in CI).
+cluster-deps:
+	@bash tools/cluster-deps.sh
+
+# Two workers: most tests wait on process start-up and collectives, not on both cores. The
+# two-host cluster's tests share one worker (xdist_group), the rest spread over both.
+test: venv lint cluster-deps
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 	@$(MAKE) --no-print-directory test-numeric
 
 # default (no vector unit) runs every numeric test, the multi-process reference runs included;
@@ -33,7 +38,7 @@ test-numeric: venv
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -n 2 -m numeric tests
 
 test-fast: venv
-	$(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check spds tests bench examples

@@ -39,7 +39,7 @@ spds_require_safe() {  # NAME VALUE WHAT
 # thing (spds.cli: SPDS_ENV_FILE). Only the file's path and PYTHONPATH (needed before Python
 # starts) go through .deepspeed_env, the KEY=VALUE file the deepspeed launcher reads (it crashes
 # on blank lines and comments: none are written).
-SPDS_ENV_PREFIXES=${SPDS_ENV_PREFIXES:-"DS_ACCELERATOR NCCL_ HF_ TRANSFORMERS_ TOKENIZERS_ OMP_NUM_THREADS CUDA_DEVICE_MAX_CONNECTIONS TORCH_ SPDS_"}
+SPDS_ENV_PREFIXES=${SPDS_ENV_PREFIXES:-"DS_ACCELERATOR NCCL_ UCX_ MV2_ MLFLOW_ HF_ TRANSFORMERS_ TOKENIZERS_ OMP_NUM_THREADS CUDA_DEVICE_MAX_CONNECTIONS TORCH_ SPDS_"}
 write_deepspeed_env() {  # FILE [--remote]: with --remote its values go through a remote shell
   local file=$1 remote=${2:-} directory env_file tmp name prefix
   directory=$(dirname "$file"); env_file="$directory/.spds-env"
@@ -63,15 +63,39 @@ write_deepspeed_env() {  # FILE [--remote]: with --remote its values go through 
   export DS_ENV_FILE="$file"
 }
 
-# The deepspeed launcher also sends, unquoted but for its double quotes, every variable of its
-# own environment whose name starts with one of these: refuse a value a remote shell would run.
+# The deepspeed launcher (ssh/pdsh) also writes `export K="V";` into the remote command for every
+# variable of its own environment whose name starts with one of DeepSpeed's export prefixes (its
+# EXPORT_ENVS and the accelerator's: PYTHON, MLFLOW, MV2, UCX, and NCCL on CUDA; read from the
+# installed DeepSpeed, not copied here), and a remote shell expands $(...) and backquotes inside
+# those double quotes. The variables .spds-env carries are taken out of the launcher's environment
+# (the ranks load them from the file); the others (PYTHON*: needed before Python starts) must be
+# plain, or the launch is refused, naming the variable. Sets spds_launcher_unset (env -u options).
+spds_launcher_unset=()
+spds_carried() {
+  local prefix
+  for prefix in $SPDS_ENV_PREFIXES; do [[ "$1" == "$prefix"* ]] && return 0; done
+  return 1
+}
 spds_check_launcher_exports() {
-  local name
+  local prefixes name prefix
+  prefixes=$("$SPDS_PYTHON" -c 'from deepspeed.launcher.runner import EXPORT_ENVS
+from deepspeed.accelerator import get_accelerator
+print(" ".join(EXPORT_ENVS + list(get_accelerator().export_envs())))' 2>/dev/null) ||
+    die "could not ask DeepSpeed ($SPDS_PYTHON) which variables its launcher sends to every node"
   while IFS= read -r name; do
-    case "$name" in
-      PYTHON*|MLFLOW*|MV2*|UCX*) spds_require_safe "$name" "${!name}" "the deepspeed launcher exports it to every node";;
-    esac
+    for prefix in $prefixes; do
+      [[ "$name" == "$prefix"* ]] || continue
+      if spds_carried "$name"; then
+        spds_launcher_unset+=(-u "$name")
+      else
+        spds_require_safe "$name" "${!name}" "the deepspeed launcher exports it to every node"
+      fi
+      break
+    done
   done < <(compgen -e)
+  # The remote command also holds `cd $PWD;` and the interpreter's path, unquoted.
+  spds_require_safe "the working directory" "$PWD" "the deepspeed launcher sends 'cd' to it to every node"
+  spds_require_safe SPDS_PYTHON "$SPDS_PYTHON" "the deepspeed launcher runs it on every node"
 }
 
 # A hostfile line is "HOSTNAME slots=N" (blank lines and # comments allowed). A hostname reaches
@@ -115,10 +139,11 @@ spds_on_signal() {
 trap 'spds_on_signal SIGTERM' TERM
 trap 'spds_on_signal SIGINT' INT
 
-# run_launcher CONFIG COMMAND...: run COMMAND in its own process group, wait for it (through any
-# number of signals), return its exit status.
+# run_launcher CONFIG VERB COMMAND...: run COMMAND in its own process group, wait for it (through
+# any number of signals), return its exit status. A launch that failed without rank 0 recording
+# it (a rank killed, a crash before the run directory) is recorded in terminal.json here.
 run_launcher() {
-  spds_config=$1; shift
+  spds_config=$1; local verb=$2; shift 2
   setsid "$@" &
   spds_child=$!
   local status=0
@@ -126,5 +151,8 @@ run_launcher() {
     wait "$spds_child" && status=0 || status=$?
     kill -0 "$spds_child" 2>/dev/null || break  # a signal interrupted the wait: the launch goes on
   done
+  if [ "$status" != 0 ]; then
+    "$SPDS_PYTHON" -m spds.cli launch-ended "$spds_config" --exit-status "$status" --verb "$verb" || true
+  fi
   return "$status"
 }

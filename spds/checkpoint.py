@@ -96,6 +96,15 @@ def fault_point(name: str, update: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM if name.startswith("sigterm") else signal.SIGKILL)
 
 
+def pace_point() -> None:
+    """Timing hook for tests: SPDS_TEST_PACE=SECONDS sleeps that long before every update, so a
+    signal sent once update N is logged lands mid-run however fast the machine (tiny updates take
+    milliseconds; a scheduler's signal comes on its own clock). Changes no number."""
+    pace = os.environ.get("SPDS_TEST_PACE")
+    if pace:
+        time.sleep(float(pace))
+
+
 def save(engine, root: Path, update: int, cursor: dict, identities: dict, versions: dict, reason: str,
          rank: int, world: int) -> Path:
     """Collective: every rank calls it. Returns the committed directory."""

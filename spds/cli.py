@@ -137,6 +137,22 @@ def cmd_init(args) -> int:
     return 0
 
 
+def cmd_launch_ended(args) -> int:
+    import os
+
+    from .contract import load_config
+    from .records import record_launch_end
+
+    config = load_config(args.config, check_pins=False, require_candidates=False)
+    out = config.output_dir / "smoke" if args.run_verb == "smoke" else config.output_dir
+    started = float(os.environ.get("SPDS_LAUNCH_STARTED") or 0)
+    path = record_launch_end(out, args.exit_status, started)
+    if path:
+        print(f"spds: the launch failed (exit status {args.exit_status}) and no rank recorded it: {path} says so",
+              file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spds", description="Soft-prompt distillation on a frozen causal LM.")
     # The deepspeed launcher puts --local_rank=N before the verb; LOCAL_RANK in the environment says the same.
@@ -163,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--why", default="spds stop", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_stop)
+    p = verbs.add_parser("launch-ended", help="(the launch scripts) record a launch that failed with no word from "
+                         "rank 0 in terminal.json")
+    p.add_argument("config")
+    p.add_argument("--exit-status", type=int, required=True)
+    p.add_argument("--verb", dest="run_verb", choices=("train", "smoke"), default="train")
+    p.set_defaults(run=cmd_launch_ended)
     p = verbs.add_parser("eval", help="held-out NLL: floor, ceiling, soft prompt; gap recovered")
     p.add_argument("config")
     p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -51,7 +52,7 @@ class RunRecords:
         self.completed, self.checkpoint = update, checkpoint
 
     def begin(self, config: Config, smoke: bool, start: int, world: int, identities: dict, smoke_waived: bool,
-              code_changes: list[dict], model, startup_seconds: dict) -> None:
+              code_changes: list[dict], model, startup_seconds: dict, hosts: list[str]) -> None:
         """run.json, and metrics.jsonl cut back to the updates before `start` (after a crash the
         updates after the checkpoint are redone, and each must appear once)."""
         if not self.writes:
@@ -62,7 +63,7 @@ class RunRecords:
         write_validated(self.out / "run.json", dict(
             mode="smoke" if smoke else "train", started_at=time.time(), start_update=start, updates=self.last,
             world_size=world, identities=identities, versions=library_versions(), config=config.raw,
-            config_path=str(config.path), launch=launch_environment(), smoke_waived=smoke_waived,
+            config_path=str(config.path), launch=dict(launch_environment(), hosts=hosts), smoke_waived=smoke_waived,
             code_changes=code_changes,
             resumed_from=str(self.checkpoint) if self.checkpoint else None,
             trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -111,6 +112,53 @@ class RunRecords:
 def write_validated(path: Path, value: dict, schema: str) -> None:
     require_valid(value, schema, path.name)
     atomic_write_json(path, value)
+
+
+def record_launch_end(out: Path, exit_status: int, launch_started: float) -> Path | None:
+    """The launch script's word, when its launcher failed and rank 0 recorded no end (it was
+    killed, by SIGKILL or the OOM killer, or died before it could write): terminal.json says
+    failed, with the last update metrics.jsonl holds and the newest committed checkpoint, the
+    resume point. A terminal.json written since the launch began is rank 0's, and stands."""
+    from .checkpoint import committed
+
+    path = out / "terminal.json"
+    out.mkdir(parents=True, exist_ok=True)  # the ranks may have died before they made it
+    try:
+        if path.stat().st_mtime >= launch_started:
+            return None
+    except FileNotFoundError:
+        pass
+    update = 0
+    try:
+        for line in (out / "metrics.jsonl").read_text(errors="replace").splitlines():
+            try:
+                update = max(update, int(json.loads(line)["update"]))
+            except (ValueError, KeyError, TypeError):
+                pass
+    except OSError:
+        pass
+    checkpoints = committed(out / "checkpoints")
+    how = f"signal {exit_status - 128}" if exit_status > 128 else f"exit status {exit_status}"
+    if exit_status > 128:
+        try:
+            how = signal.Signals(exit_status - 128).name
+        except ValueError:
+            pass
+    write_validated(path, dict(
+        status="failed", update=update, finished_at=time.time(),
+        checkpoint=str(checkpoints[-1][1]) if checkpoints else None,
+        reason=f"the launch ended by {how} before rank 0 recorded how the run ended (a rank was killed or "
+               "died early: see the launcher's output); the checkpoint named here is the resume point"), "terminal")
+    return path
+
+
+def rank_hosts() -> list[str]:
+    """Every rank's hostname, in rank order: where the run ran (a collective, on every rank)."""
+    import torch.distributed
+
+    hosts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(hosts, socket.gethostname())
+    return hosts
 
 
 def launch_environment() -> dict:

@@ -20,14 +20,14 @@ import numpy as np
 import torch
 
 from .attention import use_deterministic_kernels
-from .checkpoint import Checkpointer, fault_point
+from .checkpoint import Checkpointer, fault_point, pace_point
 from .contract import Config, load_config, validate_run_world
 from .data.packed import PackedStore
 from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
 from .fsio import SpdsError, exclusive_lock
 from .identity import check_smoke_evidence, library_versions, run_identities
 from .model import build_soft_prompt_model, load_segments, quadratic_length
-from .records import RunRecords, StartupClock
+from .records import RunRecords, StartupClock, rank_hosts
 from .schedule import Plan, Step
 from .stop import StopRequest
 
@@ -68,7 +68,8 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
             records.resume_point(start - 1, records.checkpoint)
             clock.mark("resume")
             code_changes = [c for c in (smoke_code_change, saver.code_change) if c]
-            records.begin(config, smoke, start, world, identities, smoke_waived, code_changes, model, clock.seconds)
+            records.begin(config, smoke, start, world, identities, smoke_waived, code_changes, model, clock.seconds,
+                          rank_hosts())
             stopping = stopping or stop_agreed(stop, device)
             began, metric = time.monotonic(), None
             for update in range(start, records.last + 1):
@@ -76,6 +77,7 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                     break
                 step = plan.step(update, force_longest=smoke)
                 fault_point(f"sigterm-before-update-rank{rank}", update)
+                pace_point()
                 metric, stopping = train_step(engine, store, plan, step, rank, device, stop, config.optim.max_grad_norm)
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 records.update_done(metric, engine)

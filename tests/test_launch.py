@@ -1,8 +1,8 @@
-"""Launching like DeepSpeed users do: the real deepspeed launcher, two 'nodes' with --no_ssh,
-and contracts that stop a bad launch before any process starts."""
+"""Launching like DeepSpeed users do: the real deepspeed launcher, two 'nodes' with --no_ssh on
+this machine, and contracts that stop a bad launch before any process starts. Two real hosts
+(sshd, pdsh, SLURM) are tests/test_multinode.py's."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 
@@ -136,76 +136,6 @@ def _spds_ranks_running(run_dir) -> bool:
     return False
 
 
-STAND_IN_SSH = """#!/usr/bin/env bash
-# ssh stand-in: the "remote" command runs on this machine, in a clean environment (as sshd gives
-# one), so only what the deepspeed launcher exports in the command itself reaches the ranks.
-while [ $# -gt 0 ]; do case "$1" in -o|-p|-l|-i) shift 2;; -*) shift;; *) break;; esac; done
-host=$1; shift
-echo "$host" >> "$(dirname "$0")/ssh.log"
-exec env -i HOME="$HOME" PATH="$PATH" bash -c "$*"
-"""
-STAND_IN_PDSH = """#!/usr/bin/env bash
-# pdsh stand-in: -w host,host ... CMD: run CMD on every host through ssh, %n = the host's index.
-hosts=""
-while [ $# -gt 0 ]; do case "$1" in -w) hosts=$2; shift 2;; -f|-R|-l|-u) shift 2;; -*) shift;; *) break;; esac; done
-command="$*"; index=0; pids=()
-IFS=, read -ra list <<< "$hosts"
-for host in "${list[@]}"; do
-  ssh "$host" "${command//%n/$index}" & pids+=($!)
-  index=$((index + 1))
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-exit $status
-"""
-
-
-@pytest.mark.slow
-def test_hostfile_launch_over_ssh_and_pdsh_stops_both_nodes_on_one_sigterm(prepared, tmp_path):
-    """The ssh/pdsh path of launch/multi_node.sh: the real deepspeed launcher builds its real remote
-    command; stand-in ssh and pdsh executables run it on two "nodes" of this machine. A SIGTERM to
-    the first node's launch script stops both nodes at the same update boundary."""
-    run_dir = prepared
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in [("ssh", STAND_IN_SSH), ("pdsh", STAND_IN_PDSH)]:
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    edit_config(run_dir, output_dir="torchrun", **LONG)
-    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
-    edit_config(run_dir, output_dir="pdsh", **LONG)
-    marker = tmp_path / "marker"
-    hostile = f'pa$$word"; touch {marker}; echo "$(touch {marker})`touch {marker}`'
-    env = environment(PATH=f"{bin_dir}:{environment()['PATH']}", NCCL_SPDS_PROBE=hostile, HF_TOKEN="hf_secret_0123")
-    command = ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile), "--master-addr", "127.0.0.1",
-               "--port", str(free_port())]
-    process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    wait_for_lines(run_dir / "pdsh" / "metrics.jsonl", 2, process)
-    process.send_signal(signal.SIGTERM)
-    output = process.communicate(timeout=180)[0]
-    assert process.returncode == 0, output[-4000:]
-    assert "pdsh -S -f 1024 -w node-a,node-b" in output  # the launcher's real remote command
-    assert sorted(set((bin_dir / "ssh.log").read_text().split())) == ["node-a", "node-b"]
-    terminal = read_json(run_dir / "pdsh" / "terminal.json")
-    assert terminal["status"] == "stopped" and 2 <= terminal["update"] < 30
-    launch = read_json(run_dir / "pdsh" / "run.json")
-    assert launch["world_size"] == 2
-    # A value with quotes, $(...) and backquotes arrives as written, on every node, and runs nothing;
-    # the token never appears on a command line (ps on every node would show it).
-    assert launch["launch"]["environment"]["NCCL_SPDS_PROBE"] == hostile and not marker.exists()
-    assert "hf_secret_0123" not in output and "NCCL_SPDS_PROBE" not in output
-    assert not _spds_ranks_running(run_dir)
-    check(subprocess.run(command[:-1] + [str(free_port())], cwd=run_dir, env=env, capture_output=True, text=True,
-                         timeout=300))
-    assert read_json(run_dir / "pdsh" / "terminal.json")["status"] == "complete"
-    state, straight = final_state(run_dir / "pdsh"), final_state(run_dir / "torchrun")
-    for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
-        assert torch.equal(state[key], straight[key]), key
-
-
 def test_hostile_launch_arguments_are_refused_before_anything_starts(tiny, tmp_path):
     marker = tmp_path / "marker"
     bad_hostfiles = [f"-oProxyCommand=touch {marker} slots=1\n", f"node-a slots=1\nnode-b;touch {marker} slots=1\n"]
@@ -227,37 +157,15 @@ def test_hostile_launch_arguments_are_refused_before_anything_starts(tiny, tmp_p
     assert not marker.exists() and "launch.py" not in result.stdout + result.stderr
 
 
-STAND_IN_SRUN = """#!/usr/bin/env bash
-# srun stand-in: one task on this machine, as node 0 (options dropped)
-while [ $# -gt 0 ]; do case "$1" in --*) shift;; *) break;; esac; done
-SLURM_NODEID=0 exec "$@"
-"""
-
-
-@pytest.mark.slow
-def test_slurm_batch_script_keeps_a_hostile_config_path_a_path(prepared, tmp_path):
-    """sbatch's script once spliced the config path into `bash -c "... '$config' ..."`: a quote in
-    the path ran commands on every node. Stand-in srun and scontrol; one node."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(STAND_IN_SRUN)
-    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho localhost\n")
-    for name in ("srun", "scontrol"):
-        (bin_dir / name).chmod(0o755)
-    marker = tmp_path / "spds-marker"
-    weird = tmp_path / "it's $(touch spds-marker) `touch spds-marker`"  # the shell would run in tmp_path
-    weird.mkdir()
-    edit_config(prepared, optim={**FAST["optim"], "updates": 2}, output_dir=str(prepared / "slurm"))
-    config = json.loads((prepared / "config.json").read_text())
-    config["data"]["packed_dir"] = str(prepared / "packed")
-    config["data"]["candidates"][0]["path"] = str(prepared / "candidates.jsonl")
-    (weird / "config.json").write_text(json.dumps(config))
-    result = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), str(weird / "config.json")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300,
-                            env=environment(PATH=f"{bin_dir}:{environment()['PATH']}", SLURM_JOB_ID="4242",
-                                            SLURM_JOB_NODELIST="localhost", SLURM_GPUS_PER_NODE="1",
-                                            SLURM_SUBMIT_DIR=str(REPO)))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert not marker.exists()
-    assert read_json(prepared / "slurm" / "terminal.json")["status"] == "complete"
-    assert read_json(prepared / "slurm" / "run.json")["config_path"] == str(weird / "config.json")
+def test_hostile_scheduler_values_are_refused_before_any_arithmetic_or_command_sees_them(tiny, tmp_path):
+    """bash arithmetic evaluates an array subscript's $(...) (SLURM_JOB_ID), and a value spliced
+    into a sed script runs through its `e` command (SLURM_GPUS_PER_NODE)."""
+    marker = tmp_path / "marker"
+    cases = [(dict(SLURM_JOB_ID=f"BASH_VERSINFO[$(touch {marker})]", SLURM_JOB_NODELIST="h1"), "SLURM_JOB_ID must be"),
+             (dict(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="h1", SLURM_GPUS_PER_NODE=f"1/;e touch {marker};#"),
+              "SLURM_GPUS_PER_NODE must be [type:]count"),
+             (dict(SLURM_JOB_ID="7"), "SLURM_JOB_NODELIST is not set")]
+    for variables, complaint in cases:
+        result = script("slurm.sbatch", "config.json", cwd=tiny, SLURM_SUBMIT_DIR=str(REPO), **variables)
+        assert result.returncode != 0 and complaint in result.stderr, result.stderr
+        assert not marker.exists()

@@ -1,0 +1,259 @@
+"""Two hosts for real: launch/multi_node.sh over a real sshd and pdsh, and launch/slurm.sbatch
+under real SLURM daemons (tests/cluster.py: two network namespaces on this machine).
+
+Every run here is the same 2-rank job (one CPU rank per host, gloo); each is compared bit for bit
+with one straight 2-rank run made on this machine by torchrun, and that run with the plain-PyTorch
+reference update (tests/test_reference.py), so a launch path that changed a single number fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from cluster import SLURM_TOOLS, SSH_TOOLS, Cluster, missing
+from conftest import REPO, edit_config
+from helpers import FAST, check, environment, final_state, metrics, read_json, spds, wait_for_lines
+from test_reference import assert_same_state, reference_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+LAUNCH = REPO / "launch"
+UPDATES = 30
+LONG = dict(student={"dtype": "float32"},  # the reference's dtype
+            optim={**FAST["optim"], "updates": UPDATES, "schedule": "constant", "warmup_updates": 0,
+                   "max_grad_norm": 20.0},
+            checkpoint={"every": 1000, "keep_last": 2}, data_parallel_size=2)
+STATE = ("prompt", "exp_avg", "exp_avg_sq", "step")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = missing(SSH_TOOLS + SLURM_TOOLS)
+    if why:  # CI installs everything (.ci/run): there, a missing piece is a failure
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"no two-host cluster on this machine: {why}")
+    with Cluster(tmp_path_factory.mktemp("cluster"), slurm=True) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_assets, tmp_path_factory):
+    """The tiny example, packed, with one output directory per launch below."""
+    directory = tmp_path_factory.mktemp("multinode")
+    shutil.copy(tiny_assets / "candidates.jsonl", directory / "candidates.jsonl")
+    config = json.loads((tiny_assets / "config.json").read_text())
+    config["student"]["model_path"] = str(tiny_assets / "student")
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    edit_config(directory, **FAST)
+    edit_config(directory, **LONG, output_dir="straight")
+    check(spds(["prepare", "config.json"], directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def straight(run_dir):
+    """The straight 2-rank run every launch below must reproduce, checked against plain PyTorch."""
+    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
+    state, lines = final_state(run_dir / "straight"), metrics(run_dir / "straight")
+    learning_rates = [line["learning_rate"] for line in lines]
+    assert_same_state(state, reference_run(run_dir, learning_rates, max_grad_norm=20.0), learning_rates, "straight")
+    return state
+
+
+def as_straight(run_dir, output_dir: str, straight: dict) -> None:
+    assert read_json(run_dir / output_dir / "terminal.json")["status"] == "complete"
+    assert [m["update"] for m in metrics(run_dir / output_dir)] == list(range(1, UPDATES + 1))
+    state = final_state(run_dir / output_dir)
+    for key in STATE:
+        assert torch.equal(state[key], straight[key]), (output_dir, key)
+
+
+def stopped_at_a_boundary(run_dir, output_dir: str) -> int:
+    """Both ranks stopped after the same update, with a committed checkpoint of it."""
+    terminal = read_json(run_dir / output_dir / "terminal.json")
+    assert terminal["status"] == "stopped" and 1 <= terminal["update"] < UPDATES, terminal
+    commit = read_json(run_dir / output_dir / "checkpoints" / f"update-{terminal['update']:06d}" / "commit.json")
+    assert commit["world_size"] == 2 and commit["update"] == terminal["update"]
+    assert metrics(run_dir / output_dir)[-1]["update"] == terminal["update"]
+    return terminal["update"]
+
+
+def ranks_left(cluster) -> list[str]:
+    found = []
+    for host in cluster.hosts:
+        listing = host.run(["pgrep", "-af", "spds.cli"]).stdout
+        found += [f"{host.name}: {line}" for line in listing.splitlines() if "pgrep" not in line]
+    return found
+
+
+def test_hostfile_launch_over_real_ssh_and_pdsh(cluster, run_dir, straight, tmp_path):
+    """From h1, launch/multi_node.sh with a hostfile of h1 and h2: the deepspeed launcher's own
+    pdsh/ssh path starts a rank on each host. A SIGTERM to the launch script on h1 stops both at the
+    same update boundary; the rerun completes bit-identical to the straight run."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("h1 slots=1\nh2 slots=1\n")
+    edit_config(run_dir, output_dir="pdsh")
+    marker = tmp_path / "marker"
+    hostile = f'pa$$word"; touch {marker}; echo "$(touch {marker})`touch {marker}`'
+    env = environment(NCCL_SPDS_PROBE=hostile, HF_TOKEN="hf_secret_0123")
+    command = ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile)]
+    process = cluster.h1.popen(command, cwd=run_dir, env={**env, "SPDS_TEST_PACE": "0.3"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    wait_for_lines(run_dir / "pdsh" / "metrics.jsonl", 2, process)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=180)[0]
+    assert process.returncode == 0, output[-4000:]
+    assert "pdsh -S -f 1024 -w h1,h2" in output  # the launcher's own remote command, through real pdsh
+    stopped_at_a_boundary(run_dir, "pdsh")
+    launch = read_json(run_dir / "pdsh" / "run.json")["launch"]
+    assert launch["hosts"] == ["h1", "h2"] and launch["environment"]["MASTER_ADDR"] == cluster.h1.address
+    # A value with quotes, $(...) and backquotes arrives as written on both hosts and runs nothing;
+    # the token never appears on a command line (ps on every host would show it).
+    assert launch["environment"]["NCCL_SPDS_PROBE"] == hostile and not marker.exists()
+    assert "hf_secret_0123" not in output and "NCCL_SPDS_PROBE" not in output
+    assert not ranks_left(cluster)
+    check(cluster.h1.run(command, cwd=run_dir, env=env, timeout=300))
+    as_straight(run_dir, "pdsh", straight)
+
+
+def test_variables_the_launcher_sends_to_every_node_run_nothing_on_a_cuda_cluster(cluster, run_dir, tmp_path):
+    """With DS_ACCELERATOR=cuda the deepspeed launcher also writes every NCCL_* variable into the
+    remote command (inside double quotes, where a remote shell runs $(...)). They travel in
+    .spds-env instead. This machine has no GPU, so the ranks then fail: the launch script records
+    that in terminal.json, as it does for any launch that died without a word from rank 0."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("h1 slots=1\nh2 slots=1\n")
+    edit_config(run_dir, output_dir="cuda")
+    marker = tmp_path / "marker"
+    result = cluster.h1.run(["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile)], cwd=run_dir,
+                            env=environment(DS_ACCELERATOR="cuda", NCCL_SPDS_PROBE=f"$(touch {marker})"), timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "cmd = pdsh" in output, output[-3000:]
+    assert not marker.exists() and "NCCL_SPDS_PROBE" not in output
+    terminal = read_json(run_dir / "cuda" / "terminal.json")
+    assert terminal["status"] == "failed" and "before rank 0 recorded" in terminal["reason"], terminal
+    assert not ranks_left(cluster)
+
+
+def test_no_ssh_one_launch_script_per_host(cluster, run_dir, straight, tmp_path):
+    """Clusters without ssh: launch/multi_node.sh --no-ssh on each host. A SIGTERM to the launch
+    script of the second host stops both hosts at the same boundary; the rerun is bit-identical."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("h1 slots=1\nh2 slots=1\n")
+    edit_config(run_dir, output_dir="no-ssh")
+
+    def launch(**extra):
+        return [host.popen(["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile), "--no-ssh",
+                            "--node-rank", str(rank), "--master-addr", "h1", "--port", "29511"], cwd=run_dir,
+                           env=environment(**extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for rank, host in enumerate(cluster.hosts)]
+
+    nodes = launch(SPDS_TEST_PACE="0.3")
+    wait_for_lines(run_dir / "no-ssh" / "metrics.jsonl", 2, nodes[0])
+    nodes[1].send_signal(signal.SIGTERM)
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    stopped_at_a_boundary(run_dir, "no-ssh")
+    assert read_json(run_dir / "no-ssh" / "run.json")["launch"]["hosts"] == ["h1", "h2"]
+    assert not ranks_left(cluster)
+    outputs = [node.communicate(timeout=300)[0] for node in launch()]
+    as_straight(run_dir, "no-ssh", straight)
+
+
+# -- SLURM -------------------------------------------------------------------------------------
+
+def sbatch(cluster, run_dir, *options: str, config: str = "config.json", **env) -> str:
+    """Submitted from h1 in the spds checkout, as the README says; the job runs in run_dir."""
+    result = check(cluster.h1.run(["sbatch", "--parsable", "--nodes=2", f"--chdir={run_dir}",
+                                   f"--output={run_dir}/slurm-%j.out", *options, str(LAUNCH / "slurm.sbatch"), config],
+                                  cwd=REPO, env=cluster.slurm_env(environment(**env))))
+    return result.stdout.strip().split(";")[0]
+
+
+def job_state(cluster, job: str) -> dict:
+    fields = cluster.h1.run(["scontrol", "show", "job", "-o", job], env=cluster.slurm_env(environment())).stdout
+    return dict(field.split("=", 1) for field in fields.split() if "=" in field)
+
+
+def wait_job(cluster, job: str, timeout: float = 300) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = job_state(cluster, job)
+        if state.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} still {job_state(cluster, job).get('JobState')} after {timeout} s")
+
+
+def wait_running(cluster, job: str, run_dir, output_dir: str, lines: int = 2) -> None:
+    deadline = time.time() + 180
+    path = run_dir / output_dir / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= lines):
+        state = job_state(cluster, job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (state, slurm_log(run_dir, job))
+        assert time.time() < deadline, slurm_log(run_dir, job)
+        time.sleep(0.2)
+
+
+def slurm_log(run_dir, job: str) -> str:
+    path = run_dir / f"slurm-{job}.out"
+    return path.read_text()[-4000:] if path.exists() else "(no output)"
+
+
+def test_slurm_job_trains_to_completion_with_gres_gpus_and_a_hostile_config_path(cluster, run_dir, straight,
+                                                                                   tmp_path):
+    """sbatch --nodes=2 --gpus-per-node=1: one rank per host (SLURM_GPUS_PER_NODE, fake GRES
+    devices), the config in a directory whose name holds a quote, $(...) and backquotes (the batch
+    script once spliced it into a shell command on every node)."""
+    weird = run_dir / "it's $(touch spds-marker) `touch spds-marker`"
+    weird.mkdir()
+    config = json.loads((run_dir / "config.json").read_text())
+    config["output_dir"] = str(run_dir / "slurm-gres")
+    config["data"]["packed_dir"] = str(run_dir / config["data"]["packed_dir"])
+    config["data"]["candidates"][0]["path"] = str(run_dir / "candidates.jsonl")
+    (weird / "config.json").write_text(json.dumps(config))
+    job = sbatch(cluster, run_dir, "--gpus-per-node=1", config=str(weird / "config.json"))
+    state = wait_job(cluster, job)
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", slurm_log(run_dir, job)
+    assert not list(run_dir.rglob("spds-marker"))
+    launch = read_json(run_dir / "slurm-gres" / "run.json")["launch"]
+    assert launch["hosts"] == ["h1", "h2"] and launch["environment"]["SLURM_JOB_ID"] == job
+    assert launch["environment"]["CUDA_VISIBLE_DEVICES"] == "0"  # SLURM's GRES gave this rank a device
+    as_straight(run_dir, "slurm-gres", straight)
+
+
+STOPS = {  # name: (sbatch options, what the test runs once the job trains)
+    "scancel-batch": ((), ["scancel", "--signal=TERM", "--batch"]),
+    # slurmctld sends the time limit's signal on its own 30 s tick, once the time left is within
+    # T + 30 s: the limit starts at 10 min (no signal during start-up) and is cut to 1 min once
+    # the job trains, so the signal comes within 30 s, mid-run (the updates are paced to last).
+    "time-limit": (("--time=10", "--signal=B:TERM@60"), ["scontrol", "update", "TimeLimit=1"]),
+    "scancel": ((), ["scancel"]),
+}
+
+
+@pytest.mark.parametrize("name", STOPS)
+def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exactly(cluster, run_dir, straight,
+                                                                                    name):
+    options, stop = STOPS[name]
+    edit_config(run_dir, output_dir=f"slurm-{name}")
+    job = sbatch(cluster, run_dir, *options, SPDS_TEST_PACE="1.5" if name == "time-limit" else "0.3")
+    wait_running(cluster, job, run_dir, f"slurm-{name}")
+    command = [*stop, f"JobId={job}"] if stop[0] == "scontrol" else [*stop, job]
+    check(cluster.h1.run(command, env=cluster.slurm_env(environment())))
+    state = wait_job(cluster, job)
+    log = slurm_log(run_dir, job)
+    stopped_at_a_boundary(run_dir, f"slurm-{name}")
+    if name == "scancel":  # cancelled it is, though every rank stopped cleanly within KillWait
+        assert state["JobState"] == "CANCELLED", log
+    else:
+        assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert not ranks_left(cluster), log
+    job = sbatch(cluster, run_dir)
+    assert wait_job(cluster, job)["JobState"] == "COMPLETED", slurm_log(run_dir, job)
+    as_straight(run_dir, f"slurm-{name}", straight)
+
