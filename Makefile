@@ -23,10 +23,10 @@ demo: venv
 cluster-deps:
 	@bash tools/cluster-deps.sh
 
-# Two workers: most tests wait on process start-up and collectives, not on both cores. The
-# two-host cluster's tests share one worker (xdist_group), the rest spread over both.
+# Two workers: most tests wait on process start-up and collectives, not on both cores. A file's
+# tests stay on one worker (loadfile): the two-host cluster's module-wide daemons are made once.
 test: venv lint cluster-deps
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 	@$(MAKE) --no-print-directory test-numeric
 
 # default (no vector unit) runs every numeric test, the multi-process reference runs included;
@@ -38,7 +38,7 @@ test-numeric: venv
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -n 2 -m numeric tests
 
 test-fast: venv
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check spds tests bench examples

@@ -20,9 +20,13 @@ SPDS_DEEPSPEED="$(dirname "$SPDS_PYTHON")/deepspeed"
 
 die() { echo "launch: $*" >&2; exit 1; }
 
-# Contracts gate every launch: the config, its DeepSpeed config and every pinned input.
+# Contracts gate every launch: the config, its DeepSpeed config and every pinned input. The run's
+# output directory is fixed here, at launch: a stop request goes there even if the config is
+# edited or moved while the run goes on (the ranks read it once, at their start).
+spds_output_dir=""
 spds_validate() {
-  "$SPDS_PYTHON" -m spds.cli validate "$1" || die "spds validate refused $1: nothing was launched"
+  spds_output_dir=$("$SPDS_PYTHON" -m spds.cli validate --print-output-dir "$1") ||
+    die "spds validate refused $1: nothing was launched"
 }
 
 # Values that may travel on a command line to a remote shell: the deepspeed launcher's pdsh
@@ -130,7 +134,7 @@ spds_on_signal() {
     exit 143
   elif [ "$spds_signals" = 1 ]; then
     echo "launch: $1: every rank stops after the update in flight, with a checkpoint (a second signal stops them now)" >&2
-    "$SPDS_PYTHON" -m spds.cli stop "$spds_config" --why "$1 to $(basename "$0") (pid $$)" >&2 || true
+    "$SPDS_PYTHON" -m spds.cli stop --output-dir "$spds_output_dir" --why "$1 to $(basename "$0") (pid $$)" >&2 || true
   else
     echo "launch: $1 again: forwarding SIGTERM to every process of the launch" >&2
     kill -TERM -- "-$spds_child" 2>/dev/null || true

@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -226,7 +227,12 @@ def restore(engine, directory: Path, identities: dict, rank: int, world: int, re
     state = load_state(path)
     if state.get("rank") != rank or state.get("world_size") != world:
         raise SpdsError(f"{path} belongs to rank {state.get('rank')} of {state.get('world_size')}")
-    restore_rng(state["rng"])
+    if not isinstance(state.get("rng"), dict) or not isinstance(state.get("cursor"), dict):
+        raise SpdsError(f"{path}: holds no RNG state and data cursor: not a rank file spds wrote")
+    try:
+        restore_rng(state["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise SpdsError(f"{path}: its RNG state does not restore: {error!r}") from None
     return state["cursor"]
 
 
@@ -261,10 +267,18 @@ def resolve(output_dir: Path, path: str | None) -> Path:
 
 
 def prompt_of(directory: Path) -> tuple[torch.Tensor, dict]:
-    """The FP32 prompt of a verified, committed checkpoint, and its commit record."""
+    """The FP32 prompt of a verified, committed checkpoint (its digest the one its commit record
+    names), and that record."""
     commit = verify(directory)
-    state = load_state(directory / STATE_FILE)
-    return state["module"]["prompt"].float().contiguous(), commit
+    path = directory / STATE_FILE
+    state = load_state(path)
+    prompt = state.get("module", {}).get("prompt") if isinstance(state.get("module"), dict) else None
+    if not torch.is_tensor(prompt) or prompt.dim() != 2:
+        raise SpdsError(f"{path}: holds no soft prompt (module.prompt, a 2-d tensor): not a checkpoint spds wrote")
+    if prompt_digest(prompt) != commit["prompt_sha256"]:
+        raise SpdsError(f"{directory}: its soft prompt does not match the one its commit record names "
+                        "(prompt_sha256): the checkpoint was altered")
+    return prompt.float().contiguous(), commit
 
 
 # ---------------------------------------------------------------- when to save
@@ -289,7 +303,21 @@ class Checkpointer:
             shutil.rmtree(self.root, ignore_errors=True)
         dist.barrier()  # every rank reads the directory as rank 0 left it
         found = [] if self.smoke else committed(self.root)
-        return found[-1] if found else (0, None)
+        damaged = []
+        for update, directory in reversed(found):  # the newest intact one; each rank reads the same files
+            try:
+                verify(directory)
+            except SpdsError as error:
+                damaged.append(f"{directory}: {error}")
+                continue
+            if damaged and self.rank == 0:
+                print(f"spds: resuming from {directory}, the newest intact checkpoint; damaged, and skipped:\n  "
+                      + "\n  ".join(damaged), file=sys.stderr)
+            return update, directory
+        if damaged:  # starting over would prune them: the user decides
+            raise SpdsError(f"every committed checkpoint in {self.root} is damaged; remove them to start over, or "
+                            "restore them from checkpoint.backup_dir", damaged)
+        return 0, None
 
     def restore(self, engine, directory: Path | None) -> int:
         """The first update to run: 1, or the update after `directory` once its state is restored

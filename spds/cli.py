@@ -25,7 +25,10 @@ def cmd_validate(args) -> int:
         try:
             config = load_config(path)
             require_preflight(config)  # what prepare would refuse, before any generation or packing
-            print(f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})")
+            print(f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})",
+                  file=sys.stderr if args.print_output_dir else sys.stdout)
+            if args.print_output_dir:  # the launch scripts fix at launch where their stop requests go
+                print(config.output_dir)
         except SpdsError as error:
             failures += 1
             print(f"FAIL {error}", file=sys.stderr)
@@ -59,11 +62,18 @@ def cmd_train(args) -> int:
 
 
 def cmd_stop(args) -> int:
+    from pathlib import Path
+
     from .contract import load_config
     from .stop import request
 
-    config = load_config(args.config, check_pins=False, require_candidates=False)  # a stop must always go through
-    path = request(config.output_dir, args.why)
+    if args.output_dir:  # where the launch scripts found it at launch: the config may have moved since
+        output_dir = Path(args.output_dir)
+    elif args.config:
+        output_dir = load_config(args.config, check_pins=False, require_candidates=False).output_dir
+    else:
+        raise SpdsError("name the run's CONFIG (or --output-dir)")
+    path = request(output_dir, args.why)
     print(f"spds stop: requested in {path}; the ranks stop after the update in flight, with a checkpoint")
     return 0
 
@@ -165,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_init)
     p = verbs.add_parser("validate", help="validate configs, their DeepSpeed config and pinned inputs")
     p.add_argument("configs", nargs="+")
+    p.add_argument("--print-output-dir", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_validate)
     for verb, text, run in [
             ("pin", "write the sha256 of every input to CONFIG.pins.json", cmd_pin),
@@ -176,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config")
         p.set_defaults(run=run)
     p = verbs.add_parser("stop", help="ask a running train or smoke to stop at the next update boundary")
-    p.add_argument("config")
+    p.add_argument("config", nargs="?")
+    p.add_argument("--output-dir", default=None, help="the run's output directory (instead of CONFIG)")
     p.add_argument("--why", default="spds stop", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_stop)
     p = verbs.add_parser("launch-ended", help="(the launch scripts) record a launch that failed with no word from "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import json
 import math
 import re
@@ -20,7 +21,7 @@ from typing import Any
 import jsonschema
 
 from .digests import sha256_path
-from .fsio import SpdsError, atomic_write_json, read_bytes, read_json, sha256_json
+from .fsio import MAX_DEPTH, SpdsError, atomic_write_json, read_json, read_text, sha256_json, value_depth
 from .hub import model_directory
 from .settings import (
     SECTIONS,
@@ -168,10 +169,11 @@ class Config:
         self.data_parallel_size = self.raw["data_parallel_size"]
 
     def resolve(self, value: str | None) -> Path | None:
+        """A path of the config, relative to its directory, as the file system resolves it
+        (symlinks and '..' followed): what every overlap rule compares."""
         if value is None:
             return None
-        path = Path(value).expanduser()
-        return path if path.is_absolute() else (self.path.parent / path).resolve()
+        return (self.path.parent / Path(value).expanduser()).resolve()
 
     def resolve_model(self, value: str | None, key: str) -> Path | None:
         """A model directory: a path, or a hub id found in the local Hugging Face cache (spds/hub.py)."""
@@ -233,7 +235,7 @@ class Config:
     @cached_property
     def context_text(self) -> str | None:  # read once: every user of it sees the same text
         """The system prompt being distilled (context.file wins over context.text)."""
-        return self.resolve(self.context.file).read_text() if self.context.file else self.context.text
+        return read_text(self.resolve(self.context.file)) if self.context.file else self.context.text
 
     def identity(self) -> str:
         """Digest of everything that shapes the trained prompt (paths included, as resolved)."""
@@ -275,28 +277,43 @@ def section(key: str, **values) -> Any:
 
 
 def parse_config_file(path: Path) -> dict:
-    """JSON or YAML (by suffix), strictly: UTF-8, no key twice, no NaN or infinity."""
-    if path.suffix not in (".yaml", ".yml"):
+    """JSON, or YAML by suffix (.yaml/.yml, any case), strictly: UTF-8, no key twice, keys that
+    are strings, no NaN or infinity, no anchors or aliases (nine levels of nine aliases expand to
+    387 million nodes: "billion laughs"), nesting at most MAX_DEPTH deep."""
+    if path.suffix.lower() not in (".yaml", ".yml"):
         return read_json(path)
     import yaml  # a transformers dependency
 
     class StrictLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise SpdsError(f"{path}:{mark.line + 1}: rule 'no aliases': YAML aliases (*name) are not read "
+                                "in spds configs; write the value out")
+            return super().compose_node(parent, index)
+
         def construct_mapping(self, node, deep=False):
             keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
             for index, key in enumerate(keys):
+                line = node.value[index][0].start_mark.line + 1
+                if not isinstance(key, str):
+                    hint = " (YAML 1.1 reads on/off/yes/no as booleans: quote it)" if isinstance(key, bool) else ""
+                    raise SpdsError(f"{path}:{line}: rule 'string keys': key {key!r} is not a string but "
+                                    f"{type(key).__name__}{hint}")
                 if key in keys[:index]:
-                    line = node.value[index][0].start_mark.line + 1
                     raise SpdsError(f"{path}:{line}: rule 'unique keys': key {key!r} "
                                     "appears twice in one mapping (which one was meant?)")
             return super().construct_mapping(node, deep=deep)
 
-    data = read_bytes(path)
+    text = read_text(path)
     try:
-        value = yaml.load(data.decode("utf-8"), Loader=StrictLoader)
-    except UnicodeDecodeError as error:
-        raise SpdsError(f"{path}: rule 'UTF-8 text': byte {error.start} is not UTF-8") from None
+        value = yaml.load(text, Loader=StrictLoader)
     except yaml.YAMLError as error:
         raise SpdsError(f"{path}: invalid YAML: {error}") from None
+    except RecursionError:
+        raise SpdsError(f"{path}: rule 'nesting depth': nested deeper than the YAML parser can follow") from None
+    if value_depth(value) > MAX_DEPTH:
+        raise SpdsError(f"{path}: rule 'nesting depth': mappings and sequences nest deeper than {MAX_DEPTH} levels")
     for where, number in _floats(value):
         if not math.isfinite(number):
             raise SpdsError(f"{path}: {_location(where)}: rule 'finite number': {number} is not a finite number")
@@ -356,13 +373,15 @@ def merge_pins(path: Path, raw: dict) -> list[str]:
     return problems
 
 
-def load_config(path: str | Path, check_pins: bool = True, require_candidates: bool = True) -> Config:
-    """Load, apply defaults, validate; raise SpdsError listing every problem, or return Config."""
+def load_config(path: str | Path, check_pins: bool = True, require_candidates: bool = True,
+                use_pins: bool = True) -> Config:
+    """Load, apply defaults, validate; raise SpdsError listing every problem, or return Config.
+    use_pins False: the pins file beside the config is not read (spds pin, which replaces it)."""
     path = Path(path).resolve()
     raw = parse_config_file(path)
     if not isinstance(raw, dict):
         raise SpdsError(f"{path}: a config must be a JSON object")
-    pin_conflicts = merge_pins(path, raw)
+    pin_conflicts = merge_pins(path, raw) if use_pins else []
     if pin_conflicts:
         raise SpdsError(f"{path}: its pins do not hold together", pin_conflicts)
     apply_defaults(raw, load_schema("config"))
@@ -406,25 +425,78 @@ def _inside(path: Path, other: Path) -> bool:
     return path == other or other in path.parents
 
 
+# What a run writes directly in output_dir (spds/records.py, stop.py, evaluate.py): an input of
+# that name there would be replaced.
+RUN_FILES = ("run.json", "metrics.jsonl", "progress.json", "terminal.json", "evidence.json", "stop-request.json",
+             "eval.json")
+
+
+def written_paths(config: Config) -> list[tuple[str, Path]]:
+    """(key, resolved path) of every directory or file a command of this config writes."""
+    written = [("output_dir", config.output_dir), ("data.packed_dir", config.packed_dir),
+               ("generate.output", config.resolve(config.generate.output))]
+    for key, value in (("checkpoint.backup_dir", config.checkpoint.backup_dir),
+                       ("data.backup_dir", config.data.backup_dir)):
+        if value:
+            written.append((key, config.resolve(value)))
+    return written + monitor_paths(config)
+
+
+def monitor_paths(config: Config) -> list[tuple[str, Path]]:
+    """The DeepSpeed monitors' output directories (relative to the working directory, as DeepSpeed
+    opens them)."""
+    try:
+        ds_config = read_json(config.deepspeed_config_path)
+    except SpdsError:
+        return []  # deepspeed_config_problems reports it
+    found = []
+    for name in ("tensorboard", "csv_monitor"):
+        section = ds_config.get(name) if isinstance(ds_config, dict) else None
+        if isinstance(section, dict) and isinstance(section.get("output_path"), str) and section["output_path"]:
+            found.append((f"deepspeed_config {name}.output_path", Path(section["output_path"]).expanduser().resolve()))
+    return found
+
+
+def read_paths(config: Config) -> tuple[list[tuple[str, Path]], list[tuple[str, Path]]]:
+    """(directories, files) a command of this config reads, resolved: nothing may write into them."""
+    directories = [("student.model_path", config.model_path), ("student.tokenizer_path", config.tokenizer_path)]
+    if config.generate.teacher_path:
+        directories.append(("generate.teacher_path", config.teacher_path))
+    files = [("the config", config.path), ("its pins file", pins_path(config.path)),
+             ("deepspeed_config", config.deepspeed_config_path.resolve())]
+    for key, value in (("context.file", config.context.file), ("generate.questions", config.generate.questions)):
+        if value:
+            files.append((key, config.resolve(value)))
+    return directories, files
+
+
 def output_problems(config: Config) -> list[str]:
-    """Where spds writes must not be where it reads from: a run directory equal to (or inside) the
-    model would write checkpoints into the pinned model, and "/" would be swept by prepare."""
+    """Where spds writes must not be where it reads from, compared as the file system resolves
+    them: a run directory equal to (or inside, or a symlink to) the model would write checkpoints
+    into the pinned model, generate.output equal to its questions would overwrite them, and "/"
+    would be swept by prepare."""
     problems = []
-    inputs = [("student.model_path", config.model_path), ("student.tokenizer_path", config.tokenizer_path)]
-    for key, path in (("output_dir", config.output_dir), ("data.packed_dir", config.packed_dir)):
+    directories, files = read_paths(config)
+    candidates = [(f"data.candidates[{i}].path", path) for i, path in enumerate(config.candidate_paths)]
+    for key, path in written_paths(config):
         if path == Path(path.anchor):
             problems.append(f"{key}: {path} is a file-system root; name a directory of its own")
             continue
-        for input_key, input_path in inputs:
+        for input_key, input_path in directories:
             if _inside(path, input_path) or _inside(input_path, path):
                 problems.append(f"{key}: {path} overlaps {input_key} {input_path}; spds would write into its own input")
-        for i, candidate in enumerate(config.candidate_paths):
-            if _inside(candidate, path) and key == "data.packed_dir":
-                problems.append(f"{key}: {path} holds data.candidates[{i}].path {candidate}; "
-                                "prepare replaces that directory")
+        for input_key, input_path in files + (candidates if key == "data.packed_dir" else []):
+            if _inside(input_path, path) and (key != "output_dir" or input_path.name in RUN_FILES):
+                problems.append(f"{key}: {path} would replace {input_key} {input_path}")
+        if key not in ("output_dir", "data.packed_dir") and _inside(path, config.packed_dir):
+            problems.append(f"{key}: {path} is inside data.packed_dir {config.packed_dir}, which prepare replaces")
     if _inside(config.output_dir, config.packed_dir):
         problems.append(f"output_dir: {config.output_dir} is inside data.packed_dir {config.packed_dir}, "
                         "which prepare replaces")
+    backup = config.resolve(config.checkpoint.backup_dir)
+    if backup is not None and _inside(backup, config.output_dir / "checkpoints"):
+        problems.append(f"checkpoint.backup_dir: {backup} is inside {config.output_dir / 'checkpoints'}, "
+                        "which checkpoint.keep_last prunes")
     return problems
 
 
@@ -509,6 +581,11 @@ def deepspeed_config_problems(config: Config) -> list[str]:
     if micro is not None and micro != config.optim.micro_batch:
         problems.append(f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from "
                         f"optim.micro_batch {config.optim.micro_batch}")
+    for section, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):  # DeepSpeed imports them at build
+        if isinstance(ds_config, dict) and isinstance(ds_config.get(section), dict) and \
+                ds_config[section].get("enabled") is True and importlib.util.find_spec(package) is None:
+            problems.append(f"deepspeed_config ({path}): {section}: enabled, but the {package} package is not "
+                            f"installed (pip install {package}, or disable the section)")
     if config.sharding == "fsdp" and zero_stage(ds_config) == 3:
         problems.append(f"sharding: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the "
                         "student; "
@@ -521,8 +598,9 @@ def pin_config(path: str | Path) -> dict[str, str]:
     The config itself is never rewritten: its comments, order and formatting stay the user's."""
     path = Path(path).resolve()
     lock = pins_path(path)
-    lock.unlink(missing_ok=True)  # re-pinning starts from the inputs as they are now
-    config = load_config(path, check_pins=False)
+    # Re-pinning starts from the inputs as they are now; the old pins file stays until the new one
+    # replaces it (atomically), so a refused or killed pin leaves it as it was.
+    config = load_config(path, check_pins=False, use_pins=False)
     pins = {key: sha256_path(input_path) for key, input_path, _ in pinned_inputs(config)}
     atomic_write_json(lock, {"format": PINS_FORMAT, "config": path.name, "pins": pins})
     return pins

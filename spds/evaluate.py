@@ -12,7 +12,6 @@ good as the context itself.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from .engine import init_distributed, shard_student
 from .fsio import SpdsError, atomic_path, atomic_write_json
 from .loss import final_logit_softcap, make_loss
 from .model import build_soft_prompt_model, load_segments
+from .records import read_metrics
 from .settings import KLSettings
 from .teacher import build_teacher, teacher_kind
 
@@ -135,8 +135,8 @@ def plot(metrics_path: Path, nll: dict, target: Path) -> str | None:
         return None
     figure, (curve, bars) = plt.subplots(1, 2, figsize=(10, 4))
     if metrics_path.exists():
-        lines = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-        curve.plot([m["update"] for m in lines], [m["loss"] for m in lines])
+        lines = [metric for _, metric in read_metrics(metrics_path)]
+        curve.plot([m["update"] for m in lines if "loss" in m], [m["loss"] for m in lines if "loss" in m])
     curve.set(title="training loss (loss.objective per supervised token)", xlabel="update", ylabel="loss")
     names = [n for n in ("floor", "soft", "ceiling") if nll.get(n) is not None]
     values = [nll[n] for n in names]

@@ -1,8 +1,13 @@
 """File-system primitives every other module relies on.
 
-Nothing spds writes may be half-written after a crash: every file goes to a temporary name in
-the same directory, is fsynced, then renamed over the target (rename is atomic on POSIX), and
-the directory itself is fsynced so the rename survives a power loss.
+Writing: nothing spds writes may be half-written after a crash. Every file goes to a temporary
+file of its own (mkstemp, in the same directory: it can clobber nothing), is fsynced, then
+renamed over the target (rename is atomic on POSIX), and the directory itself is fsynced so the
+rename survives a power loss.
+
+Reading: every file spds reads goes through `open_regular` (a regular file, or a refusal naming
+it: a FIFO nobody writes would hang the read, a device would never end) and a size limit, and
+every JSON document through `parse_json` (strict RFC 8259, nesting at most MAX_DEPTH deep).
 """
 from __future__ import annotations
 
@@ -13,10 +18,15 @@ import hashlib
 import json
 import os
 import shutil
+import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 CHUNK = 1 << 20
+MAX_DOCUMENT_BYTES = 64 << 20  # a config, pins, checkpoint record, context or questions file
+MAX_LINE_BYTES = 64 << 20  # one JSONL row: a 64k-token context with top-k log-probs is ~10 MiB
+MAX_DEPTH = 64  # nesting of any JSON or YAML value spds reads (its own documents need 6)
 
 
 class SpdsError(Exception):
@@ -74,33 +84,47 @@ def fsync_dir(path: str | os.PathLike) -> None:
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path for a library that writes files itself; fsync and rename it over
-    `path` only if the block succeeds."""
+    `path` only if the block succeeds. The temporary file is new (mkstemp): no file of the user's
+    can be replaced by it."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(descriptor)
+        temporary = Path(name)
         yield temporary
         with open(temporary, "rb") as stream:
             os.fsync(stream.fileno())
         os.replace(temporary, path)
         fsync_dir(path.parent)
     except BaseException as error:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
         if isinstance(error, OSError):
             raise write_failure(path, error) from None
         raise
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     """Yield a stream to a temporary file that replaces `path` only if the block succeeds."""
-    with atomic_path(path) as temporary, open(temporary, mode) as stream:
+    encoding = None if "b" in mode else "utf-8"  # not the locale's: a C locale cannot write a non-ASCII path
+    with atomic_path(path) as temporary, open(temporary, mode, encoding=encoding) as stream:
+        os.chmod(stream.fileno(), 0o666 & ~_umask())  # as open() would have made it, not mkstemp's 0600
         yield stream
 
 
 def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
     with atomic_writer(path) as stream:
+        os.chmod(stream.fileno(), 0o644 & ~_umask())  # mkstemp's 0600 is not what a user expects
         json.dump(value, stream, indent=2, allow_nan=False)
         stream.write("\n")
 
@@ -144,57 +168,132 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 def parse_json(data: str | bytes) -> Any:
     """JSON as RFC 8259 has it, strictly: UTF-8, no NaN or Infinity, no key twice in one object,
-    no lone surrogates. Python's json accepts all four, silently (the last duplicate wins). A
-    violation raises ValueError (json.JSONDecodeError for syntax) naming the rule."""
+    no lone surrogates, nesting at most MAX_DEPTH deep. Python's json accepts the first four
+    silently (the last duplicate wins) and overflows its stack on deep nesting (documents are held
+    to MAX_DEPTH by read_json; a row's depth is the schema's to judge). A violation raises
+    ValueError (json.JSONDecodeError for syntax) naming the rule."""
     if isinstance(data, bytes):
         try:
             data = data.decode("utf-8")
         except UnicodeDecodeError as error:
             hint = " (UTF-16? save it as UTF-8)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
             raise ValueError(f"rule 'UTF-8 text': byte {error.start} is not UTF-8{hint}") from None
-    return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float,
-                      object_pairs_hook=_unique_keys)
+    try:
+        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError("rule 'nesting depth': arrays and objects nest deeper than the parser can follow") from None
 
 
-def read_bytes(path: str | os.PathLike) -> bytes:
-    """A file's bytes, or an SpdsError naming the path and what is wrong with it."""
+def value_depth(value: Any) -> int:
+    """How deep lists and dicts nest in a parsed value (iteratively: no recursion to overflow)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_DEPTH:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path: str | os.PathLike):
+    """A binary stream on `path` if it is a regular file (symlinks followed); an SpdsError naming
+    the path otherwise. Opened without blocking, so a FIFO with no writer is refused, not waited on."""
     path = Path(path)
     try:
-        return path.read_bytes()
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise SpdsError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise SpdsError(f"{path}: is a directory, not a file") from None
     except OSError as error:
         raise SpdsError(f"{path}: cannot read: {error.strerror}") from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        if stat.S_ISDIR(mode):
+            raise SpdsError(f"{path}: is a directory, not a file")
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise SpdsError(f"{path}: is {kind}, not a regular file; spds reads regular files only")
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
+def read_bytes(path: str | os.PathLike, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
+    """A regular file's bytes (at most `limit`), or an SpdsError naming the path and what is wrong."""
+    path = Path(path)
+    with open_regular(path) as stream:
+        try:
+            data = stream.read(limit + 1)
+        except OSError as error:
+            raise SpdsError(f"{path}: cannot read: {error.strerror}") from None
+    if len(data) > limit:
+        raise SpdsError(f"{path}: larger than {limit >> 20} MiB, the limit for a file of this kind")
+    return data
+
+
+def read_text(path: str | os.PathLike, limit: int = MAX_DOCUMENT_BYTES) -> str:
+    """A regular file's UTF-8 text, or an SpdsError naming the path and the first bad byte."""
+    data = read_bytes(path, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise SpdsError(f"{path}: rule 'UTF-8 text': byte {error.start} is not UTF-8") from None
 
 
 def read_json(path: str | os.PathLike) -> Any:
+    """A JSON document (a config, pins, a record spds wrote): bounded in size and depth."""
     path = Path(path)
     data = read_bytes(path)
     try:
-        return parse_json(data)
+        value = parse_json(data)
     except json.JSONDecodeError as error:
         raise SpdsError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
     except ValueError as error:
         raise SpdsError(f"{path}: {error}") from None
+    if value_depth(value) > MAX_DEPTH:
+        raise SpdsError(f"{path}: rule 'nesting depth': arrays and objects nest deeper than {MAX_DEPTH} levels")
+    return value
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: str | os.PathLike, what: str = "", wait: bool = False) -> Iterator[None]:
-    """Hold an exclusive flock (released by the kernel if the holder dies, so it never goes
-    stale). Without `wait`, a second holder gets a clear error naming `what`, not a wait."""
+def exclusive_lock(path: str | os.PathLike, what: str = "", wait: bool = False, remove: bool = False) -> Iterator[None]:
+    """Hold an exclusive flock on `path`, released by the kernel if the holder dies (it never goes
+    stale). A directory is locked itself: a user deleting files under a running job cannot free
+    it. A lock file is created if missing; with `remove`, its holder (and only its holder, still
+    holding it) removes it at the end: a refused process that unlinked it would let a third
+    start beside the holder. Without `wait`, a second holder gets a clear error naming `what`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
+    while True:
+        if path.is_dir():
+            descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
+            os.close(descriptor)
             raise SpdsError(f"{what} is already running (lock held on {path})") from None
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(descriptor).st_ino:
+            break
+        os.close(descriptor)  # a holder removed the file we locked as it finished: lock the new one
+    try:
+        yield
+    finally:
+        if remove and not path.is_dir():
+            path.unlink(missing_ok=True)
+        os.close(descriptor)  # releases the flock
 
 
 def verified_copy(source_dir: Path, files: list[str], target_dir: Path, receipt_name: str = "receipt.json") -> dict:

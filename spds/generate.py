@@ -22,14 +22,16 @@ import torch
 
 from .contract import Config
 from .data.chat import end_token_ids, render
-from .fsio import SpdsError, parse_json
+from .fsio import MAX_LINE_BYTES, SpdsError, open_regular, parse_json
 
 
 def read_questions(path: Path) -> list[dict]:
     questions = []
-    with open(path, "rb") as stream:
-        for number, line in enumerate(stream, start=1):
+    with open_regular(path) as stream:
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
             try:
+                if len(line) > MAX_LINE_BYTES:
+                    raise ValueError(f"rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
                 row = parse_json(line)  # strictly, as every file spds reads
                 messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
                 questions.append(dict(question_id=str(row["question_id"]), messages=messages))
@@ -40,21 +42,29 @@ def read_questions(path: Path) -> list[dict]:
 
 
 def repair_and_read(output: Path) -> set[str]:
-    """request_ids already written; a last line cut short by a crash is removed first."""
+    """request_ids already written. Only a last line without its newline (a crash mid-append) is
+    cut; any other line that is not a row stops generate, naming it, with the file untouched: the
+    rows a teacher wrote are the most expensive data a user has."""
     if not output.exists():
         return set()
-    data = output.read_bytes()
-    keep = data[:data.rfind(b"\n") + 1]
-    done = set()
-    for line in keep.splitlines():
-        try:
-            done.add(json.loads(line)["request_id"])
-        except (json.JSONDecodeError, KeyError):
-            keep = keep[:keep.find(line)]  # a corrupt line: cut it and everything after
-            break
-    if len(keep) != len(data):
+    done, complete = set(), 0  # complete: the bytes up to the last newline
+    with open_regular(output) as stream:
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if not line.endswith(b"\n"):
+                if len(line) > MAX_LINE_BYTES:
+                    raise SpdsError(f"{output}:{number}: longer than {MAX_LINE_BYTES >> 20} MiB: not a row spds "
+                                    "wrote; nothing was changed")
+                break  # the torn last line
+            try:
+                row = parse_json(line)
+                done.add(row["request_id"])
+            except (ValueError, KeyError, TypeError) as error:
+                raise SpdsError(f"{output}:{number}: not a row spds generate wrote ({error or 'blank line'}); "
+                                "nothing was changed: fix or remove that line, then run generate again") from None
+            complete += len(line)
+    if complete != output.stat().st_size:
         with open(output, "r+b") as stream:
-            stream.truncate(len(keep))
+            stream.truncate(complete)
             os.fsync(stream.fileno())
     return done
 

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from . import __version__
-from .contract import PACKAGE_ROOT, SCHEMA_DIR, Config
+from .contract import PACKAGE_ROOT, SCHEMA_DIR, Config, describe_errors
 from .data.packed import PackedStore
 from .digests import sha256_path
 from .fsio import SpdsError, read_json, sha256_json
@@ -87,8 +87,9 @@ def check_smoke_evidence(config: Config, identities: dict) -> tuple[bool, dict |
         raise SpdsError(f"no smoke evidence at {path}: run `spds smoke {config.path}` first "
                         "(or set train.require_smoke to false; the waiver is recorded in run.json)")
     evidence = read_json(path)
-    saved = evidence.get("identities") if isinstance(evidence, dict) else None
-    saved = saved if isinstance(saved, dict) else {}
+    if describe_errors(evidence, "smoke"):
+        raise SpdsError(f"{path}: not smoke evidence spds wrote (schemas/smoke.schema.json): run `spds smoke` again")
+    saved = evidence["identities"]
     checked = {k: identities[k] for k in ("code", "config", "data", "student")}  # not the topology
     stale = refusing_keys({k: saved.get(k) for k in checked}, checked, config.train.require_same_code)
     if evidence.get("status") != "passed" or stale:

@@ -13,7 +13,6 @@ tells the truth whatever ends the run.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -22,7 +21,15 @@ import time
 from pathlib import Path
 
 from .contract import Config, require_valid
-from .fsio import SpdsError, append_line_durably, atomic_write_json, atomic_writer, canonical_json
+from .fsio import (
+    SpdsError,
+    append_line_durably,
+    atomic_write_json,
+    atomic_writer,
+    canonical_json,
+    parse_json,
+    read_bytes,
+)
 from .identity import library_versions
 
 
@@ -128,15 +135,7 @@ def record_launch_end(out: Path, exit_status: int, launch_started: float) -> Pat
             return None
     except FileNotFoundError:
         pass
-    update = 0
-    try:
-        for line in (out / "metrics.jsonl").read_text(errors="replace").splitlines():
-            try:
-                update = max(update, int(json.loads(line)["update"]))
-            except (ValueError, KeyError, TypeError):
-                pass
-    except OSError:
-        pass
+    update = max((line["update"] for _, line in read_metrics(out / "metrics.jsonl")), default=0)
     checkpoints = committed(out / "checkpoints")
     how = f"signal {exit_status - 128}" if exit_status > 128 else f"exit status {exit_status}"
     if exit_status > 128:
@@ -172,20 +171,32 @@ def launch_environment() -> dict:
     return dict(hostname=socket.gethostname(), launcher=launcher, argv=sys.argv, environment=environment)
 
 
+def read_metrics(path: Path) -> list[tuple[bytes, dict]]:
+    """(raw line, metric) of every whole line of metrics.jsonl; a torn, garbled or non-UTF-8 line
+    (a crash mid-append, a stray edit) is no metric and is skipped."""
+    try:
+        data = read_bytes(path, limit=1 << 30)
+    except SpdsError:
+        return []
+    found = []
+    for raw in data.splitlines():
+        try:
+            metric = parse_json(raw)
+        except ValueError:
+            continue
+        if isinstance(metric, dict) and isinstance(metric.get("update"), int):
+            found.append((raw, metric))
+    return found
+
+
 def keep_metrics_before(path: Path, start: int) -> None:
     """Keep the metrics of updates before `start` (atomically). A torn last line goes too."""
     if not path.exists():
         return
-    kept, lines = [], path.read_text().splitlines()
-    for line in lines:
-        try:
-            if json.loads(line)["update"] < start:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            pass
-    if kept != lines:
-        with atomic_writer(path) as stream:
-            stream.write("".join(line + "\n" for line in kept))
+    kept = [raw for raw, metric in read_metrics(path) if metric["update"] < start]
+    if b"".join(line + b"\n" for line in kept) != read_bytes(path, limit=1 << 30):
+        with atomic_writer(path, "wb") as stream:
+            stream.write(b"".join(line + b"\n" for line in kept))
 
 
 def record_metric(out: Path, metric: dict, last: int, saved, bar, engine) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from .contract import apply_defaults, load_config, load_schema
@@ -85,9 +87,9 @@ def render(values: dict, schema: dict) -> str:
             continue  # nothing the template needs
         if name == "candidates":
             lines.append(f"{indent}candidates:  # candidate rows (jsonl); spds pin records their sha256")
-            lines.extend(f"{indent}  - path: {json.dumps(c['path'])}" for c in value)
+            lines.extend(f"{indent}  - path: {json.dumps(c['path'], ensure_ascii=False)}" for c in value)
         else:
-            lines.append(f"{indent}{name}: {json.dumps(value)}{comment(node)}")
+            lines.append(f"{indent}{name}: {json.dumps(value, ensure_ascii=False)}{comment(node)}")
     return "\n".join(lines) + "\n"
 
 
@@ -101,14 +103,34 @@ def init(model: str, data: str, out: Path) -> Path:
     apply_defaults(values, schema)
     placement, kwargs, tokenizer = template_choices(model, out.parent)
     values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = placement, kwargs
-    text = render(values, schema)
-    candidate = out.with_name(f".init-{out.name}")  # beside it: relative paths resolve alike
-    candidate.write_text(text)
+    as_json = out.suffix.lower() == ".json"
+    text = render_json(values) if as_json else render(values, schema)
+    # Checked as written, from a new file beside it (relative paths resolve alike; mkstemp: no
+    # file of the user's is replaced or removed).
+    descriptor, name = tempfile.mkstemp(prefix=".init-", suffix=".json" if as_json else ".yaml", dir=out.parent)
+    candidate = Path(name)
     try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            stream.write(text)
         # the whole contract, and what prepare checks (the config names MODEL's own tokenizer)
         require_preflight(load_config(candidate, check_pins=False), tokenizer)
     finally:
         candidate.unlink(missing_ok=True)
+    if out.exists():  # written meanwhile by someone else: still never overwritten
+        raise SpdsError(f"{out} exists: spds init never overwrites a config (choose another --out)")
     with atomic_writer(out) as stream:
         stream.write(text)
     return out
+
+
+def render_json(values: dict) -> str:
+    """The fields render writes, as JSON (no comments: JSON has none) for an --out named *.json."""
+    chosen = {}
+    for section, name in FIELDS:
+        if section == "context" or (name == "chat_template_kwargs" and not values[section][name]):
+            continue
+        if section:
+            chosen.setdefault(section, {})[name] = values[section][name]
+        else:
+            chosen[name] = values[name]
+    return json.dumps(chosen, indent=2, ensure_ascii=False) + "\n"

@@ -16,12 +16,15 @@ boundary, so all stop after the same update, with a committed checkpoint.
 """
 from __future__ import annotations
 
-import json
+import math
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
+
+from .fsio import SpdsError, atomic_write_json, parse_json, read_bytes
 
 REQUEST_FILE = "stop-request.json"
 
@@ -36,7 +39,7 @@ class StopRequest:
         self.requests: Path | None = None  # the directory whose stop-request.json this process reads
         # A request written before this launch began is stale. The launch scripts export the
         # moment they started; without them, this process's start counts.
-        self.launch_started = float(os.environ.get("SPDS_LAUNCH_STARTED") or time.time())
+        self.launch_started = launch_started()
 
     @classmethod
     def install(cls) -> "StopRequest":
@@ -55,7 +58,7 @@ class StopRequest:
         from before this launch is stale and goes."""
         self.requests = output_dir
         request = read_request(output_dir)
-        if request is not None and request.get("requested_at", 0.0) < self.launch_started:
+        if request is not None and request["requested_at"] < self.launch_started:
             clear(output_dir)
 
     def vote(self) -> bool:
@@ -63,7 +66,7 @@ class StopRequest:
         if self.signal is not None:
             return True
         request = read_request(self.requests) if self.requests is not None else None
-        return request is not None and request.get("requested_at", 0.0) >= self.launch_started
+        return request is not None and request["requested_at"] >= self.launch_started
 
     def reason(self) -> str:
         if self.signal is not None:
@@ -78,20 +81,44 @@ class StopRequest:
             clear(self.requests)
 
 
-def read_request(output_dir: Path) -> dict | None:
+def launch_started() -> float:
+    """SPDS_LAUNCH_STARTED (the launch scripts export the moment they started, to every node), or
+    this process's start when it is absent or not a time."""
+    value = os.environ.get("SPDS_LAUNCH_STARTED")
     try:
-        value = json.loads((output_dir / REQUEST_FILE).read_text())
-    except FileNotFoundError:
+        started = float(value) if value else None
+    except ValueError:
+        started = None
+    if value and (started is None or not math.isfinite(started)):
+        print(f"spds: SPDS_LAUNCH_STARTED={value!r} is not a time (seconds since the epoch); this process's "
+              "start is taken instead", file=sys.stderr)
+        started = None
+    return started if started is not None else time.time()
+
+
+def read_request(output_dir: Path) -> dict | None:
+    """The stop request in output_dir, its requested_at a finite time: the file's own, or, for a
+    garbled or half-visible file, the moment it was last written (so a garbled request left from
+    an earlier launch is as stale as a valid one)."""
+    path = output_dir / REQUEST_FILE
+    try:
+        written = path.stat().st_mtime
+    except OSError:
         return None
-    except (OSError, ValueError):  # half-visible or garbled: still a request, made now
-        return {"requested_at": time.time()}
-    return value if isinstance(value, dict) else {"requested_at": time.time()}
+    try:
+        value = parse_json(read_bytes(path, limit=1 << 16))
+    except (ValueError, SpdsError):
+        return {"requested_at": written}
+    if not isinstance(value, dict):
+        return {"requested_at": written}
+    requested = value.get("requested_at")
+    if isinstance(requested, bool) or not isinstance(requested, (int, float)) or not math.isfinite(requested):
+        value["requested_at"] = written
+    return value
 
 
 def request(output_dir: Path, why: str) -> Path:
     """Write the stop request (atomically): the ranks stop after the update in flight."""
-    from .fsio import atomic_write_json
-
     path = output_dir / REQUEST_FILE
     atomic_write_json(path, dict(requested_at=time.time(), host=socket.gethostname(), pid=os.getpid(), why=why))
     return path

@@ -84,7 +84,7 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                 reason = saver.reason(update, records.last, stopping)
                 if reason:
                     records.checkpoint = saver.save(engine, plan.cursor(step, rank), update, reason)
-            if smoke:
+            if smoke and metric is not None:  # not when a stop came during start-up: nothing ran to prove
                 saver.prove_restore(engine, records.checkpoint)
                 records.smoke_passed(identities, world, plan.longest_record_tokens, metric)
         except BaseException as error:
@@ -174,7 +174,8 @@ class rank_zero_lock:
     def __enter__(self):
         self.out.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            self.lock = exclusive_lock(self.out / ".train.lock", f"another spds trainer on {self.out}")
+            # the directory itself: deleting a file in it cannot free the lock under a running trainer
+            self.lock = exclusive_lock(self.out, f"another spds trainer on {self.out}")
             self.lock.__enter__()
         return self
 

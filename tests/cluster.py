@@ -235,6 +235,29 @@ class Cluster:
                 pass
         self.daemons, self.namespaces, self.made = [], [], []
 
+    def processes(self, pattern: str) -> list[str]:
+        """'host: command line' of every process on a host whose command line holds pattern (the
+        hosts share this machine's process table: a host's processes are those in its network
+        namespace)."""
+        import psutil
+
+        hosts = {}
+        for host, name in zip(self.hosts, self.namespaces):
+            try:
+                hosts[os.stat(f"/run/netns/{name}").st_ino] = host.name
+            except OSError:
+                pass
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            try:
+                host = hosts.get(os.stat(f"/proc/{process.pid}/ns/net").st_ino)
+                line = " ".join(process.info["cmdline"] or [])
+            except (OSError, psutil.Error):
+                continue
+            if host and pattern in line and process.pid != os.getpid():
+                found.append(f"{host}: {line}")
+        return found
+
     def _kill_leftovers(self) -> None:
         """Processes still in a host's network namespace (ranks, slurmstepd) once the daemons are
         gone: a failed test must not leave them running."""

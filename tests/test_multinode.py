@@ -21,7 +21,7 @@ from conftest import REPO, edit_config
 from helpers import FAST, check, environment, final_state, metrics, read_json, spds, wait_for_lines
 from test_reference import assert_same_state, reference_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.slow  # and one worker runs this file (make test: --dist loadfile)
 LAUNCH = REPO / "launch"
 UPDATES = 30
 LONG = dict(student={"dtype": "float32"},  # the reference's dtype
@@ -83,11 +83,7 @@ def stopped_at_a_boundary(run_dir, output_dir: str) -> int:
 
 
 def ranks_left(cluster) -> list[str]:
-    found = []
-    for host in cluster.hosts:
-        listing = host.run(["pgrep", "-af", "spds.cli"]).stdout
-        found += [f"{host.name}: {line}" for line in listing.splitlines() if "pgrep" not in line]
-    return found
+    return cluster.processes("spds.cli")
 
 
 def test_hostfile_launch_over_real_ssh_and_pdsh(cluster, run_dir, straight, tmp_path):

@@ -69,11 +69,7 @@ def packing_inputs(config: Config, tokenizer, sources: list[dict], end_ids: list
 
 def prepare(config: Config, log=print) -> dict:
     target = config.packed_dir
-    lock = target.with_name(f".{target.name}.lock")
-    try:
-        return prepare_locked(config, target, lock, log)
-    finally:
-        lock.unlink(missing_ok=True)  # an flock dies with its holder; the file need not stay behind
+    return prepare_locked(config, target, target.with_name(f".{target.name}.lock"), log)
 
 
 def model_vocabulary_rows(config: Config) -> int | None:
@@ -85,7 +81,7 @@ def model_vocabulary_rows(config: Config) -> int | None:
 
 
 def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:
-    with exclusive_lock(lock, f"spds prepare of {target}"):
+    with exclusive_lock(lock, f"spds prepare of {target}", remove=True):
         tokenizer = load_tokenizer(config)
         data = config.data
         end_ids = end_token_ids(tokenizer, data.end_tokens)

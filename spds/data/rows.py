@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from ..contract import StrictValidator, describe_errors_with, load_schema
-from ..fsio import SpdsError, parse_json
+from ..fsio import MAX_LINE_BYTES, SpdsError, open_regular, parse_json
 from .chat import Scaffold, render_chat_row
 
 
@@ -275,9 +275,14 @@ def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
 
 
 def json_lines(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed row or the error parsing it) of a JSONL file, one line in memory."""
-    with open(path, "rb") as stream:
-        for number, line in enumerate(stream, start=1):
+    """(line number, parsed row or the error parsing it) of a JSONL file, one line in memory (at
+    most MAX_LINE_BYTES: a file with no line breaks is refused, not read whole)."""
+    with open_regular(path) as stream:
+        number = 0
+        while line := stream.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise RowError(f"{path}:{number}: rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
             if not line.strip():
                 raise RowError(f"{path}:{number}: rule 'one JSON object per line': blank line")
             try:
@@ -299,12 +304,27 @@ def table_rows(path: Path, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
     except ImportError:
         raise SpdsError(f"{path}: reading parquet or datasets directories needs pyarrow and datasets "
                         "(pip install 'spds[datasets]')") from None
-    if path.is_dir():
-        from datasets import load_from_disk
+    try:
+        if path.is_dir():
+            from datasets import load_from_disk
 
-        batches = (batch.to_pylist() for batch in load_from_disk(str(path)).data.to_batches(max_chunksize=batch_rows))
-    else:
-        batches = (batch.to_pylist() for batch in parquet.ParquetFile(path).iter_batches(batch_size=batch_rows))
+            if not any(path.glob("*.arrow")):  # datasets writes no arrow file for a dataset of no rows
+                return  # prepare's rule 'rows present' names it
+            table = load_from_disk(str(path)).data
+            batches = (batch.to_pylist() for batch in table.to_batches(max_chunksize=batch_rows))
+        else:
+            open_regular(path).close()
+            batches = (batch.to_pylist() for batch in parquet.ParquetFile(path).iter_batches(batch_size=batch_rows))
+        yield from _numbered(batches)
+    except (RowError, SpdsError):
+        raise
+    except Exception as error:  # pyarrow's and datasets' own errors: a damaged or foreign file
+        kind = "a datasets save_to_disk directory" if path.is_dir() else "a parquet file"
+        raise RowError(f"{path}: rule 'readable table': not readable as {kind}: {type(error).__name__}: "
+                       f"{str(error).splitlines()[0] if str(error) else ''}") from None
+
+
+def _numbered(batches) -> Iterator[tuple[int, dict]]:
     number = 0
     for batch in batches:
         for row in batch:
