@@ -127,10 +127,25 @@ def describe_errors_with(checker: jsonschema.protocols.Validator, instance: Any)
                 hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(allowed)}"
                 problems.append(f"{_location([*error.absolute_path, key])}: unknown key{hint}")
         elif isinstance(error.schema, dict) and "x-error" in error.schema:
-            problems.append(f"{where}: {error.schema['x-error']}")
+            key = f" key {error.instance!r}" if "propertyNames" in error.schema_path else ""
+            problems.append(f"{where}{key}: {error.schema['x-error']}")
+        elif error.validator in ("oneOf", "anyOf") and error.context:
+            # "is not valid under any of the given schemas" names no rule: the branch of the
+            # value's own shape (an object for an object) does
+            problems += [f"{_location(sub.absolute_path)}: {sub.message}" for sub in _branch_of_its_shape(error)]
         else:
             problems.append(f"{where}: {error.message}")
     return problems
+
+
+def _branch_of_its_shape(error) -> list:
+    """The errors of the one oneOf/anyOf branch whose type the value has, else the best match."""
+    branches: dict = {}
+    for sub in error.context:
+        branches.setdefault(sub.relative_schema_path[0], []).append(sub)
+    shaped = [subs for subs in branches.values()
+              if not any(not sub.relative_path and sub.validator in ("type", "enum", "const") for sub in subs)]
+    return shaped[0] if len(shaped) == 1 else [jsonschema.exceptions.best_match(error.context)]
 
 
 def require_valid(value: Any, schema_name: str, what: str) -> None:
@@ -362,6 +377,10 @@ def merge_pins(path: Path, raw: dict) -> list[str]:
         return [f"{lock}: not an spds pins file (format {PINS_FORMAT}); remove it and run spds pin again"]
     problems = []
     for key, digest in pins["pins"].items():
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            problems.append(f"{lock}: pin {key}: {digest!r} is not a sha256 (64 lower-case hex digits); "
+                            "run spds pin again")
+            continue
         slot = _pin_slot(raw, key)
         if slot is None:
             problems.append(f"{lock}: pin {key} names nothing in {path.name}; run spds pin again")

@@ -151,6 +151,13 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _bounded_int(text: str) -> int:
+    value = int(text)
+    if not -2**63 <= value < 2**64:
+        raise ValueError(f"rule 'JSON number': {text[:20]}... ({len(text)} digits) is beyond any 64-bit integer")
+    return value
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     seen = {}
     for key, value in pairs:
@@ -179,7 +186,7 @@ def parse_json(data: str | bytes) -> Any:
             hint = " (UTF-16? save it as UTF-8)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
             raise ValueError(f"rule 'UTF-8 text': byte {error.start} is not UTF-8{hint}") from None
     try:
-        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float,
+        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int,
                           object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ValueError("rule 'nesting depth': arrays and objects nest deeper than the parser can follow") from None

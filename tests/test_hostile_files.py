@@ -437,3 +437,57 @@ def test_a_rank_killed_mid_run_leaves_a_truthful_terminal_json(prepared):
     assert terminal["status"] == "failed" and terminal["update"] == 4, terminal
     assert terminal["checkpoint"].endswith("update-000002") and "before rank 0 recorded" in terminal["reason"]
     assert "Traceback" not in result.stderr[-3000:], result.stderr[-3000:]
+
+
+def test_a_pins_file_holding_what_is_no_digest_is_refused_by_key(tiny, capsys):
+    from spds.cli import main
+
+    assert main(["pin", str(tiny / "config.json")]) == 0
+    capsys.readouterr()
+    pins_file = tiny / "config.json.pins.json"
+    pins = json.loads(pins_file.read_text())
+    for bad in ("not-hex", 12345):
+        pins["pins"]["student.model_sha256"] = bad
+        pins_file.write_text(json.dumps(pins))
+        code, err = _validate(tiny, capsys)
+        assert code == 1 and f"pin student.model_sha256: {bad!r} is not a sha256" in err, err
+
+
+def test_a_candidate_file_appended_to_while_prepare_reads_it_is_refused(tiny, capsys, monkeypatch):
+    """The manifest once recorded the sha256 of the file as it was, over a store of more rows."""
+    import spds.data.prepare as prepare
+
+    reading = prepare.read_records
+
+    def appending(path, tokenizer, rules):
+        for index, record in enumerate(reading(path, tokenizer, rules)):
+            if index == 1:
+                row = json.loads((tiny / "candidates.jsonl").read_text().splitlines()[0])
+                row.update(request_id="appended", question_id="appended")
+                with open(path, "a") as stream:
+                    stream.write(json.dumps(row) + "\n")
+            yield record
+
+    monkeypatch.setattr(prepare, "read_records", appending)
+    code, err = _prepare(tiny, capsys)
+    assert code == 1 and "changed while spds prepare read it" in err, err
+    assert not (tiny / "packed").exists()
+
+
+def test_a_value_of_several_allowed_shapes_is_told_what_its_own_shape_lacks(tiny, capsys):
+    edit_config(tiny, student={"sdpa_backend": {"below": 4096, "short": "flash"}})
+    code, err = _validate(tiny, capsys)
+    assert code == 1 and "student.sdpa_backend: 'long' is a required property" in err, err
+
+
+def test_arguments_spds_sets_itself_and_numbers_beyond_64_bits_are_refused(tiny, capsys):
+    for key in ("tokenize", "add_generation_prompt"):
+        edit_config(tiny, data={"chat_template_kwargs": {key: False}})
+        code, err = _validate(tiny, capsys)
+        assert code == 1 and f"data.chat_template_kwargs key '{key}': spds sets this argument" in err, err
+    from spds.fsio import parse_json
+
+    with pytest.raises(ValueError, match="beyond any 64-bit integer"):
+        parse_json('{"logprob": -' + "9" * 400 + "}")
+    with pytest.raises(ValueError, match="overflows a 64-bit float"):
+        parse_json('{"logprob": -' + "9" * 400 + ".5}")

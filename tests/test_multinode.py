@@ -225,9 +225,10 @@ def test_slurm_job_trains_to_completion_with_gres_gpus_and_a_hostile_config_path
 STOPS = {  # name: (sbatch options, what the test runs once the job trains)
     "scancel-batch": ((), ["scancel", "--signal=TERM", "--batch"]),
     # slurmctld sends the time limit's signal on its own 30 s tick, once the time left is within
-    # T + 30 s: the limit starts at 10 min (no signal during start-up) and is cut to 1 min once
-    # the job trains, so the signal comes within 30 s, mid-run (the updates are paced to last).
-    "time-limit": (("--time=10", "--signal=B:TERM@60"), ["scontrol", "update", "TimeLimit=1"]),
+    # T + 30 s: the limit starts at 10 min (no signal during start-up) and is cut to 2 min past
+    # the minute the job is in once it trains, so the signal comes within 30 s, mid-run (the
+    # updates are paced to last), and a minute or more before the limit itself.
+    "time-limit": (("--time=10", "--signal=B:TERM@120"), ["scontrol", "update"]),
     "scancel": ((), ["scancel"]),
 }
 
@@ -239,7 +240,11 @@ def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exac
     edit_config(run_dir, output_dir=f"slurm-{name}")
     job = sbatch(cluster, run_dir, *options, SPDS_TEST_PACE="1.5" if name == "time-limit" else "0.3")
     wait_running(cluster, job, run_dir, f"slurm-{name}")
-    command = [*stop, f"JobId={job}"] if stop[0] == "scontrol" else [*stop, job]
+    if stop[0] == "scontrol":
+        hours, minutes, seconds = map(int, job_state(cluster, job)["RunTime"].split(":"))
+        command = [*stop, f"JobId={job}", f"TimeLimit={hours * 60 + minutes + (seconds > 0) + 2}"]
+    else:
+        command = [*stop, job]
     check(cluster.h1.run(command, env=cluster.slurm_env(environment())))
     state = wait_job(cluster, job)
     log = slurm_log(run_dir, job)

@@ -85,8 +85,9 @@ def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:
         tokenizer = load_tokenizer(config)
         data = config.data
         end_ids = end_token_ids(tokenizer, data.end_tokens)
-        sources = []
+        sources, read_from = [], {}
         for i, (candidate, path) in enumerate(zip(data.candidates, config.candidate_paths)):
+            read_from[path] = file_state(path)  # before the hash: a change from here on is seen
             actual = sha256_path(path)  # a file, or a save_to_disk directory
             if candidate.sha256 and candidate.sha256 != actual:
                 raise SpdsError(f"data.candidates[{i}]: {path} changed since it was pinned "
@@ -97,7 +98,7 @@ def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:
             return reuse_existing(target, inputs, log)
         if target.exists():
             raise SpdsError(f"{target} exists but holds no manifest.json: not a packed store spds wrote; move it away")
-        manifest = write_store(config, tokenizer, inputs, log)
+        manifest = write_store(config, tokenizer, inputs, log, read_from)
     if data.backup_dir:
         backup = config.resolve(data.backup_dir)
         verified_copy(target, [*manifest["files"], MANIFEST], backup)
@@ -121,7 +122,16 @@ def offline_teacher(config: Config) -> bool:
     return loss.objective != "ce" and (loss.teacher == "top_k" or (loss.teacher == "auto" and not config.context_text))
 
 
-def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
+def file_state(path: Path) -> tuple | None:
+    """What changes when a file is written (size, modification and status-change times); None
+    for a directory (a datasets save_to_disk directory: its files are written once)."""
+    if not path.is_file():
+        return None
+    info = path.stat()
+    return info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+def write_store(config: Config, tokenizer, inputs: dict, log, read_from: dict[Path, tuple | None]) -> dict:
     data = config.data
     scaffold = scaffold_for(config, tokenizer)
     rules = RowRules(scaffold=scaffold, placement=config.soft_prompt.placement,
@@ -159,6 +169,10 @@ def write_store(config: Config, tokenizer, inputs: dict, log) -> dict:
                         scaffold=scaffold.to_json(), end_token_ids=inputs["end_token_ids"], counts=counts,
                         files=files, sources=source_rows, inputs=inputs)
         require_valid(manifest, "manifest", "the manifest")
+        for path, state in read_from.items():  # the manifest's sha256 must be of the rows packed
+            if file_state(path) != state:
+                raise SpdsError(f"{path}: changed while spds prepare read it (appended to, or rewritten); nothing "
+                                "was written: run prepare again once the file is complete")
         writer.commit(manifest)
     except BaseException:
         writer.abort()
