@@ -23,10 +23,11 @@ demo: venv
 cluster-deps:
 	@bash tools/cluster-deps.sh
 
-# Two workers: most tests wait on process start-up and collectives, not on both cores. A file's
-# tests stay on one worker (loadfile): the two-host cluster's module-wide daemons are made once.
+# Three workers on two cores: most tests wait on process start-up and collectives, and the
+# two-host cluster's (one file, so one worker under loadfile: its daemons are made once) wait on
+# SLURM's clock most of their time.
 test: venv lint cluster-deps
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 3 --dist loadfile tests
 	@$(MAKE) --no-print-directory test-numeric
 
 # default (no vector unit) runs every numeric test, the multi-process reference runs included;

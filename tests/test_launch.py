@@ -11,7 +11,6 @@ import torch
 from conftest import REPO, edit_config
 from helpers import (
     FAST,
-    assert_same_adam_path,
     check,
     environment,
     final_state,
@@ -27,39 +26,9 @@ from helpers import (
 LAUNCH = REPO / "launch"
 
 
-@pytest.fixture
-def run_dir(prepared):
-    edit_config(prepared, output_dir="single")
-    check(spds(["train", "config.json"], prepared))
-    return prepared
-
-
 def script(name: str, *args: str, cwd, timeout: int = 600, **env) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(LAUNCH / name), *args], cwd=cwd, capture_output=True, text=True,
                           env=environment(**env), timeout=timeout)
-
-
-@pytest.mark.slow
-def test_two_nodes_without_ssh_match_one_process(run_dir, tmp_path):
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    edit_config(run_dir, output_dir="two-nodes")
-    port = str(free_port())
-    nodes = [subprocess.Popen(["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile), "--no-ssh",
-                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--port", port],
-                              cwd=run_dir, env=environment(NCCL_DEBUG="WARN"), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    assert read_json(run_dir / "two-nodes" / "run.json")["world_size"] == 2
-    assert_same_adam_path(final_state(run_dir / "two-nodes")["prompt"], final_state(run_dir / "single")["prompt"],
-                          [m["learning_rate"] for m in metrics(run_dir / "single")], what="two nodes vs one process")
-    lines = (run_dir / ".deepspeed_env").read_text().splitlines()  # what the deepspeed launcher reads
-    assert lines and all("=" in line and line.strip() and not line.startswith("#") for line in lines)
-    assert lines[0] == f"SPDS_ENV_FILE={run_dir / '.spds-env'}" and "NCCL_DEBUG=WARN" not in lines
-    variables = (run_dir / ".spds-env").read_bytes().split(b"\0")  # what the ranks load: user-only
-    assert b"DS_ACCELERATOR=cpu" in variables and b"NCCL_DEBUG=WARN" in variables
-    assert (run_dir / ".spds-env").stat().st_mode & 0o077 == 0
 
 
 def test_launch_refuses_an_invalid_config_before_starting_anything(tiny, tmp_path):

@@ -21,7 +21,7 @@ from conftest import REPO, edit_config
 from helpers import FAST, check, environment, final_state, metrics, read_json, spds, wait_for_lines
 from test_reference import assert_same_state, reference_run
 
-pytestmark = pytest.mark.slow  # and one worker runs this file (make test: --dist loadfile)
+pytestmark = pytest.mark.slow  # one worker runs this file, beside the others (make test: -n 3 --dist loadfile)
 LAUNCH = REPO / "launch"
 UPDATES = 30
 LONG = dict(student={"dtype": "float32"},  # the reference's dtype
@@ -148,7 +148,7 @@ def test_no_ssh_one_launch_script_per_host(cluster, run_dir, straight, tmp_path)
                            env=environment(**extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for rank, host in enumerate(cluster.hosts)]
 
-    nodes = launch(SPDS_TEST_PACE="0.3")
+    nodes = launch(SPDS_TEST_PACE="0.3", NCCL_DEBUG="WARN")
     wait_for_lines(run_dir / "no-ssh" / "metrics.jsonl", 2, nodes[0])
     nodes[1].send_signal(signal.SIGTERM)
     outputs = [node.communicate(timeout=180)[0] for node in nodes]
@@ -156,6 +156,12 @@ def test_no_ssh_one_launch_script_per_host(cluster, run_dir, straight, tmp_path)
     stopped_at_a_boundary(run_dir, "no-ssh")
     assert read_json(run_dir / "no-ssh" / "run.json")["launch"]["hosts"] == ["h1", "h2"]
     assert not ranks_left(cluster)
+    lines = (run_dir / ".deepspeed_env").read_text().splitlines()  # what the deepspeed launcher reads
+    assert lines and all("=" in line and line.strip() and not line.startswith("#") for line in lines)
+    assert lines[0] == f"SPDS_ENV_FILE={run_dir / '.spds-env'}" and "NCCL_DEBUG=WARN" not in lines
+    variables = (run_dir / ".spds-env").read_bytes().split(b"\0")  # what the ranks load: user-only
+    assert b"DS_ACCELERATOR=cpu" in variables and b"NCCL_DEBUG=WARN" in variables
+    assert (run_dir / ".spds-env").stat().st_mode & 0o077 == 0
     outputs = [node.communicate(timeout=300)[0] for node in launch()]
     as_straight(run_dir, "no-ssh", straight)
 
