@@ -23,11 +23,10 @@ demo: venv
 cluster-deps:
 	@bash tools/cluster-deps.sh
 
-# Three workers on two cores: most tests wait on process start-up and collectives, and the
-# two-host cluster's (one file, so one worker under loadfile: its daemons are made once) wait on
-# SLURM's clock most of their time.
+# Two workers: most tests wait on process start-up and collectives, not on both cores; the
+# two-host cluster's tests run beside them in a process of their own (tools/run-tests.sh).
 test: venv lint cluster-deps
-	$(PY) -m pytest -q -n 3 --dist loadfile tests
+	@bash tools/run-tests.sh $(PY)
 	@$(MAKE) --no-print-directory test-numeric
 
 # default (no vector unit) runs every numeric test, the multi-process reference runs included;
@@ -39,7 +38,7 @@ test-numeric: venv
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -n 2 -m numeric tests
 
 test-fast: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check spds tests bench examples

@@ -125,7 +125,7 @@ spds_check_host() {
 # launched, through .deepspeed_env to the other nodes too.
 SPDS_LAUNCH_STARTED=${SPDS_LAUNCH_STARTED:-$(date +%s.%N)}
 export SPDS_LAUNCH_STARTED
-spds_config=""; spds_child=""; spds_signals=0
+spds_child=""; spds_signals=0
 
 spds_on_signal() {
   spds_signals=$((spds_signals + 1))
@@ -143,11 +143,11 @@ spds_on_signal() {
 trap 'spds_on_signal SIGTERM' TERM
 trap 'spds_on_signal SIGINT' INT
 
-# run_launcher CONFIG VERB COMMAND...: run COMMAND in its own process group, wait for it (through
-# any number of signals), return its exit status. A launch that failed without rank 0 recording
-# it (a rank killed, a crash before the run directory) is recorded in terminal.json here.
+# run_launcher VERB COMMAND...: run COMMAND in its own process group, wait for it (through any
+# number of signals), return its exit status. A launch that failed without rank 0 recording it (a
+# rank killed, a crash before the run directory) is recorded in terminal.json here.
 run_launcher() {
-  spds_config=$1; local verb=$2; shift 2
+  local verb=$1; shift
   setsid "$@" &
   spds_child=$!
   local status=0
@@ -156,7 +156,8 @@ run_launcher() {
     kill -0 "$spds_child" 2>/dev/null || break  # a signal interrupted the wait: the launch goes on
   done
   if [ "$status" != 0 ]; then
-    "$SPDS_PYTHON" -m spds.cli launch-ended "$spds_config" --exit-status "$status" --verb "$verb" || true
+    "$SPDS_PYTHON" -m spds.cli launch-ended --output-dir "$spds_output_dir" --exit-status "$status" --verb "$verb" ||
+      true
   fi
   return "$status"
 }

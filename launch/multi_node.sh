@@ -37,4 +37,4 @@ if [ "$no_ssh" = 1 ]; then
   [ -n "$addr" ] || die "--no-ssh needs --master-addr (the address of the hostfile's first node)"
   args+=(--no_ssh --node_rank "$node_rank")
 fi
-run_launcher "$config" "$verb" env "${spds_launcher_unset[@]}" "$SPDS_DEEPSPEED" "${args[@]}" --module spds.cli "$verb" "$config"
+run_launcher "$verb" env "${spds_launcher_unset[@]}" "$SPDS_DEEPSPEED" "${args[@]}" --module spds.cli "$verb" "$config"

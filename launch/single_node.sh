@@ -22,4 +22,4 @@ case "$verb" in train|smoke) ;; *) die "--verb must be train or smoke";; esac
 spds_check_number --port "$port"
 spds_check_number --gpus "$gpus"
 spds_validate "$config"
-run_launcher "$config" "$verb" "$SPDS_DEEPSPEED" --num_gpus "$gpus" --master_port "$port" --module spds.cli "$verb" "$config"
+run_launcher "$verb" "$SPDS_DEEPSPEED" --num_gpus "$gpus" --master_port "$port" --module spds.cli "$verb" "$config"

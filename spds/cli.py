@@ -149,12 +149,12 @@ def cmd_init(args) -> int:
 
 def cmd_launch_ended(args) -> int:
     import os
+    from pathlib import Path
 
-    from .contract import load_config
     from .records import record_launch_end
 
-    config = load_config(args.config, check_pins=False, require_candidates=False)
-    out = config.output_dir / "smoke" if args.run_verb == "smoke" else config.output_dir
+    output_dir = Path(args.output_dir)  # as the launch script found it at launch
+    out = output_dir / "smoke" if args.run_verb == "smoke" else output_dir
     started = float(os.environ.get("SPDS_LAUNCH_STARTED") or 0)
     path = record_launch_end(out, args.exit_status, started)
     if path:
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_stop)
     p = verbs.add_parser("launch-ended", help="(the launch scripts) record a launch that failed with no word from "
                          "rank 0 in terminal.json")
-    p.add_argument("config")
+    p.add_argument("--output-dir", required=True)
     p.add_argument("--exit-status", type=int, required=True)
     p.add_argument("--verb", dest="run_verb", choices=("train", "smoke"), default="train")
     p.set_defaults(run=cmd_launch_ended)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .contract import apply_defaults, load_config, load_schema
 from .data.chat import derive_scaffold, stability_problem
+from .data.rows import json_lines
 from .fsio import SpdsError, atomic_writer
 from .hub import model_directory
 from .preflight import require_preflight
@@ -102,6 +103,8 @@ def init(model: str, data: str, out: Path) -> Path:
     values.update(student={"model_path": model}, data={"candidates": [{"path": data}]}, output_dir="run")
     apply_defaults(values, schema)
     placement, kwargs, tokenizer = template_choices(model, out.parent)
+    if not getattr(tokenizer, "chat_template", None):
+        chat_rows_need_a_template(out.parent / Path(data).expanduser())
     values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = placement, kwargs
     as_json = out.suffix.lower() == ".json"
     text = render_json(values) if as_json else render(values, schema)
@@ -121,6 +124,18 @@ def init(model: str, data: str, out: Path) -> Path:
     with atomic_writer(out) as stream:
         stream.write(text)
     return out
+
+
+def chat_rows_need_a_template(path: Path) -> None:
+    """Without a chat template spds can pack token-form rows only: refuse a DATA file holding a
+    chat-form row now, not at prepare (a JSONL file is scanned; other forms are prepare's)."""
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return
+    for number, row in json_lines(path):
+        if isinstance(row, dict) and "messages" in row:
+            raise SpdsError(f"{path}:{number}: rule 'chat template': a chat-form row (messages), and MODEL's "
+                            "tokenizer has no chat template to render it: give rows in token form (input_ids, "
+                            "labels), or a model whose tokenizer has one")
 
 
 def render_json(values: dict) -> str:

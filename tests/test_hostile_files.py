@@ -491,3 +491,21 @@ def test_arguments_spds_sets_itself_and_numbers_of_hundreds_of_digits_are_refuse
         parse_json('{"logprob": -' + "9" * 400 + "}")
     with pytest.raises(ValueError, match="overflows a 64-bit float"):
         parse_json('{"logprob": -' + "9" * 400 + ".5}")
+
+
+def test_init_refuses_chat_rows_for_a_tokenizer_without_a_chat_template(tiny, tiny_assets, capsys):
+    """It once wrote a config that prepare then refused, with transformers' own message."""
+    import shutil
+
+    from spds.cli import main
+
+    student = tiny / "bare-student"
+    shutil.copytree(tiny_assets / "student", student)
+    settings = json.loads((student / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (student / "tokenizer_config.json").write_text(json.dumps(settings))
+    (student / "chat_template.jinja").unlink(missing_ok=True)
+    assert main(["init", str(student), "candidates.jsonl", "--out", str(tiny / "bare.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "rule 'chat template': a chat-form row (messages)" in err and "candidates.jsonl:" in err, err
+    assert not (tiny / "bare.yaml").exists()

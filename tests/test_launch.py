@@ -138,3 +138,19 @@ def test_hostile_scheduler_values_are_refused_before_any_arithmetic_or_command_s
         result = script("slurm.sbatch", "config.json", cwd=tiny, SLURM_SUBMIT_DIR=str(REPO), **variables)
         assert result.returncode != 0 and complaint in result.stderr, result.stderr
         assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_stop_request_reaches_the_run_even_when_its_config_moved_since_launch(prepared):
+    """The launch script fixes at launch where its stop requests go: a config edited or moved while
+    the run goes on once left the SIGTERM with nowhere to go, and the run ran to its end."""
+    edit_config(prepared, output_dir="moved", **{**LONG, "data_parallel_size": 1})
+    process = start([], prepared, command=["bash", str(LAUNCH / "single_node.sh"), "config.json", "--gpus", "1",
+                                           "--port", str(free_port())], SPDS_TEST_PACE="0.3")
+    wait_for_lines(prepared / "moved" / "metrics.jsonl", 2, process)
+    (prepared / "config.json").rename(prepared / "elsewhere.json")
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=180)[0]
+    assert process.returncode == 0, output[-3000:]
+    terminal = read_json(prepared / "moved" / "terminal.json")
+    assert terminal["status"] == "stopped" and terminal["update"] < 30, terminal

@@ -21,7 +21,7 @@ from conftest import REPO, edit_config
 from helpers import FAST, check, environment, final_state, metrics, read_json, spds, wait_for_lines
 from test_reference import assert_same_state, reference_run
 
-pytestmark = pytest.mark.slow  # one worker runs this file, beside the others (make test: -n 3 --dist loadfile)
+pytestmark = pytest.mark.slow  # in a process of its own, beside the other tests (tools/run-tests.sh)
 LAUNCH = REPO / "launch"
 UPDATES = 30
 LONG = dict(student={"dtype": "float32"},  # the reference's dtype

@@ -175,6 +175,10 @@ def _find(ids: np.ndarray, needle: list[int], start: int, stop: int) -> int | No
 
 def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
     if "messages" in row:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("rule 'chat template': a chat-form row (messages) is rendered with the student's chat "
+                             "template, and its tokenizer has none: give rows in token form (input_ids, labels), or "
+                             "a tokenizer with a template (student.tokenizer_path)")
         ids_list, prefix, spans = render_chat_row(tokenizer, row["messages"], row["response"], sorted(rules.end_ids),
                                                   rules.template_kwargs)
         ids = np.asarray(ids_list, dtype=np.int64)
