@@ -81,6 +81,15 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; done once, at import, before any thread
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path for a library that writes files itself; fsync and rename it over
@@ -91,6 +100,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(descriptor, 0o666 & ~UMASK)  # as open() would have made it, not mkstemp's 0600
         os.close(descriptor)
         temporary = Path(name)
         yield temporary
@@ -107,24 +117,16 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     """Yield a stream to a temporary file that replaces `path` only if the block succeeds."""
     encoding = None if "b" in mode else "utf-8"  # not the locale's: a C locale cannot write a non-ASCII path
     with atomic_path(path) as temporary, open(temporary, mode, encoding=encoding) as stream:
-        os.chmod(stream.fileno(), 0o666 & ~_umask())  # as open() would have made it, not mkstemp's 0600
         yield stream
 
 
 def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
     with atomic_writer(path) as stream:
-        os.chmod(stream.fileno(), 0o644 & ~_umask())  # mkstemp's 0600 is not what a user expects
         json.dump(value, stream, indent=2, allow_nan=False)
         stream.write("\n")
 
