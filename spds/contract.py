@@ -238,8 +238,13 @@ class Config:
         return beside_config
 
     @cached_property
+    def deepspeed_config(self) -> Any:
+        """The DeepSpeed file as parsed (read once; an unreadable one raises SpdsError)."""
+        return read_json(self.deepspeed_config_path)
+
+    @cached_property
     def zero_stage(self) -> int:
-        return zero_stage(read_json(self.deepspeed_config_path))
+        return zero_stage(self.deepspeed_config)
 
     @property
     def shards_student(self) -> bool:
@@ -465,7 +470,7 @@ def monitor_paths(config: Config) -> list[tuple[str, Path]]:
     """The DeepSpeed monitors' output directories (relative to the working directory, as DeepSpeed
     opens them)."""
     try:
-        ds_config = read_json(config.deepspeed_config_path)
+        ds_config = config.deepspeed_config
     except SpdsError:
         return []  # deepspeed_config_problems reports it
     found = []
@@ -592,7 +597,7 @@ def zero_stage(ds_config) -> int:
 def deepspeed_config_problems(config: Config) -> list[str]:
     path = config.deepspeed_config_path
     try:
-        ds_config = read_json(path)
+        ds_config = config.deepspeed_config
     except SpdsError as error:
         return [f"deepspeed_config: {error}"]
     problems = [f"deepspeed_config ({path}): {p}" for p in describe_errors(ds_config, "ds_config")]

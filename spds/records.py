@@ -175,9 +175,12 @@ def read_metrics(path: Path) -> list[tuple[bytes, dict]]:
     """(raw line, metric) of every whole line of metrics.jsonl; a torn, garbled or non-UTF-8 line
     (a crash mid-append, a stray edit) is no metric and is skipped."""
     try:
-        data = read_bytes(path, limit=1 << 30)
+        return parse_metrics(read_bytes(path, limit=1 << 30))
     except SpdsError:
         return []
+
+
+def parse_metrics(data: bytes) -> list[tuple[bytes, dict]]:
     found = []
     for raw in data.splitlines():
         try:
@@ -193,10 +196,11 @@ def keep_metrics_before(path: Path, start: int) -> None:
     """Keep the metrics of updates before `start` (atomically). A torn last line goes too."""
     if not path.exists():
         return
-    kept = [raw for raw, metric in read_metrics(path) if metric["update"] < start]
-    if b"".join(line + b"\n" for line in kept) != read_bytes(path, limit=1 << 30):
+    data = read_bytes(path, limit=1 << 30)
+    kept = b"".join(raw + b"\n" for raw, metric in parse_metrics(data) if metric["update"] < start)
+    if kept != data:
         with atomic_writer(path, "wb") as stream:
-            stream.write(b"".join(line + b"\n" for line in kept))
+            stream.write(kept)
 
 
 def record_metric(out: Path, metric: dict, last: int, saved, bar, engine) -> None:
