@@ -72,10 +72,12 @@ def as_straight(run_dir, output_dir: str, straight: dict) -> None:
         assert torch.equal(state[key], straight[key]), (output_dir, key)
 
 
-def stopped_at_a_boundary(run_dir, output_dir: str) -> int:
+def stopped_at_a_boundary(run_dir, output_dir: str, log: str = "") -> int:
     """Both ranks stopped after the same update, with a committed checkpoint of it."""
-    terminal = read_json(run_dir / output_dir / "terminal.json")
-    assert terminal["status"] == "stopped" and 1 <= terminal["update"] < UPDATES, terminal
+    path = run_dir / output_dir / "terminal.json"
+    assert path.exists(), f"no {path}: {log}"
+    terminal = read_json(path)
+    assert terminal["status"] == "stopped" and 1 <= terminal["update"] < UPDATES, (terminal, log)
     commit = read_json(run_dir / output_dir / "checkpoints" / f"update-{terminal['update']:06d}" / "commit.json")
     assert commit["world_size"] == 2 and commit["update"] == terminal["update"]
     assert metrics(run_dir / output_dir)[-1]["update"] == terminal["update"]
@@ -181,11 +183,18 @@ def job_state(cluster, job: str) -> dict:
     return dict(field.split("=", 1) for field in fields.split() if "=" in field)
 
 
+# A job's end states. JobState also shows passing flags while the job runs (SIGNALING while the
+# time limit's warning signal is delivered, COMPLETING, CONFIGURING, STAGE_OUT, ...), so the wait
+# is for one of these, not for a state other than RUNNING.
+ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE"}
+
+
 def wait_job(cluster, job: str, timeout: float = 300) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         state = job_state(cluster, job)
-        if state.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        if state.get("JobState") in ENDED:
             return state
         time.sleep(0.5)
     raise AssertionError(f"job {job} still {job_state(cluster, job).get('JobState')} after {timeout} s")
@@ -196,7 +205,7 @@ def wait_running(cluster, job: str, run_dir, output_dir: str, lines: int = 2) ->
     path = run_dir / output_dir / "metrics.jsonl"
     while not (path.exists() and len(path.read_text().splitlines()) >= lines):
         state = job_state(cluster, job).get("JobState")
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (state, slurm_log(run_dir, job))
+        assert state not in ENDED, (state, slurm_log(run_dir, job))
         assert time.time() < deadline, slurm_log(run_dir, job)
         time.sleep(0.2)
 
@@ -253,8 +262,8 @@ def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exac
         command = [*stop, job]
     check(cluster.h1.run(command, env=cluster.slurm_env(environment())))
     state = wait_job(cluster, job)
-    log = slurm_log(run_dir, job)
-    stopped_at_a_boundary(run_dir, f"slurm-{name}")
+    log = f"{state.get('JobState')} {state.get('ExitCode')} {state.get('RunTime')}: {slurm_log(run_dir, job)}"
+    stopped_at_a_boundary(run_dir, f"slurm-{name}", log)
     if name == "scancel":  # cancelled it is, though every rank stopped cleanly within KillWait
         assert state["JobState"] == "CANCELLED", log
     else:
