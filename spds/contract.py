@@ -258,7 +258,7 @@ class Config:
         return read_text(self.resolve(self.context.file)) if self.context.file else self.context.text
 
     def identity(self) -> str:
-        """Digest of everything that shapes the trained prompt (paths included, as resolved)."""
+        """Digest of everything that shapes the trained prompt (paths included, as written)."""
         return sha256_json(self.identity_fields())
 
     def identity_fields(self) -> dict:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, edit_config, read_rows
-from helpers import check, environment, final_state, newest_checkpoint, read_json, spds, start
+from helpers import check, environment, final_state, metrics, newest_checkpoint, read_json, spds, start
 
 LAUNCH = REPO / "launch"
 
@@ -380,8 +380,15 @@ def test_a_damaged_checkpoint_is_named_and_the_run_resumes_from_the_newest_intac
     straight = final_state(prepared / "run")
     newest = newest_checkpoint(prepared / "run")
     (newest / "commit.json").write_text((newest / "commit.json").read_text()[:40])  # truncated
+    weights = prepared / "run" / "checkpoints" / "update-000004" / "mp_rank_00_model_states.pt"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    weights.write_bytes(bytes(data))
     result = check(spds(["train", "config.json"], prepared))
-    assert f"damaged, and skipped:\n  {newest}" in result.stderr and "update-000004" in result.stderr
+    assert "update-000002, the newest intact checkpoint; damaged, and skipped:" in result.stderr, result.stderr
+    assert f"\n  {newest}" in result.stderr and f"checkpoint file {weights} is corrupted" in result.stderr
+    assert read_json(prepared / "run" / "run.json")["start_update"] == 3
+    assert [m["update"] for m in metrics(prepared / "run")] == list(range(1, 7))
     resumed = final_state(prepared / "run")
     for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(resumed[key], straight[key]), key

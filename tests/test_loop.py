@@ -103,33 +103,41 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     prompt = final_state(tiny / "run")["prompt"]
     context = torch.tensor(make_tiny.chatml_tokenizer().encode(make_tiny.CONTEXT, add_special_tokens=False))
     blocks = {"floor": prompt[:0], "soft": prompt, "ceiling": student.get_input_embeddings()(context)}
-    sums = dict.fromkeys(blocks, 0.0)
-    kl = 0.0
+    per_record = []  # each held-out record's summed NLL under each block, and its summed KL
     held_out = np.flatnonzero(~store.is_train)
     with torch.no_grad():
         for i in held_out:
             ids = torch.from_numpy(store.ids(i))
             prefix, at = int(store.prefix_tokens[i]), int(store.insert_at[i])
-            response_logits = {}
+            response_logits, nll = {}, {}
             for name, block in blocks.items():
                 embeds = student.get_input_embeddings()(ids)
                 joined = torch.cat([embeds[:at], block, embeds[at:]])[None]
                 labels = torch.cat([ids[:at], torch.full((len(block),), -100), ids[at:]])
                 labels[:prefix + len(block)] = -100
                 logits = student(inputs_embeds=joined).logits[0]
-                sums[name] += float(torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum"))
+                nll[name] = float(torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum"))
                 response_logits[name] = logits[:-1][labels[1:] != -100]
             teacher = torch.log_softmax(response_logits["ceiling"], -1)
-            kl += float((teacher.exp() * (teacher - torch.log_softmax(response_logits["soft"], -1))).sum())
-    tokens = int(store.supervised_tokens[held_out].sum())
-    assert report["records"] == len(held_out) and report["supervised_tokens"] == tokens
+            per_record.append((nll, float((teacher.exp() * (teacher - torch.log_softmax(response_logits["soft"], -1)))
+                                          .sum())))
+
+    def expected(records: int) -> dict:  # eval.json's figures over the first `records` held-out records
+        tokens = int(store.supervised_tokens[held_out[:records]].sum())
+        return dict(records=records, supervised_tokens=tokens,
+                    nll={name: sum(nll[name] for nll, _ in per_record[:records]) / tokens for name in blocks},
+                    kl_to_teacher=sum(kl for _, kl in per_record[:records]) / tokens)
+
+    reference = expected(len(held_out))
+    assert report["records"] == len(held_out) and report["supervised_tokens"] == reference["supervised_tokens"]
     # NLL and KL are sums of non-negative terms: their rounding is relative to the sum itself
     for name in blocks:
-        assert report["nll"][name] == pytest.approx(sums[name] / tokens, rel=ROUNDING), name
+        assert report["nll"][name] == pytest.approx(reference["nll"][name], rel=ROUNDING), name
     floor, soft, ceiling = (report["nll"][k] for k in ("floor", "soft", "ceiling"))
     assert report["gap_recovered"] == pytest.approx((floor - soft) / (floor - ceiling))  # one formula, in float64
     assert report["context_tokens"] == len(context)
-    assert report["kl_to_teacher"] == pytest.approx(kl / tokens, rel=ROUNDING) and report["kl_to_teacher"] > 0
+    assert report["kl_to_teacher"] == pytest.approx(reference["kl_to_teacher"], rel=ROUNDING)
+    assert report["kl_to_teacher"] > 0
     assert report["teacher"] == "context"
     assert report["tokens_per_second"] > 0 and report["seconds"] > 0
     # Launched on two ranks, eval shares the records and reports the same numbers.
@@ -140,12 +148,12 @@ def test_eval_matches_a_hand_computed_reference(tiny):
         assert shared["nll"][name] == pytest.approx(report["nll"][name], rel=ROUNDING)
     assert shared["kl_to_teacher"] == pytest.approx(report["kl_to_teacher"], rel=ROUNDING)
     # With the student sharded as in training, over an odd number of records (one rank runs a
-    # filler pass to keep the collective gathers in step): the one-process numbers.
-    edit_config(tiny, eval={"kl": True, "max_records": len(held_out) - 1 + len(held_out) % 2},
+    # filler pass to keep the collective gathers in step): the hand-computed numbers.
+    odd = len(held_out) - 1 + len(held_out) % 2
+    assert odd % 2 == 1
+    edit_config(tiny, eval={"kl": True, "max_records": odd},
                 distributed={"timeout_minutes": 2})  # ranks out of step fail soon instead of hanging
-    check(spds(["eval", "config.json"], tiny))
-    reference = read_json(tiny / "run" / "eval.json")
-    assert reference["records"] % 2 == 1
+    reference = expected(odd)
     for sharded in (dict(sharding="fsdp"), dict(deepspeed_config="ds_configs/zero3.json")):
         edit_config(tiny, **sharded)
         check(spds(["eval", "config.json"], tiny, world=2, launcher="torchrun"))

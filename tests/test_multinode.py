@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,26 +216,17 @@ def slurm_log(run_dir, job: str) -> str:
     return path.read_text()[-4000:] if path.exists() else "(no output)"
 
 
-def test_slurm_job_trains_to_completion_with_gres_gpus_and_a_hostile_config_path(cluster, run_dir, straight,
-                                                                                   tmp_path):
-    """sbatch --nodes=2 --gpus-per-node=1: one rank per host (SLURM_GPUS_PER_NODE, fake GRES
-    devices), the config in a directory whose name holds a quote, $(...) and backquotes (the batch
-    script once spliced it into a shell command on every node)."""
+def hostile_config(run_dir, output_dir: str) -> Path:
+    """config.json, its paths made absolute, in a directory whose name holds a quote, $(...) and
+    backquotes (the batch script once spliced the config's path into a shell command on every node)."""
     weird = run_dir / "it's $(touch spds-marker) `touch spds-marker`"
-    weird.mkdir()
+    weird.mkdir(exist_ok=True)
     config = json.loads((run_dir / "config.json").read_text())
-    config["output_dir"] = str(run_dir / "slurm-gres")
+    config["output_dir"] = str(run_dir / output_dir)
     config["data"]["packed_dir"] = str(run_dir / config["data"]["packed_dir"])
-    config["data"]["candidates"][0]["path"] = str(run_dir / "candidates.jsonl")
+    shutil.copy(run_dir / "candidates.jsonl", weird)  # as written, a path is part of the run's identity
     (weird / "config.json").write_text(json.dumps(config))
-    job = sbatch(cluster, run_dir, "--gpus-per-node=1", config=str(weird / "config.json"))
-    state = wait_job(cluster, job)
-    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", slurm_log(run_dir, job)
-    assert not list(run_dir.rglob("spds-marker"))
-    launch = read_json(run_dir / "slurm-gres" / "run.json")["launch"]
-    assert launch["hosts"] == ["h1", "h2"] and launch["environment"]["SLURM_JOB_ID"] == job
-    assert launch["environment"]["CUDA_VISIBLE_DEVICES"] == "0"  # SLURM's GRES gave this rank a device
-    as_straight(run_dir, "slurm-gres", straight)
+    return weird / "config.json"
 
 
 STOPS = {  # name: (sbatch options, what the test runs once the job trains)
@@ -269,7 +261,18 @@ def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exac
     else:
         assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log
     assert not ranks_left(cluster), log
-    job = sbatch(cluster, run_dir)
-    assert wait_job(cluster, job)["JobState"] == "COMPLETED", slurm_log(run_dir, job)
+    if name == "scancel-batch":
+        # The next job with fake GRES GPUs (one rank per host from SLURM_GPUS_PER_NODE), and the
+        # config in a directory whose name would run code if spliced into a command.
+        job = sbatch(cluster, run_dir, "--gpus-per-node=1", config=str(hostile_config(run_dir, f"slurm-{name}")))
+    else:
+        job = sbatch(cluster, run_dir)
+    state = wait_job(cluster, job)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), slurm_log(run_dir, job)
     as_straight(run_dir, f"slurm-{name}", straight)
+    if name == "scancel-batch":
+        assert not list(run_dir.rglob("spds-marker"))
+        launch = read_json(run_dir / f"slurm-{name}" / "run.json")["launch"]
+        assert launch["hosts"] == ["h1", "h2"] and launch["environment"]["SLURM_JOB_ID"] == job
+        assert launch["environment"]["CUDA_VISIBLE_DEVICES"] == "0"  # SLURM's GRES gave this rank a device
 

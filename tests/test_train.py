@@ -253,10 +253,9 @@ def test_packed_tokens_truncated_under_a_running_job_fail_it_truthfully(run_dir)
 
 
 @pytest.mark.slow
-def test_corrupted_checkpoint_and_changed_identity_are_refused(run_dir):
+def test_a_changed_identity_and_settings_this_machine_cannot_run_are_refused(run_dir):
     edit_config(run_dir, optim={**FAST["optim"], "updates": 4})
     check(spds(["train", "config.json"], run_dir))
-    newest, original = newest_checkpoint(run_dir / "run"), final_state(run_dir / "run")
     assert sorted(p.name for p in (run_dir / "run" / "checkpoints").iterdir()) == ["update-000002", "update-000004"]
     # An identity change: a different learning rate cannot continue this run.
     edit_config(run_dir, optim={**FAST["optim"], "updates": 4, "learning_rate": 0.01})
@@ -273,18 +272,6 @@ def test_corrupted_checkpoint_and_changed_identity_are_refused(run_dir):
     edit_config(run_dir, student={"liger_kernels": False, "sdpa_backend": fa4_for_long})
     result = spds(["train", "config.json"], run_dir)
     assert result.returncode == 1 and "student.sdpa_backend names fa4 (FlashAttention-4), but" in result.stderr
-    edit_config(run_dir, student={"sdpa_backend": "auto"})
-    state = newest / "mp_rank_00_model_states.pt"
-    data = bytearray(state.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    state.write_bytes(bytes(data))
-    # A damaged newest checkpoint is named, and the run resumes from the newest intact one: it
-    # redoes 3 and 4 from update 2, bit-identically.
-    result = check(spds(["train", "config.json"], run_dir))
-    assert f"checkpoint file {state} is corrupted" in result.stderr and "newest intact checkpoint" in result.stderr
-    assert read_json(run_dir / "run" / "run.json")["start_update"] == 3
-    assert [m["update"] for m in metrics(run_dir / "run")] == [1, 2, 3, 4]
-    _assert_bit_identical(final_state(run_dir / "run"), original)
 
 
 @pytest.mark.slow
@@ -348,42 +335,40 @@ UNEVEN = dict(optim={**FAST["optim"], "micro_batch": 3, "micro_batch_tokens": 52
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", sorted(SHARDED))
-def test_sharded_backend_matches_zero0_and_resumes(run_dir, backend):
+def test_sharded_backends_match_zero0_and_resume(run_dir):
     edit_config(run_dir, **UNEVEN)
     config = load_config(run_dir / "config.json")
     plan = Plan(PackedStore.open(config.packed_dir), config.optim, config.soft_prompt.length, 2)
     passes = [[plan.passes(plan.step(u), rank, lockstep=False) for rank in (0, 1)] for u in range(1, 7)]
     assert any(len(a) != len(b) for a, b in passes), "the data no longer gives ranks uneven passes"
-    # ZeRO-0 on 2 ranks, then the same updates with the student sharded (FSDP2 or ZeRO-3).
-    sharded = SHARDED[backend]
+    # ZeRO-0 on 2 ranks, straight; and again stopped by a SIGTERM, to be resumed under each backend.
     edit_config(run_dir, output_dir="zero0", **ZERO0)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
-    edit_config(run_dir, output_dir=backend, **sharded)
-    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
-    assert read_json(run_dir / backend / "run.json")["config"]["sharding"] == sharded["sharding"]
-    zero0, state = final_state(run_dir / "zero0"), final_state(run_dir / backend)
-    assert torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt",
-                      weights_only=True)["backend"] == backend
-    # The same update as ZeRO-0, bit for bit: sharding moves the frozen weights, not the arithmetic
-    # (each rank computes its records with the whole gathered layer; the prompt gradient is the
-    # same exact SUM). On GPUs, kernels may differ: bench/RESULTS.md records the difference there.
-    for key in ("prompt", "exp_avg", "exp_avg_sq"):
-        assert torch.equal(state[key], zero0[key]), key
-    assert [m["grad_norm"] for m in metrics(run_dir / backend)] == [m["grad_norm"] for m in metrics(run_dir / "zero0")]
-    # Within the backend, a stopped-and-resumed run equals the straight one bit for bit.
-    edit_config(run_dir, output_dir=f"{backend}-stopped", **sharded)
-    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun",
-               SPDS_FAULT="sigterm-before-update-rank1:3"))
-    assert read_json(run_dir / f"{backend}-stopped" / "terminal.json")["status"] == "stopped"
-    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
-    for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
-        assert torch.equal(final_state(run_dir / f"{backend}-stopped")[key], state[key]), key
-    # A ZeRO-0 checkpoint continues under the sharded backend: stop ZeRO-0 at update 3, resume.
-    edit_config(run_dir, output_dir="cross", **ZERO0)
+    zero0, zero0_lines = final_state(run_dir / "zero0"), metrics(run_dir / "zero0")
+    edit_config(run_dir, output_dir="zero0-stopped", **ZERO0)
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun",
                SPDS_FAULT="sigterm-before-update-rank0:3"))
-    edit_config(run_dir, output_dir="cross", **sharded)
-    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
-    assert read_json(run_dir / "cross" / "run.json")["start_update"] == 4
-    assert torch.equal(final_state(run_dir / "cross")["prompt"], zero0["prompt"])
+    for backend, sharded in SHARDED.items():
+        # The student sharded (FSDP2 or ZeRO-3), stopped by a SIGTERM and resumed: the ZeRO-0
+        # update bit for bit. Sharding moves the frozen weights, not the arithmetic (each rank
+        # computes its records with the whole gathered layer; the prompt gradient is the same
+        # exact SUM), and a resume changes nothing. On GPUs, kernels may differ: bench/RESULTS.md
+        # records the difference there.
+        edit_config(run_dir, output_dir=backend, **sharded)
+        check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun",
+                   SPDS_FAULT="sigterm-before-update-rank1:3"))
+        assert read_json(run_dir / backend / "terminal.json")["status"] == "stopped"
+        assert torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt",
+                          weights_only=True)["backend"] == backend
+        check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
+        assert read_json(run_dir / backend / "run.json")["config"]["sharding"] == sharded["sharding"]
+        state = final_state(run_dir / backend)
+        for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[key], zero0[key]), (backend, key)
+        assert [m["grad_norm"] for m in metrics(run_dir / backend)] == [m["grad_norm"] for m in zero0_lines]
+        # A ZeRO-0 checkpoint continues under the sharded backend.
+        shutil.copytree(run_dir / "zero0-stopped", run_dir / f"cross-{backend}")
+        edit_config(run_dir, output_dir=f"cross-{backend}", **sharded)
+        check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
+        assert read_json(run_dir / f"cross-{backend}" / "run.json")["start_update"] == 4
+        assert torch.equal(final_state(run_dir / f"cross-{backend}")["prompt"], zero0["prompt"]), backend
