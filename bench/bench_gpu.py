@@ -173,8 +173,8 @@ CONTEXT = 4096
 
 
 def all_or_nothing(model) -> None:
-    policy = model.checkpointing
-    model.checkpointing = lambda *args, **kwargs: policy.layers if policy(*args, **kwargs) else 0
+    policy = model.recompute
+    model.recompute = lambda *args, **kwargs: policy.layers if policy(*args, **kwargs) else 0
 
 
 def online_kl(reuse_context: bool, memo_gib: float = 0.0):
@@ -197,9 +197,9 @@ REVISIT = {"liger-kl-memo", "liger-kl-nocache-memo"}
 def planned_as_own_kernels(model) -> None:
     """Liger's layers planned with the model's own kernels' activation figure (spds before the
     figure by kernel set): it recomputes layers that would fit."""
-    from spds.model import ACTIVATION_BYTES_PER_HIDDEN
+    from spds.recompute import ACTIVATION_BYTES_PER_HIDDEN
 
-    model.checkpointing.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["own"]
+    model.recompute.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["own"]
 
 
 VARIANTS["liger-own-figure"] = VARIANTS["liger"]
@@ -229,8 +229,8 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
               second_visit: bool = False) -> dict:
     """One timed update over `lengths` after one warm-up update over `warm_lengths` (with
     `second_visit`, the second of two updates over `lengths`)."""
+    from spds.build import build_soft_prompt_model
     from spds.engine import build_engine, init_distributed
-    from spds.model import build_soft_prompt_model
     from spds.schedule import Plan
     from spds.stop import StopRequest
     from spds.train import train_step
@@ -242,7 +242,7 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         if not torch.distributed.is_initialized():
             init_distributed(config.distributed)
         if config.student.liger_kernels and not getattr(student, "liger_applied", False):
-            from spds.model import apply_liger_kernels
+            from spds.student import apply_liger_kernels
 
             apply_liger_kernels(student)
             student.liger_applied = True
@@ -252,8 +252,8 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
             use_deterministic_kernels()
         model = build_soft_prompt_model(config, torch.device(DEVICE), student=student)
         AFTER_BUILD.get(variant, lambda model: None)(model)
-        policy, recomputed = model.checkpointing, []  # layers recomputed, per micro-batch
-        model.checkpointing = lambda *args, **kwargs: recomputed.append(policy(*args, **kwargs)) or recomputed[-1]
+        policy, recomputed = model.recompute, []  # layers recomputed, per micro-batch
+        model.recompute = lambda *args, **kwargs: recomputed.append(policy(*args, **kwargs)) or recomputed[-1]
         engine = build_engine(config, model, 1)
         plan = Plan(store, config.optim, config.soft_prompt.length, 1)
         device = torch.device(DEVICE)

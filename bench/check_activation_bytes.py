@@ -1,5 +1,5 @@
 """What one decoder layer keeps for backward, in bytes per position per hidden unit: the figure
-CheckpointPolicy plans with (ACTIVATION_BYTES_PER_HIDDEN). Measured through spds's own forward
+RecomputePolicy plans with (ACTIVATION_BYTES_PER_HIDDEN). Measured through spds's own forward
 (SoftPromptModel.hidden_states, no layer recomputed) as the memory still allocated after the
 forward, over positions x layers x hidden, with the student's own kernels and with Liger's.
 
@@ -21,8 +21,10 @@ import bench_gpu  # noqa: E402
 
 
 def measure(student, name: str, variant: str, positions: int) -> dict:
+    from spds.build import build_soft_prompt_model
     from spds.engine import init_distributed
-    from spds.model import Segment, apply_liger_kernels, build_soft_prompt_model
+    from spds.model import Segment
+    from spds.student import apply_liger_kernels
 
     with tempfile.TemporaryDirectory() as scratch:
         config = bench_gpu.spds_config(Path(scratch), 1, variant)
@@ -31,7 +33,7 @@ def measure(student, name: str, variant: str, positions: int) -> dict:
         if config.student.liger_kernels:
             apply_liger_kernels(student)
         model = build_soft_prompt_model(config, torch.device("cuda"), student=student)
-        model.checkpointing = lambda *args, **kwargs: 0  # every layer keeps its activations
+        model.recompute = lambda *args, **kwargs: 0  # every layer keeps its activations
         ids = torch.randint(0, bench_gpu.VOCAB - 1000, (positions - bench_gpu.PROMPT,), device="cuda")
         segment = Segment(ids=ids, prefix_tokens=128, insert_at=3)
         torch.cuda.synchronize()

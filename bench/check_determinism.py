@@ -104,7 +104,8 @@ def model_level(model: str, length: int) -> None:
     from spds.attention import resolve, use_deterministic_kernels
     from spds.contract import section
     from spds.loss import make_loss
-    from spds.model import Segment, SoftPromptModel, initial_prompt
+    from spds.model import Segment, SoftPromptModel
+    from spds.student import initial_prompt
 
     use_deterministic_kernels()
     student = build_student(model)

@@ -67,7 +67,7 @@ def main() -> None:
     model = timed("from_pretrained(device_map=cuda)",
                   lambda: AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
                                                                attn_implementation="sdpa", device_map=device))
-    from spds.model import apply_liger_kernels
+    from spds.student import apply_liger_kernels
 
     timed("Liger patch", lambda: apply_liger_kernels(model))
     report("total", time.perf_counter() - started)

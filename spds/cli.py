@@ -2,6 +2,9 @@
 
 Exit codes: 0 success; 1 a refusal the user can act on (bad config, changed input, bad row,
 failed check), printed without a traceback; 2 bad command-line usage (argparse).
+
+Each verb imports its own modules when it runs ("per verb" below): `spds validate` or `spds stop`
+does not wait seconds for torch and transformers to load.
 """
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ STARTED = time.time()  # `spds train` to update 1 is measured from here (run.jso
 
 
 def cmd_validate(args) -> int:
-    from .contract import load_config
-    from .preflight import require_preflight
+    from .contract import load_config  # per verb
+    from .preflight import require_preflight  # per verb
 
     failures = 0
     for path in args.configs:
@@ -38,7 +41,7 @@ def cmd_validate(args) -> int:
 def cmd_pin(args) -> int:
     from pathlib import Path
 
-    from .contract import pin_config, pins_path
+    from .contract import pin_config, pins_path  # per verb
 
     for key, digest in pin_config(args.config).items():
         print(f"{key} = {digest}")
@@ -47,8 +50,8 @@ def cmd_pin(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from .contract import load_config
-    from .data.prepare import prepare
+    from .contract import load_config  # per verb
+    from .data.prepare import prepare  # per verb
 
     manifest = prepare(load_config(args.config))
     print(json.dumps({k: manifest[k] for k in ("records", "tokens", "max_length", "counts")}))
@@ -56,7 +59,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train import main as train_main
+    from .train import main as train_main  # per verb
 
     return train_main(args.config, smoke=args.verb == "smoke", started=STARTED)
 
@@ -64,8 +67,8 @@ def cmd_train(args) -> int:
 def cmd_stop(args) -> int:
     from pathlib import Path
 
-    from .contract import load_config
-    from .stop import request
+    from .contract import load_config  # per verb
+    from .stop import request  # per verb
 
     if args.output_dir:  # where the launch scripts found it at launch: the config may have moved since
         output_dir = Path(args.output_dir)
@@ -79,16 +82,16 @@ def cmd_stop(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .contract import load_config
-    from .generate import generate
+    from .contract import load_config  # per verb
+    from .generate import generate  # per verb
 
     generate(load_config(args.config, require_candidates=False))
     return 0
 
 
 def cmd_eval(args) -> int:
-    from .contract import load_config
-    from .evaluate import evaluate
+    from .contract import load_config  # per verb
+    from .evaluate import evaluate  # per verb
 
     result = evaluate(load_config(args.config), args.checkpoint)
     nll = result["nll"]
@@ -100,7 +103,7 @@ def cmd_eval(args) -> int:
     if result["kl_to_teacher"] is not None:
         print(f"KL(teacher || soft) per token {result['kl_to_teacher']:.4f} (teacher: {result['teacher']})")
     if result.get("samples"):
-        from .sample import show
+        from .sample import show  # per verb
 
         print(show(result["samples"]))
     if result["tokens_per_second"]:
@@ -113,8 +116,8 @@ def cmd_eval(args) -> int:
 def cmd_sample(args) -> int:
     from pathlib import Path
 
-    from .contract import load_config
-    from .sample import answers, show, write
+    from .contract import load_config  # per verb
+    from .sample import answers, show, write  # per verb
 
     config = load_config(args.config)
     rows = answers(config, args.n, Path(args.questions) if args.questions else None, args.checkpoint,
@@ -128,8 +131,8 @@ def cmd_sample(args) -> int:
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from .contract import load_config
-    from .export import export
+    from .contract import load_config  # per verb
+    from .export import export  # per verb
 
     config = load_config(args.config)
     result = export(config, args.checkpoint, Path(args.out) if args.out else config.output_dir / "export")
@@ -140,7 +143,7 @@ def cmd_export(args) -> int:
 def cmd_init(args) -> int:
     from pathlib import Path
 
-    from .starter import init
+    from .starter import init  # per verb
 
     written = init(args.model, args.data, Path(args.out))
     print(f"wrote {written} (validated); next: spds pin {written.name}, spds prepare, spds smoke, spds train")
@@ -151,7 +154,7 @@ def cmd_launch_ended(args) -> int:
     import os
     from pathlib import Path
 
-    from .records import record_launch_end
+    from .records import record_launch_end  # per verb
 
     output_dir = Path(args.output_dir)  # as the launch script found it at launch
     out = output_dir / "smoke" if args.run_verb == "smoke" else output_dir
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb in ("train", "smoke"):
         # Before torch is imported (seconds): from here on SIGTERM/SIGINT ask for a stop at an
         # update boundary instead of killing the process (spds/stop.py).
-        from .stop import StopRequest
+        from .stop import StopRequest  # per verb
 
         StopRequest.install()
     try:

@@ -566,7 +566,7 @@ def determinism_problems(config: Config) -> list[str]:
     """train.deterministic against the attention kernels that have no deterministic backward."""
     if not config.train.deterministic:
         return []
-    from .attention import kernels_in
+    from .attention import kernels_in  # deferred: spds.attention imports torch, which validating a config does without
 
     student = config.student
     if student.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):

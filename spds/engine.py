@@ -30,6 +30,7 @@ from .contract import Config
 from .fsio import SpdsError, exclusive_lock, read_json
 from .schedule import lr_factor
 from .settings import DistributedSettings
+from .sharded import FSDP2Layout, ShardedEngine, ZeRO3Layout
 
 
 def ensure_accelerator_env() -> None:
@@ -115,14 +116,10 @@ class Engine(Protocol):
 
 
 def zero3_layout(config: Config, model, world: int):
-    from .sharded import ZeRO3Layout
-
     return ZeRO3Layout(model.student, model.prompt.device, deepspeed_config(config, world))
 
 
 def fsdp2_layout(config: Config, model, world: int):
-    from .sharded import FSDP2Layout
-
     return FSDP2Layout(model.student, model.prompt.device)
 
 
@@ -185,8 +182,6 @@ def build_engine(config: Config, model: torch.nn.Module, world: int) -> Engine:
                                 eps=optim.eps, weight_decay=optim.weight_decay, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
     if config.shards_student:
-        from .sharded import ShardedEngine
-
         shard_student(config, model, world)
         return ShardedEngine(model, optimizer, scheduler)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,

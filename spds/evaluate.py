@@ -20,15 +20,17 @@ import numpy as np
 import torch
 
 from . import __version__
+from .build import build_soft_prompt_model
 from .checkpoint import prompt_of, resolve
 from .contract import Config, require_valid
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
 from .fsio import SpdsError, atomic_path, atomic_write_json
 from .loss import final_logit_softcap, make_loss
-from .model import build_soft_prompt_model, load_segments
+from .model import load_segments
 from .records import read_metrics
 from .settings import KLSettings
+from .student import load_tokenizer
 from .teacher import build_teacher, teacher_kind
 
 
@@ -60,8 +62,6 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     text = config.context_text
     blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
     if text:
-        from .data.prepare import load_tokenizer
-
         ids = load_tokenizer(config).encode(text, add_special_tokens=False)
         blocks["ceiling"] = student.get_input_embeddings()(torch.tensor(ids, device=device))
     names = list(blocks)

@@ -21,7 +21,10 @@ import torch
 from . import __version__
 from .checkpoint import prompt_of, resolve
 from .contract import Config
+from .data.chat import Scaffold
+from .data.rows import RowRules, place
 from .fsio import SpdsError, atomic_path, read_json, sha256_json
+from .student import load_student
 
 FILE = "soft_prompt.safetensors"
 
@@ -56,8 +59,6 @@ def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
     """A prompt-tuning adapter that PEFT loads: built with PEFT, our prompt in its embedding."""
     from peft import PromptTuningConfig, TaskType, get_peft_model
 
-    from .model import load_student
-
     student = load_student(config.model_path, "float32", config.student.attn_implementation, torch.device("cpu"))
     peft_model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM,
                                                             num_virtual_tokens=prompt.shape[0],
@@ -82,9 +83,6 @@ def load_soft_prompt(path: str | Path) -> tuple[torch.Tensor, dict]:
 def insertion_point(ids: list[int], metadata: dict) -> tuple[list[int], int]:
     """Apply the training-time insertion rule (spds.data.rows.place) to rendered conversation ids."""
     import numpy as np
-
-    from .data.chat import Scaffold
-    from .data.rows import RowRules, place
 
     rules = RowRules(scaffold=Scaffold(**metadata["scaffold"]), placement=metadata["placement"], end_ids=frozenset(),
                      vocab_size=0, prompt_length=0, context_limit=0, template_kwargs={})

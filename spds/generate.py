@@ -23,6 +23,8 @@ import torch
 from .contract import Config
 from .data.chat import end_token_ids, render
 from .fsio import MAX_LINE_BYTES, SpdsError, open_regular, parse_json
+from .preflight import require_preflight
+from .student import load_tokenizer
 
 
 def read_questions(path: Path) -> list[dict]:
@@ -71,9 +73,6 @@ def repair_and_read(output: Path) -> set[str]:
 
 def generate(config: Config, log=print) -> dict:
     from transformers import AutoModelForCausalLM
-
-    from .data.prepare import load_tokenizer
-    from .preflight import require_preflight
 
     settings = config.generate
     if not settings.questions:

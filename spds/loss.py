@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fsio import SpdsError
+
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  chunk: int = 4096, softcap: float | None = None) -> torch.Tensor:
@@ -223,8 +225,6 @@ def make_loss(settings, softcap: float | None = None):
     f.kernel names the choice; f.needs_teacher says whether the model must supply targets."""
     kernel, chunk = settings.kernel, settings.chunk_tokens
     if kernel == "liger" and not liger_available():
-        from .fsio import SpdsError
-
         raise SpdsError("loss.kernel is 'liger' but liger-kernel is not importable or there is no CUDA device "
                         "(pip install 'spds[gpu]', or set loss.kernel to 'auto')")
     if settings.objective == "ce":

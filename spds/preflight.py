@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from .contract import Config
 from .data.chat import end_token_ids
-from .data.prepare import load_tokenizer, model_vocabulary_rows, scaffold_for
+from .data.prepare import model_vocabulary_rows, scaffold_for
 from .fsio import SpdsError
+from .student import load_tokenizer
 
 
 def preflight_problems(config: Config, tokenizer=None) -> tuple[list[str], object]:

@@ -126,7 +126,7 @@ def record_launch_end(out: Path, exit_status: int, launch_started: float) -> Pat
     killed, by SIGKILL or the OOM killer, or died before it could write): terminal.json says
     failed, with the last update metrics.jsonl holds and the newest committed checkpoint, the
     resume point. A terminal.json written since the launch began is rank 0's, and stands."""
-    from .checkpoint import committed
+    from .checkpoint import committed  # deferred: it imports torch; `spds launch-ended` starts fast without
 
     path = out / "terminal.json"
     out.mkdir(parents=True, exist_ok=True)  # the ranks may have died before they made it

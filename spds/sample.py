@@ -19,11 +19,10 @@ from .checkpoint import prompt_of, resolve
 from .contract import Config
 from .data.chat import end_token_ids
 from .data.packed import PackedStore
-from .data.prepare import load_tokenizer
 from .export import insertion_point
 from .fsio import SpdsError, atomic_writer
 from .generate import read_questions
-from .model import load_student
+from .student import load_student, load_tokenizer
 
 VIEWS = ("bare", "context", "soft")
 TITLES = {"bare": "bare student", "context": "with the context", "soft": "with the soft prompt"}

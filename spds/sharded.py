@@ -38,7 +38,22 @@ import torch.distributed as dist
 
 from .checkpoint import STATE_FILE
 from .fsio import atomic_writer
-from .model import Replicated, decoder_layers
+from .student import decoder_layers
+
+
+class Replicated:
+    """The student's layout when every rank holds it whole: nothing to gather or mark. Sharded
+    layouts (spds/sharded.py) offer the same two methods."""
+
+    name = "replicated"
+    lockstep = False  # no collective inside a forward: ranks may run different passes
+
+    def before_forward(self) -> None:
+        pass
+
+    def gathered(self, parameters):
+        """A context in which `parameters` are whole (read outside their module's forward)."""
+        return contextlib.nullcontext()
 
 
 def move_unsharded(module: torch.nn.Module, device: torch.device) -> None:

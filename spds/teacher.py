@@ -43,6 +43,8 @@ import torch
 
 from .fsio import SpdsError
 from .loss import TeacherTargets
+from .recompute import recompute_first
+from .student import load_tokenizer
 
 
 class ContextTeacher:
@@ -75,9 +77,7 @@ class ContextTeacher:
 
     @torch.no_grad()
     def targets(self, segments) -> TeacherTargets:
-        from .model import checkpoint_first
-
-        checkpoint_first(self.model.student, 0)  # nothing to recompute without a backward
+        recompute_first(self.model.student, 0)  # nothing to recompute without a backward
         if self.memo_budget:
             return TeacherTargets(hidden=torch.cat([self.remembered(segment) for segment in segments]))
         return TeacherTargets(hidden=self.computed(segments))
@@ -172,8 +172,6 @@ def build_teacher(config, model, store, memo: bool = False):
     if not text:
         raise SpdsError("loss.teacher 'context' needs the context: set context.text or context.file "
                         "(or give the candidate rows top-k log-probabilities for an offline teacher)")
-    from .data.prepare import load_tokenizer
-
     ids = load_tokenizer(config).encode(text, add_special_tokens=False)
     return ContextTeacher(model, torch.tensor(ids, device=model.prompt.device),
                           reuse_context=config.loss.reuse_context_kv,

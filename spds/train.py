@@ -20,16 +20,18 @@ import numpy as np
 import torch
 
 from .attention import use_deterministic_kernels
+from .build import build_soft_prompt_model
 from .checkpoint import Checkpointer, fault_point, pace_point
 from .contract import Config, load_config, validate_run_world
 from .data.packed import PackedStore
 from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
 from .fsio import SpdsError, exclusive_lock
 from .identity import check_smoke_evidence, library_versions, run_identities
-from .model import build_soft_prompt_model, load_segments, quadratic_length
+from .model import load_segments
 from .records import RunRecords, StartupClock, rank_hosts
 from .schedule import Plan, Step
 from .stop import StopRequest
+from .student import quadratic_length
 
 # ---------------------------------------------------------------- the loop
 
@@ -117,8 +119,8 @@ def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, de
     segments = load_segments(store, step.dealt[rank], device)  # one copy: no host sync in the loop below
     local_loss = torch.zeros((), dtype=torch.float32, device=device)
     with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
-        for records, checkpoint_positions, counted in plan.passes(step, rank, engine.module.layout.lockstep):
-            agreed = {"checkpoint_positions": checkpoint_positions} if checkpoint_positions else {}
+        for records, recompute_positions, counted in plan.passes(step, rank, engine.module.layout.lockstep):
+            agreed = {"recompute_positions": recompute_positions} if recompute_positions else {}
             loss_sum = engine([segments[i] for i in records], **agreed)
             if counted:
                 engine.backward(loss_sum)

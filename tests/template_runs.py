@@ -63,8 +63,8 @@ def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     from spds.data.prepare import prepare
     from spds.evaluate import evaluate
     from spds.export import export, generate, load_soft_prompt
-    from spds.model import load_student
     from spds.sample import answers
+    from spds.student import load_student
     from spds.train import run
 
     directory = out / f"{name}-{placement}-{family}"

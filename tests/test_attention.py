@@ -15,7 +15,8 @@ from helpers import spliced_reference_loss as reference_loss
 from spds import attention
 from spds.contract import section
 from spds.loss import make_loss
-from spds.model import Segment, SoftPromptModel, initial_prompt
+from spds.model import Segment, SoftPromptModel
+from spds.student import initial_prompt
 
 BLOCK = attention.BLOCK
 
@@ -78,7 +79,7 @@ def test_each_kernel_gives_the_plain_forwards_loss_and_gradient(tiny_assets, ker
 def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypatch):
     """Before, the kernel was chosen by a context manager around the forward: a checkpointed
     layer's recompute, in backward, ran PyTorch's default kernel instead."""
-    from spds.model import load_student
+    from spds.student import load_student
 
     used = []  # (kernel, during backward) per attention call
     original = attention.sdpa_causal

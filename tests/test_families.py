@@ -13,7 +13,8 @@ from helpers import spliced_reference_loss as plain_loss
 
 from spds.contract import section
 from spds.loss import final_logit_softcap, make_loss
-from spds.model import Segment, SoftPromptModel, load_student
+from spds.model import Segment, SoftPromptModel
+from spds.student import load_student
 
 FAMILIES = {k: v for k, v in json.loads((Path(__file__).parent / "fixtures" / "models" / "families.json").read_text())
             .items() if not k.startswith("_")}
@@ -73,10 +74,10 @@ def test_a_loss_built_without_the_students_logit_soft_cap_is_refused(saved):
 def test_the_memory_planner_counts_the_scores_a_soft_capped_layer_materialises(saved):
     """Gemma 2's soft-capped layers keep their score matrices whatever kernel the length chose;
     Gemma 3's windowed layers run an O(L) kernel: the recompute planner must tell them apart."""
-    from spds.model import CheckpointPolicy
+    from spds.recompute import RecomputePolicy
 
     for family, quadratic in (("gemma2", True), ("gemma3", False)):
         student = load_student(saved[family], "float32", "sdpa", torch.device("cpu"))
-        policy = CheckpointPolicy("auto", student, 1.0, torch.device("cpu"), kernel_at=lambda length: "flash")
+        policy = RecomputePolicy("auto", student, 1.0, torch.device("cpu"), kernel_at=lambda length: "flash")
         kept, transient = policy.attention_bytes(positions=4096, longest=4096)
         assert (kept > 0 and transient > kept) == quadratic, family

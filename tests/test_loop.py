@@ -13,8 +13,8 @@ from helpers import FAST, ROUNDING, assert_rounding_close, check, final_state, r
 from spds.contract import load_config, section
 from spds.data.packed import PackedStore
 from spds.export import insertion_point, load_soft_prompt, splice
-from spds.model import load_student
 from spds.sample import VIEWS
+from spds.student import load_student
 
 
 @pytest.fixture

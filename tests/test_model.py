@@ -9,7 +9,8 @@ from helpers import assert_matches_reference, assert_rounding_close
 from spds.contract import section
 from spds.fsio import SpdsError
 from spds.loss import make_loss
-from spds.model import Segment, SoftPromptModel, initial_prompt, load_student
+from spds.model import Segment, SoftPromptModel
+from spds.student import initial_prompt, load_student
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
         student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
         prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=2)
         model = SoftPromptModel(student, prompt, CHUNKED_16, activation_checkpointing=count > 0)
-        model.checkpointing = lambda positions, longest=None, count=count: count
+        model.recompute = lambda positions, longest=None, count=count: count
         recomputed = []  # count the layer forwards run again during backward
         for layer in student.model.layers:
             layer.self_attn.register_forward_pre_hook(lambda *_: recomputed.append(True))
@@ -162,9 +163,9 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
 
 
 def test_auto_checkpointing_policy(student):
-    from spds.model import CheckpointPolicy
+    from spds.recompute import RecomputePolicy
 
-    policy = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cpu"))
+    policy = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cpu"))
     assert policy(10**9) == 0  # CPU without a budget: never
     policy.device = torch.device("cuda")  # the decision itself, without a GPU
     policy.layers = 36  # an 8B-deep student (with two layers, recomputing one saves nothing)
@@ -181,7 +182,7 @@ def test_auto_checkpointing_policy(student):
     # A kernel that materialises the scores (math SDPA): [heads, L, L] bf16 kept per plain layer,
     # three while a layer runs. The same micro-batch needs more layers recomputed, and a length the
     # linear model would accept is refused.
-    quadratic = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cpu"),
+    quadratic = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cpu"),
                                  kernel_at=lambda length: "math")
     quadratic.device, quadratic.layers, quadratic.budget = policy.device, policy.layers, policy.budget
     heads, hidden, layers = quadratic.heads, quadratic.hidden, quadratic.layers
@@ -198,10 +199,10 @@ def test_auto_checkpointing_policy(student):
     policy(longest_linear)  # the linear model accepts it...
     with pytest.raises(SpdsError, match="quadratic in length"):
         quadratic(longest_linear)  # ...the math kernel's scores do not fit
-    assert CheckpointPolicy(True, student, None, torch.device("cpu"))(1) == student.config.num_hidden_layers
+    assert RecomputePolicy(True, student, None, torch.device("cpu"))(1) == student.config.num_hidden_layers
     # FlashAttention-4 keeps O(L), but its backward allocates fp32 accumulators for dQ (every query
     # head) and, with grouped-query heads, dK and dV (every key/value head): counted while a layer runs.
-    fa4 = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cuda"), kernel_at=lambda n: "fa4")
+    fa4 = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cuda"), kernel_at=lambda n: "fa4")
     config = student.config
     assert config.num_key_value_heads < config.num_attention_heads  # the grouped-query case
     accumulators = 1500 * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim * 4
@@ -209,7 +210,7 @@ def test_auto_checkpointing_policy(student):
     assert fa4.attention_bytes(1500, 500, packed=True) == (0, accumulators)  # packed: fa4's own varlen kernel
     # Liger's kernels keep 26 bytes per position per hidden unit, not 40 (measured on H200): a
     # micro-batch over the budget at 40 fits whole with them.
-    liger = CheckpointPolicy("auto", student, budget_gib=None, device=torch.device("cpu"), liger_kernels=True)
+    liger = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cpu"), liger_kernels=True)
     liger.device, liger.layers, liger.budget = policy.device, policy.layers, policy.budget
     assert policy(1500) > 0 and liger(1500) == 0  # 1500 x 26 <= 1000 x 40
     assert liger(1538) == 0 and liger(1539) > 0  # 1539 x 26 = 40,014 > 40,000: the first length over

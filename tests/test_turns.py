@@ -16,7 +16,8 @@ from spds.contract import load_config, section
 from spds.data.chat import render
 from spds.data.packed import PackedStore
 from spds.loss import make_loss
-from spds.model import Segment, SoftPromptModel, load_student
+from spds.model import Segment, SoftPromptModel
+from spds.student import load_student
 
 CONVERSATION = [{"role": "user", "content": "Where is the comet?"}, {"role": "assistant", "content": "Far away."},
                 {"role": "user", "content": "And the harbor?"}]

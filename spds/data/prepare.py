@@ -74,7 +74,7 @@ def prepare(config: Config, log=print) -> dict:
 
 def model_vocabulary_rows(config: Config) -> int | None:
     """The student's embedding rows (config.json vocab_size): an id past them crashes training."""
-    from ..model import student_config
+    from ..student import student_config  # deferred: spds.student imports torch; packing reads only config.json
 
     rows = student_config(config.model_path).get("vocab_size")
     return rows if isinstance(rows, int) else None

@@ -1,0 +1,41 @@
+"""The soft-prompt model as every command builds it (train, smoke, eval, the GPU benchmark)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import resolve as resolve_kernels
+from .loss import final_logit_softcap, make_loss
+from .model import SoftPromptModel
+from .student import apply_liger_kernels, initial_prompt, load_student, load_tokenizer
+from .teacher import build_teacher
+
+
+def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor | None = None, training: bool = True,
+                            student: nn.Module | None = None, store=None) -> SoftPromptModel:
+    """The student as every command runs it: train, smoke, eval and the GPU benchmark build it here,
+    so they share the kernels (Liger), the attention choice (deterministic or by length), the
+    loss kernel, the teacher and the placement of a student to be sharded. `prompt` is the initial
+    value (training) or a checkpoint's (eval); `student` lets the benchmark reuse one it holds;
+    `store` (the packed data) decides an `auto` teacher, for a loss that needs one."""
+    student_cfg, prompt_cfg = config.student, config.soft_prompt
+    if student is None:
+        # A student to be sharded is loaded on the host; its layout puts each shard on the device.
+        host = torch.device("cpu") if config.shards_student else device
+        student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
+        if student_cfg.liger_kernels:
+            apply_liger_kernels(student)
+    sdpa_backend = resolve_kernels(student_cfg.sdpa_backend, config.train.deterministic, student, device)
+    if prompt is None:
+        tokenizer = None
+        if prompt_cfg.init.method == "text":
+            tokenizer = load_tokenizer(config)
+        prompt = initial_prompt(student, prompt_cfg.length, prompt_cfg.init, config.optim.seed, tokenizer)
+    loss_fn = make_loss(config.loss, final_logit_softcap(student))
+    checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
+    model = SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg.activation_memory_gib,
+                            student_cfg.pad_to_multiple_of, device, config.train.deterministic,
+                            student_cfg.liger_kernels, config.optim.micro_batch_layout == "packed")
+    if loss_fn.needs_teacher:
+        model.teacher = build_teacher(config, model, store, memo=training)
+    return model
