@@ -129,28 +129,28 @@ def write_store(directory: Path, lengths: list[int], seed: int = 0):
 BY_LENGTH = {"below": 8192, "short": "flash", "long": "cudnn"}
 VARIANTS = {
     "default": ({}, {}),
-    "flash": ({"sdpa_backend": "flash"}, {}),
-    "cudnn": ({"sdpa_backend": "cudnn"}, {}),
-    "bylen": ({"sdpa_backend": BY_LENGTH}, {}),
-    "packed": ({"sdpa_backend": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
+    "flash": ({"attention_kernel": "flash"}, {}),
+    "cudnn": ({"attention_kernel": "cudnn"}, {}),
+    "bylen": ({"attention_kernel": BY_LENGTH}, {}),
+    "packed": ({"attention_kernel": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
     "packed-auto": ({}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
     "ckpt": ({"activation_checkpointing": True}, {}),
     "nopad": ({"pad_to_multiple_of": 1}, {}),
     # Liger's RMSNorm/SwiGLU/RoPE patch the shared student in place: run these in an invocation
     # of their own, with --no-peft.
-    "liger": ({"sdpa_backend": BY_LENGTH, "liger_kernels": True}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
-    "liger-ckpt": ({"sdpa_backend": BY_LENGTH, "liger_kernels": True, "activation_checkpointing": True}, {}),
+    "liger": ({"attention_kernel": BY_LENGTH, "liger_kernels": True}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
+    "liger-ckpt": ({"attention_kernel": BY_LENGTH, "liger_kernels": True, "activation_checkpointing": True}, {}),
     # packed, but auto checkpointing all-or-nothing per micro-batch (spds before per-layer counts).
-    "wholeckpt": ({"sdpa_backend": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
+    "wholeckpt": ({"attention_kernel": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
 }
 # train.deterministic (its kernel choice, strict deterministic algorithms) against liger; flash at
 # every length; flex at every length and for long records only, without the deterministic switches.
 VARIANTS["liger-det"] = ({"liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-det-flash"] = ({"sdpa_backend": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-cudnn"] = ({"sdpa_backend": "cudnn", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-flash"] = ({"sdpa_backend": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-flex"] = ({"sdpa_backend": "flex", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-flexlong"] = ({"sdpa_backend": {"below": 8192, "short": "flash", "long": "flex"},
+VARIANTS["liger-det-flash"] = ({"attention_kernel": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-cudnn"] = ({"attention_kernel": "cudnn", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-flash"] = ({"attention_kernel": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-flex"] = ({"attention_kernel": "flex", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-flexlong"] = ({"attention_kernel": {"below": 8192, "short": "flash", "long": "flex"},
                                "liger_kernels": True}, VARIANTS["liger"][1])
 # liger with the records of a forward end to end (variable-length attention, no padding)
 VARIANTS["liger-packed"] = (VARIANTS["liger"][0], {**VARIANTS["liger"][1], "micro_batch_layout": "packed"})
@@ -158,7 +158,7 @@ VARIANTS["liger-packed"] = (VARIANTS["liger"][0], {**VARIANTS["liger"][1], "micr
 VARIANTS["liger-packed-32k"] = (VARIANTS["liger"][0], {**VARIANTS["liger-packed"][1], "micro_batch": 64,
                                                        "micro_batch_tokens": 32768})
 # FlashAttention-4 at every length (flash-attn-4; bench/check_fa4.py), padded rows and packed
-VARIANTS["liger-fa4"] = ({"sdpa_backend": "fa4", "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-fa4"] = ({"attention_kernel": "fa4", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-packed-fa4"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed"][1])
 VARIANTS["liger-packed-fa4-det"] = VARIANTS["liger-packed-fa4"]  # its deterministic backward (train.deterministic)
 # with attention cheaper, fewer and larger forwards for the short records may pay (unmeasured)
@@ -214,7 +214,7 @@ def spds_config(directory: Path, records: int, variant: str):
 
     student, optim = VARIANTS[variant]
     if DEVICE == "cpu":  # a dry run: CPU SDPA has the math kernel only
-        student = {k: v for k, v in student.items() if k != "sdpa_backend"}
+        student = {k: v for k, v in student.items() if k != "attention_kernel"}
     raw = {"student": {"model_path": "random-weights", **student},
            "soft_prompt": {"length": PROMPT}, "data": {"candidates": [{"path": "synthetic"}]},
            "optim": {"effective_batch": records, "updates": 1, "learning_rate": 1e-3, **optim},

@@ -6,7 +6,7 @@ Causal, bf16, the attention shape of Qwen3-1.7B (16 query heads, 8 key/value hea
 one sequence. Times forward + backward (all of dQ, dK, dV) with CUDA events after warm-up (FA4's
 first calls JIT-compile), and checks each kernel's gradient against cuDNN's.
 
-With --spds, the same question through spds's own model (student.sdpa_backend fa4, padded rows
+With --spds, the same question through spds's own model (student.attention_kernel fa4, padded rows
 and packed records): the summed loss and the prompt gradient of a few records against plain
 transformers and PyTorch (each record alone, nothing from spds), and whether FA4's deterministic
 backward (train.deterministic) repeats bit for bit where its default one does not have to.
@@ -83,7 +83,7 @@ def check_spds(lengths=(700, 3000, 9000), layers: int = 4) -> None:
     student = build_student("1.7b", layers)  # the same seed: the reference's weights
 
     def run(backend: str, packed: bool, together: bool) -> tuple[float, torch.Tensor]:
-        model = SoftPromptModel(student, prompt, make_loss(section("loss")), sdpa_backend=backend,
+        model = SoftPromptModel(student, prompt, make_loss(section("loss")), attention_kernel=backend,
                                 device=torch.device("cuda"), packed=packed)
         total = 0.0
         for group in ([segments] if together else [[s] for s in segments]):

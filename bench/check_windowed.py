@@ -57,7 +57,7 @@ def main() -> None:
                                 insert_at=1) for n, p in ((700, 300), (250, 40), (431, 200))]
             prompt = (torch.randn(16, student.config.hidden_size, generator=generator) * 0.3).cuda()
             loss_fn = make_loss(section("loss", kernel="chunked"), final_logit_softcap(student))
-            model = SoftPromptModel(student, prompt.clone(), loss_fn, sdpa_backend=kernel, packed=packed)
+            model = SoftPromptModel(student, prompt.clone(), loss_fn, attention_kernel=kernel, packed=packed)
             loss = model(segments)
             loss.backward()
             reference = prompt.clone().requires_grad_()

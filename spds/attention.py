@@ -9,7 +9,7 @@ So the function is causal from the lower right, and takes no mask. Records packe
 (optim.micro_batch_layout packed) arrive as one row with their cumulative lengths
 (`cu_seq_lens_q`, transformers' variable-length keywords), each attending only to itself.
 
-The kernel is a per-forward choice (student.sdpa_backend, by length): SoftPromptModel sets
+The kernel is a per-forward choice (student.attention_kernel, by length): SoftPromptModel sets
 `KernelChoice.kernel` before each forward. A checkpointed layer recomputes its forward during
 backward, after any `with sdpa_kernel(...)` around the forward has ended; reading the choice
 from the module makes the recompute run the forward's kernel (with a context manager it ran
@@ -104,7 +104,7 @@ def head_dim_of(config) -> int:
 
 
 def resolve(setting, deterministic: bool, student, device: torch.device):
-    """student.sdpa_backend as `student` runs it on `device`.
+    """student.attention_kernel as `student` runs it on `device`.
 
     Under train.deterministic, "auto" is FlashAttention-4 where it can run (spds[fa4] installed,
     Hopper or Blackwell), else flex on CUDA, and math on the CPU. Measured on H200 (Qwen3-1.7B,
@@ -124,12 +124,13 @@ def resolve(setting, deterministic: bool, student, device: torch.device):
     if "fa4" in kernels_in(setting) and config._attn_implementation in ("sdpa", NAME):
         problem = fa4_unavailable(head_dim_of(config)) if device.type == "cuda" else "there is no CUDA device"
         if problem:
-            raise SpdsError(f"student.sdpa_backend names fa4 (FlashAttention-4), but {problem}; choose another kernel")
+            raise SpdsError(f"student.attention_kernel names fa4 (FlashAttention-4), but {problem}; "
+                            "choose another kernel")
     return setting
 
 
 def kernels_in(setting) -> set[str]:
-    """The kernel names a student.sdpa_backend setting can choose."""
+    """The kernel names a student.attention_kernel setting can choose."""
     return {setting["short"], setting["long"]} if isinstance(setting, dict) else {setting}
 
 

@@ -25,7 +25,7 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
         student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
         if student_cfg.liger_kernels:
             apply_liger_kernels(student)
-    sdpa_backend = resolve_kernels(student_cfg.sdpa_backend, config.train.deterministic, student, device)
+    attention_kernel = resolve_kernels(student_cfg.attention_kernel, config.train.deterministic, student, device)
     if prompt is None:
         tokenizer = None
         if prompt_cfg.init.method == "text":
@@ -33,9 +33,10 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
         prompt = initial_prompt(student, prompt_cfg.length, prompt_cfg.init, config.optim.seed, tokenizer)
     loss_fn = make_loss(config.loss, final_logit_softcap(student))
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
-    model = SoftPromptModel(student, prompt, loss_fn, checkpointing, sdpa_backend, student_cfg.activation_memory_gib,
-                            student_cfg.pad_to_multiple_of, device, config.train.deterministic,
-                            student_cfg.liger_kernels, config.optim.micro_batch_layout == "packed")
+    model = SoftPromptModel(student, prompt, loss_fn, checkpointing, attention_kernel,
+                            student_cfg.activation_memory_gib, student_cfg.pad_to_multiple_of, device,
+                            config.train.deterministic, student_cfg.liger_kernels,
+                            config.optim.micro_batch_layout == "packed")
     if loss_fn.needs_teacher:
         model.teacher = build_teacher(config, model, store, memo=training)
     return model

@@ -573,8 +573,8 @@ def determinism_problems(config: Config) -> list[str]:
         return [f"student.attn_implementation: {student.attn_implementation!r} has no deterministic backward that "
                 "spds can switch on, and train.deterministic is true: use sdpa (its fa4, flex or flash kernel) "
                 "or eager"]
-    if student.attn_implementation == "sdpa" and "cudnn" in kernels_in(student.sdpa_backend):
-        return ["student.sdpa_backend: cuDNN attention has no deterministic backward, and train.deterministic is "
+    if student.attn_implementation == "sdpa" and "cudnn" in kernels_in(student.attention_kernel):
+        return ["student.attention_kernel: cuDNN attention has no deterministic backward, and train.deterministic is "
                 "true: use auto (fa4 or flex on CUDA), fa4, flex, flash, efficient or math"]
     return []
 

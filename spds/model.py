@@ -82,7 +82,8 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
 
 class SoftPromptModel(nn.Module):
     def __init__(self, student: nn.Module, prompt: torch.Tensor, loss_fn, activation_checkpointing=False,
-                 sdpa_backend="auto", activation_memory_gib: float | None = None, pad_to_multiple_of: int | None = None,
+                 attention_kernel="auto", activation_memory_gib: float | None = None,
+                 pad_to_multiple_of: int | None = None,
                  device: torch.device | None = None, deterministic: bool = False, liger_kernels: bool = False,
                  packed: bool = False):
         super().__init__()
@@ -94,26 +95,26 @@ class SoftPromptModel(nn.Module):
         self.student = student
         self.prompt = nn.Parameter(prompt.to(torch.float32).to(device))
         self.loss_fn = loss_fn
-        self.sdpa_backend = sdpa_backend
+        self.attention_kernel = attention_kernel
         self.kernel_choice = install_attention(student)  # None: the student's own attention (eager, ...)
         if packed and self.kernel_choice is None:  # the config check says so first; a library caller learns here
             raise SpdsError("packed micro-batches need spds's attention: load the student with sdpa attention")
         self.recompute = RecomputePolicy(activation_checkpointing, student, activation_memory_gib, device,
-                                              self.attention_kernel, deterministic, liger_kernels)
+                                              self.kernel_at, deterministic, liger_kernels)
         self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
         self.teacher = None  # spds/teacher.py, for a loss that needs one
         if activation_checkpointing is not False:
             enable_recompute(student)
         student.eval()
 
-    def attention_kernel(self, positions: int) -> str:
+    def kernel_at(self, positions: int) -> str:
         """The attention kernel for a sequence of `positions` (padded): "auto" lets PyTorch choose."""
-        return kernel_for(self.sdpa_backend, positions)
+        return kernel_for(self.attention_kernel, positions)
 
     def use_kernel(self, positions: int) -> None:
         """The kernel of the next forward (and of its recompute in backward)."""
         if self.kernel_choice is not None:
-            self.kernel_choice.kernel = self.attention_kernel(positions)
+            self.kernel_choice.kernel = self.kernel_at(positions)
 
     def joined_embeddings(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
         """embed(x[:a]) ++ block ++ embed(x[a:]) for each segment; one embedding call for all."""

@@ -107,8 +107,8 @@ class RecomputePolicy:
                 f"{self.budget / 2**30:.1f} GiB budget (student.activation_memory_gib, or 90% of the free GPU memory); "
                 f"attention kernel {self.kernel_at(longest or positions)!r}"
                 f"{' (memory quadratic in length)' if attention_kept else ''}: shorten the longest records, lower "
-                "optim.micro_batch or optim.micro_batch_tokens, or choose an O(L) kernel (student.sdpa_backend flex, "
-                "flash)")
+                "optim.micro_batch or optim.micro_batch_tokens, or choose an O(L) kernel (student.attention_kernel "
+                "flex, flash)")
         # need(k) falls linearly in k from k = 1: the fewest layers that fit
         needed = math.ceil((self.layers * per_plain_layer + running - self.budget) / (per_plain_layer - per_kept_layer))
         return int(min(self.layers, max(1, needed)))

@@ -22,7 +22,7 @@ class StudentSettings:
     tokenizer_sha256: str | None
     dtype: Literal["bfloat16", "float16", "float32"]
     attn_implementation: str
-    sdpa_backend: Any  # a kernel name, or {"below": n, "short": name, "long": name}
+    attention_kernel: Any  # a kernel name, or {"below": n, "short": name, "long": name}
     pad_to_multiple_of: int | None
     activation_checkpointing: bool | Literal["auto"]
     liger_kernels: bool

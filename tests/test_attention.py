@@ -62,7 +62,7 @@ def test_each_kernel_gives_the_plain_forwards_loss_and_gradient(tiny_assets, ker
     segment = Segment(ids=torch.tensor(rows[0]["input_ids"]), prefix_tokens=rows[0]["prefix_tokens"], insert_at=3)
     prompt = initial_prompt(student, 4, section("soft_prompt", init={"method": "random_normal", "std": 0.5}).init, 1)
     model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked", chunk_tokens=16)),
-                            sdpa_backend=kernel)
+                            attention_kernel=kernel)
     reference_prompt = prompt.clone().requires_grad_()
     expected = reference_loss(plain, reference_prompt, segment)
     if "flex" in attention.kernels_in(kernel):  # torch has no flex backward on the CPU: the loss only
@@ -91,7 +91,7 @@ def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypa
     segment = Segment(ids=torch.tensor(rows[0]["input_ids"]), prefix_tokens=rows[0]["prefix_tokens"], insert_at=3)
     prompt = initial_prompt(student, 4, section("soft_prompt").init, 1)
     model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked")),
-                            activation_checkpointing=True, sdpa_backend="math")
+                            activation_checkpointing=True, attention_kernel="math")
     loss = model([segment])
     backward_started[0] = True
     loss.backward()
@@ -125,7 +125,7 @@ def test_a_sliding_window_layer_attends_within_its_window(tiny_assets):
     segment = Segment(ids=torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(1)), prefix_tokens=6,
                       insert_at=2)
     prompt = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
-    model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked")), sdpa_backend="math")
+    model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked")), attention_kernel="math")
     expected = assert_matches_reference(model, [segment], lambda p: reference_loss(plain, p, segment), prompt)
     unwindowed = AutoModelForCausalLM.from_config(Qwen3Config(use_sliding_window=False, **shape),
                                                   attn_implementation="eager").requires_grad_(False)

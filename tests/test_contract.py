@@ -206,15 +206,17 @@ def test_world_size_contract(tiny):
         validate_run_world(load_config(tiny / "config.json"), 3)
 
 
-def test_the_three_old_backend_settings_are_refused_naming_their_new_names(tiny):
+def test_renamed_settings_are_refused_naming_their_new_names(tiny):
     config = json.loads((tiny / "config.json").read_text())
     config.update(backend="fsdp", loss={"backend": "chunked"}, distributed={"backend": "gloo"})
+    config["student"]["sdpa_backend"] = "fa4"
     (tiny / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpdsError) as caught:
         load_config(tiny / "config.json")
     text = str(caught.value)
     for old, new in [("backend", "'sharding'"), ("loss.backend", "'loss.kernel'"),
-                     ("distributed.backend", "'distributed.communication'")]:
+                     ("distributed.backend", "'distributed.communication'"),
+                     ("student.sdpa_backend", "'student.attention_kernel'")]:
         assert f"{old}: renamed to {new}" in text, text
 
 
@@ -222,16 +224,17 @@ def test_deterministic_training_refuses_attention_without_a_deterministic_backwa
     """cuDNN attention (named, or as one side of a by-length choice) has no deterministic
     backward; train.deterministic with it would resume differently from the straight run."""
     by_length = {"below": 8192, "short": "flash", "long": "cudnn"}
-    edit_config(tiny, train={"deterministic": True}, student={"sdpa_backend": by_length})
+    edit_config(tiny, train={"deterministic": True}, student={"attention_kernel": by_length})
     with pytest.raises(SpdsError) as caught:
         load_config(tiny / "config.json")
-    assert "student.sdpa_backend: cuDNN attention has no deterministic backward" in str(caught.value)
+    assert "student.attention_kernel: cuDNN attention has no deterministic backward" in str(caught.value)
     edit_config(tiny, train={"deterministic": True}, student={"attn_implementation": "flex_attention"})
     with pytest.raises(SpdsError, match="student.attn_implementation: 'flex_attention' has no deterministic"):
         load_config(tiny / "config.json")
-    edit_config(tiny, train={"deterministic": True}, student={"sdpa_backend": "auto", "attn_implementation": "sdpa"})
+    edit_config(tiny, train={"deterministic": True},
+                student={"attention_kernel": "auto", "attn_implementation": "sdpa"})
     load_config(tiny / "config.json")  # auto resolves to a deterministic kernel
-    edit_config(tiny, train={"deterministic": False}, student={"sdpa_backend": by_length})
+    edit_config(tiny, train={"deterministic": False}, student={"attention_kernel": by_length})
     load_config(tiny / "config.json")  # without the promise, cuDNN is the fast choice
 
 

@@ -55,7 +55,7 @@ def test_loss_and_prompt_gradient_equal_the_familys_own_forward(saved, family):
     layouts = [False, True] if implementation == "sdpa" else [False]  # packed records need spds's attention
     for packed in layouts:
         loss_fn = make_loss(section("loss", kernel="chunked", chunk_tokens=16), final_logit_softcap(student))
-        model = SoftPromptModel(student, prompt.clone(), loss_fn, sdpa_backend="math", packed=packed)
+        model = SoftPromptModel(student, prompt.clone(), loss_fn, attention_kernel="math", packed=packed)
         assert_matches_reference(model, segments, lambda p: sum(plain_loss(plain, p, s) for s in segments), prompt,
                                  what=f"{family} {'packed' if packed else 'padded'}")
 

@@ -482,9 +482,9 @@ def test_a_candidate_file_appended_to_while_prepare_reads_it_is_refused(tiny, ca
 
 
 def test_a_value_of_several_allowed_shapes_is_told_what_its_own_shape_lacks(tiny, capsys):
-    edit_config(tiny, student={"sdpa_backend": {"below": 4096, "short": "flash"}})
+    edit_config(tiny, student={"attention_kernel": {"below": 4096, "short": "flash"}})
     code, err = _validate(tiny, capsys)
-    assert code == 1 and "student.sdpa_backend: 'long' is a required property" in err, err
+    assert code == 1 and "student.attention_kernel: 'long' is a required property" in err, err
 
 
 def test_arguments_spds_sets_itself_and_numbers_of_hundreds_of_digits_are_refused(tiny, capsys):

@@ -269,9 +269,9 @@ def test_a_changed_identity_and_settings_this_machine_cannot_run_are_refused(run
     result = spds(["train", "config.json"], run_dir)
     assert result.returncode == 1 and "student.liger_kernels is true but" in result.stderr
     fa4_for_long = {"below": 64, "short": "auto", "long": "fa4"}
-    edit_config(run_dir, student={"liger_kernels": False, "sdpa_backend": fa4_for_long})
+    edit_config(run_dir, student={"liger_kernels": False, "attention_kernel": fa4_for_long})
     result = spds(["train", "config.json"], run_dir)
-    assert result.returncode == 1 and "student.sdpa_backend names fa4 (FlashAttention-4), but" in result.stderr
+    assert result.returncode == 1 and "student.attention_kernel names fa4 (FlashAttention-4), but" in result.stderr
 
 
 @pytest.mark.slow

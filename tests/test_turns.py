@@ -101,8 +101,8 @@ def test_the_loss_counts_exactly_the_supervised_tokens_of_every_turn(tiny_assets
     student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
     plain = AutoModelForCausalLM.from_pretrained(tiny_assets / "student", dtype=torch.float32).requires_grad_(False)
     prompt = torch.randn(4, student.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.3
-    model = SoftPromptModel(student, prompt.clone(), make_loss(section("loss", kernel="chunked")), sdpa_backend="math",
-                            packed=packed)
+    model = SoftPromptModel(student, prompt.clone(), make_loss(section("loss", kernel="chunked")),
+                            attention_kernel="math", packed=packed)
 
     def labelled_loss(reference):
         """CE over the positions whose labels are not -100, the prompt's positions unsupervised."""
