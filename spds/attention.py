@@ -20,11 +20,11 @@ Kernels:
                                         the kernel takes them, repeated where it does not)
   fa4                                   FlashAttention-4 (the flash-attn-4 package, CuTe DSL;
                                         Hopper and Blackwell), grouped-query heads as they are;
-                                        packed records run its variable-length kernel. Measured on
-                                        H200, the 1.7B length mix: +8% on the step over cuDNN and
-                                        FlashAttention-2; its deterministic backward (taken under
-                                        train.deterministic) costs 4.6% more and beats flex by 1.38x
-                                        (bench/RESULTS.md). train.deterministic's choice where it runs.
+                                        packed records run its variable-length kernel. The fastest
+                                        measured on Hopper, and its deterministic backward (taken
+                                        under train.deterministic) costs little more and beats
+                                        flex's (bench/RESULTS.md): train.deterministic's choice
+                                        where it runs.
   flex                                  torch's flex_attention, compiled once for every length
                                         (dynamic shapes), on a causal block mask built from
                                         block indices. Deterministic by construction (dQ and
@@ -107,11 +107,10 @@ def resolve(setting, deterministic: bool, student, device: torch.device):
     """student.attention_kernel as `student` runs it on `device`.
 
     Under train.deterministic, "auto" is FlashAttention-4 where it can run (spds[fa4] installed,
-    Hopper or Blackwell), else flex on CUDA, and math on the CPU. Measured on H200 (Qwen3-1.7B,
-    the length mix): FA4's deterministic backward trains at 34.4k tok/s against flex's 24.9k and
-    the default kernels' 33.6k, and both resume bit for bit through a 32k record
-    (bench/RESULTS.md). On the CPU math's kernels reduce in a fixed order anyway, and math is what
-    the tests compare with.
+    Hopper or Blackwell), else flex on CUDA, and math on the CPU. FA4's deterministic backward
+    trains faster than flex's and about as fast as the default kernels, and both resume bit for
+    bit through a 32k record (bench/RESULTS.md). On the CPU math's kernels reduce in a fixed order
+    anyway, and math is what the tests compare with.
 
     A named kernel that cannot run here (fa4 without its package or GPU) stops the build with
     what to change."""

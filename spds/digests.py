@@ -1,9 +1,9 @@
 """The sha256 of spds's inputs (the student, candidate files, a tokenizer), each file's remembered.
 
 Every launch hashed the student more than once: the launcher's `spds validate`, then every
-rank's pin check (or rank 0's identity of an unpinned student). An 8B student is 15 GiB, 15 s
-on one core of an H200 host (bench/RESULTS.md, start-up): 30 s of a 43 s start, and on eight
-ranks eight concurrent reads of it.
+rank's pin check (or rank 0's identity of an unpinned student). An 8B student is 15 GiB: its
+hashes were most of a launch's start-up (bench/RESULTS.md, start-up), and on eight ranks eight
+concurrent reads of it.
 
 So a file's digest is remembered under its identity: device, inode, size, and modification and
 status-change times in nanoseconds, the key git's index uses to skip unchanged files. Writing to

@@ -125,7 +125,7 @@ def fsdp2_layout(config: Config, model, world: int):
 
 # Every way to lay the student out: (sharding, ZeRO stage of deepspeed_config) -> the layout
 # builder, None for a replicated student under DeepSpeed's own ZeRO-0 engine. The contract
-# refuses other pairs (fsdp with stage 3); a new backend is one row here and its layout class.
+# refuses other pairs (fsdp with stage 3); a new layout is one row here and its class.
 LAYOUTS = {("deepspeed", 0): None, ("deepspeed", 3): zero3_layout, ("fsdp", 0): fsdp2_layout}
 
 

@@ -14,11 +14,10 @@ from .fsio import SpdsError
 from .student import decoder_layers
 
 # Stored activations of a bf16 decoder layer, in bytes per position per hidden unit, without
-# checkpointing, by the kernels the layer runs (bench/check_activation_bytes.py, H200, Qwen3
-# 1.7B and 8B shapes: the model's own 38.5 and 36.3, Liger's RMSNorm/SwiGLU/RoPE 25.3 and 23.7;
-# rounded up). Planning Liger's layers with the larger figure recomputed layers that fit. A
-# checkpointed layer keeps only its bf16 input (2 bytes) and, while it is recomputed in
-# backward, one layer's full activations.
+# recomputation, by the kernels the layer runs: the model's own, or Liger's RMSNorm, SwiGLU and
+# RoPE, which keep less (measured by bench/check_activation_bytes.py, bench/RESULTS.md, and
+# rounded up). A recomputed layer keeps only its bf16 input (2 bytes) and, while it is
+# recomputed in backward, one layer's full activations.
 ACTIVATION_BYTES_PER_HIDDEN = {"own": 40, "liger": 26}
 CHECKPOINTED_BYTES_PER_HIDDEN = 2
 
@@ -117,8 +116,8 @@ class RecomputePolicy:
 def free_device_memory(device: torch.device) -> int:
     """Bytes this process can still allocate: the device's free memory plus what PyTorch's caching
     allocator holds but no tensor uses (blocks freed by earlier work in this process, which
-    mem_get_info counts as taken: a budget from it alone, taken after HF+PEFT had run in the same
-    process, recomputed 433 layers of an 8B update instead of 20)."""
+    mem_get_info counts as taken: a budget from it alone, after other work in the same process,
+    recomputes many more layers than memory needs)."""
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 

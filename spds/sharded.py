@@ -1,11 +1,11 @@
 """Students larger than one GPU: the frozen student sharded over the ranks, the FP32 prompt whole.
 
 Two ways to shard, one engine around them:
-  * backend "fsdp": each decoder layer is wrapped by PyTorch FSDP2 (fully_shard); its forward
+  * sharding "fsdp": each decoder layer is wrapped by PyTorch FSDP2 (fully_shard); its forward
     all-gathers the layer's weights and frees them after (the decoder stack is the root). The
     embeddings, final norm and lm_head (a few percent of a large model) stay replicated, because
     spds calls them directly (splicing the prompt, the fused loss), outside any layer's forward.
-  * backend "deepspeed" with zero_optimization.stage 3: DeepSpeed ZeRO-3 partitions every student
+  * sharding "deepspeed" with zero_optimization.stage 3: DeepSpeed ZeRO-3 partitions every student
     parameter (DeepSpeedZeRoOffload, what deepspeed.initialize builds for stage 3 without an
     optimizer) and gathers each module's weights around its forward and again for its backward.
     spds calls the embedding module directly (its hooks gather it) and gathers the lm_head weight
@@ -24,7 +24,7 @@ nothing, and one checkpointing decision per pass.
 The engine offers the part of DeepSpeed's engine interface that spds uses (call, no_sync,
 backward, allreduce_gradients, step, get_lr, save_checkpoint, module, optimizer, monitor),
 so train.py and checkpoint.py run unchanged. Checkpoints use DeepSpeed's ZeRO-0 file name and keys
-(module.prompt, optimizer, lr_scheduler), so a checkpoint of any backend continues under any
+(module.prompt, optimizer, lr_scheduler), so a checkpoint of any layout continues under any
 other with the same world size.
 """
 from __future__ import annotations

@@ -53,10 +53,10 @@ def apply_liger_kernels(student: nn.Module) -> None:
         raise SpdsError(f"student.liger_kernels: Liger has no kernels for model type {student.config.model_type!r}")
     # Liger 0.8 runs RoPE as a CuTe DSL kernel wherever nvidia-cutlass-dsl imports (spds[fa4] brings
     # it), and that kernel is compiled once per sequence length. A packed micro-batch's length is
-    # exact, so nearly every micro-batch of a run is a new length: on H200 an update of the 1.7B
-    # length mix took 20.7 s instead of 11.2. Liger's Triton RoPE compiles once for every length
-    # and runs as fast (bench/RESULTS.md, ninth session). This is Liger's per-op switch, read at
-    # each call; a user's own setting stands.
+    # exact, so nearly every micro-batch of a run is a new length, and the compiles nearly double
+    # an update. Liger's Triton RoPE compiles once for every length and runs as fast
+    # (bench/RESULTS.md). This is Liger's per-op switch, read at each call; a user's own setting
+    # stands.
     os.environ.setdefault("LIGER_KERNEL_IMPL_ROPE", "nvidia-triton")
     _apply_liger_kernel_to_instance(model=student, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)

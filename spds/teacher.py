@@ -21,8 +21,8 @@ reuse_context_kv   The context's keys and values computed once. The tokens befor
                    row predicts x[a], so every response position is a row of its own output),
                    causal from the lower right (no [queries, keys] mask; spds/attention.py). The prefix's
                    own keys and values are put back after each forward. Slower than the batched
-                   recompute on H200 although it computes 38% fewer positions there: FlashAttention-2
-                   with a lower-right causal mask runs at half the speed of the square one
+                   recompute on Hopper although it computes fewer positions: FlashAttention-2 with
+                   a lower-right causal mask runs far slower than the square one
                    (bench/check_cached_attention.py, bench/RESULTS.md).
 
 Across epochs (loss.teacher_memo_gib > 0) each record's teacher states are kept on the host after
