@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from .fsio import SpdsError
+from .errors import SpdsError
 
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "math": "MATH"}

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from .contract import describe_errors, require_valid
-from .fsio import SpdsError, atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy, write_failure
+from .errors import SpdsError
+from .fsio import atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy, write_failure
 from .identity import code_change, refusing_keys
 from .settings import CheckpointSettings
 

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from .fsio import SpdsError
+from .errors import SpdsError
 from .versions import warn_untested
 
 STARTED = time.time()  # `spds train` to update 1 is measured from here (run.json startup_seconds)

@@ -21,7 +21,8 @@ from typing import Any
 import jsonschema
 
 from .digests import sha256_path
-from .fsio import MAX_DEPTH, SpdsError, atomic_write_json, read_json, read_text, sha256_json, value_depth
+from .errors import SpdsError
+from .fsio import MAX_DEPTH, atomic_write_json, read_json, read_text, sha256_json, value_depth
 from .hub import model_directory
 from .settings import (
     SECTIONS,

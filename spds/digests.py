@@ -26,7 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .fsio import SpdsError, atomic_writer, sha256_file, sha256_json
+from .errors import SpdsError
+from .fsio import atomic_writer, sha256_file, sha256_json
 
 RACY_SECONDS = 2.0
 HEX_DIGEST = re.compile(r"[0-9a-f]{64}")

@@ -27,7 +27,8 @@ from typing import ContextManager, Protocol
 import torch
 
 from .contract import Config
-from .fsio import SpdsError, exclusive_lock, read_json
+from .errors import SpdsError
+from .fsio import exclusive_lock, read_json
 from .schedule import lr_factor
 from .settings import DistributedSettings
 from .sharded import FSDP2Layout, ShardedEngine, ZeRO3Layout

@@ -25,7 +25,8 @@ from .checkpoint import prompt_of, resolve
 from .contract import Config, require_valid
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
-from .fsio import SpdsError, atomic_path, atomic_write_json
+from .errors import SpdsError
+from .fsio import atomic_path, atomic_write_json
 from .loss import final_logit_softcap, make_loss
 from .model import load_segments
 from .records import read_metrics

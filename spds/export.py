@@ -23,7 +23,8 @@ from .checkpoint import prompt_of, resolve
 from .contract import Config
 from .data.chat import Scaffold
 from .data.rows import RowRules, place
-from .fsio import SpdsError, atomic_path, read_json, sha256_json
+from .errors import SpdsError
+from .fsio import atomic_path, read_json, sha256_json
 from .student import load_student
 
 FILE = "soft_prompt.safetensors"

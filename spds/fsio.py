@@ -23,23 +23,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from .errors import SpdsError
+
 CHUNK = 1 << 20
 MAX_DOCUMENT_BYTES = 64 << 20  # a config, pins, checkpoint record, context or questions file
 MAX_LINE_BYTES = 64 << 20  # one JSONL row: a 64k-token context with top-k log-probs is ~10 MiB
 MAX_DEPTH = 64  # nesting of any JSON or YAML value spds reads (its own documents need 6)
-
-
-class SpdsError(Exception):
-    """An error the user can act on; the CLI prints it without a traceback and exits non-zero."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        super().__init__(message)
-        self.problems = problems or []
-
-    def __str__(self) -> str:
-        if not self.problems:
-            return super().__str__()
-        return super().__str__() + "\n" + "\n".join(f"  - {p}" for p in self.problems)
 
 
 def write_failure(path: str | os.PathLike, error: OSError) -> SpdsError:

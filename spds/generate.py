@@ -22,7 +22,8 @@ import torch
 
 from .contract import Config
 from .data.chat import end_token_ids, render
-from .fsio import MAX_LINE_BYTES, SpdsError, open_regular, parse_json
+from .errors import SpdsError
+from .fsio import MAX_LINE_BYTES, open_regular, parse_json
 from .preflight import require_preflight
 from .student import load_tokenizer
 

@@ -19,7 +19,8 @@ from . import __version__
 from .contract import PACKAGE_ROOT, SCHEMA_DIR, Config, describe_errors
 from .data.packed import PackedStore
 from .digests import sha256_path
-from .fsio import SpdsError, read_json, sha256_json
+from .errors import SpdsError
+from .fsio import read_json, sha256_json
 
 
 def code_digest() -> str:

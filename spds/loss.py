@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fsio import SpdsError
+from .errors import SpdsError
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -23,7 +23,7 @@ from torch import nn
 
 from .attention import install as install_attention
 from .attention import kernel_for
-from .fsio import SpdsError
+from .errors import SpdsError
 from .loss import final_logit_softcap
 from .recompute import RecomputePolicy, enable_recompute, recompute_first
 from .sharded import Replicated

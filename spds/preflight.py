@@ -12,7 +12,7 @@ from __future__ import annotations
 from .contract import Config
 from .data.chat import end_token_ids
 from .data.prepare import model_vocabulary_rows, scaffold_for
-from .fsio import SpdsError
+from .errors import SpdsError
 from .student import load_tokenizer
 
 

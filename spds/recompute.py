@@ -10,7 +10,7 @@ from torch import nn
 
 from .attention import NAME as SPDS_ATTENTION
 from .attention import QUADRATIC_ATTENTION_BYTES, head_dim_of, packed_kernel
-from .fsio import SpdsError
+from .errors import SpdsError
 from .student import decoder_layers
 
 # Stored activations of a bf16 decoder layer, in bytes per position per hidden unit, without

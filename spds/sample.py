@@ -19,8 +19,9 @@ from .checkpoint import prompt_of, resolve
 from .contract import Config
 from .data.chat import end_token_ids
 from .data.packed import PackedStore
+from .errors import SpdsError
 from .export import insertion_point
-from .fsio import SpdsError, atomic_writer
+from .fsio import atomic_writer
 from .generate import read_questions
 from .student import load_student, load_tokenizer
 

@@ -25,7 +25,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .fsio import SpdsError, sha256_json
+from .errors import SpdsError
+from .fsio import sha256_json
 from .settings import OptimSettings
 
 RECIPE = "spds-epoch-permutation-v2"  # in every checkpoint cursor; v2: whole batches per epoch

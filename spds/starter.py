@@ -17,7 +17,8 @@ from pathlib import Path
 from .contract import apply_defaults, load_config, load_schema
 from .data.chat import derive_scaffold, stability_problem
 from .data.rows import json_lines
-from .fsio import SpdsError, atomic_writer
+from .errors import SpdsError
+from .fsio import atomic_writer
 from .hub import model_directory
 from .preflight import require_preflight
 

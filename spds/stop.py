@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from .fsio import SpdsError, atomic_write_json, parse_json, read_bytes
+from .errors import SpdsError
+from .fsio import atomic_write_json, parse_json, read_bytes
 
 REQUEST_FILE = "stop-request.json"
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .attention import install as install_attention
-from .fsio import SpdsError, read_json
+from .errors import SpdsError
+from .fsio import read_json
 from .loss import liger_available
 
 

@@ -41,7 +41,7 @@ import inspect
 
 import torch
 
-from .fsio import SpdsError
+from .errors import SpdsError
 from .loss import TeacherTargets
 from .recompute import recompute_first
 from .student import load_tokenizer

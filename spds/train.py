@@ -25,7 +25,8 @@ from .checkpoint import Checkpointer, fault_point, pace_point
 from .contract import Config, load_config, validate_run_world
 from .data.packed import PackedStore
 from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
-from .fsio import SpdsError, exclusive_lock
+from .errors import SpdsError
+from .fsio import exclusive_lock
 from .identity import check_smoke_evidence, library_versions, run_identities
 from .model import load_segments
 from .records import RunRecords, StartupClock, rank_hosts

@@ -138,7 +138,7 @@ def test_deterministic_auto_takes_fa4_only_where_it_runs_and_a_named_fa4_elsewhe
     the CPU; a config naming fa4 where it cannot run stops with the reason, before any work."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from spds.fsio import SpdsError
+    from spds.errors import SpdsError
 
     student = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,

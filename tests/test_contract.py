@@ -15,7 +15,7 @@ from spds import fsio
 from spds.cli import main
 from spds.contract import load_config, load_schema, pin_config
 from spds.digests import sha256_path
-from spds.fsio import SpdsError
+from spds.errors import SpdsError
 from spds.settings import SECTIONS, CandidateSettings
 
 

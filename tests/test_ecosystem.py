@@ -10,7 +10,7 @@ from conftest import edit_config
 from helpers import check, spds
 
 from spds.contract import load_config
-from spds.fsio import SpdsError
+from spds.errors import SpdsError
 
 
 def hub_cache(root, student, repo="tiny-org/tiny-student", revision="0123456789abcdef0123456789abcdef01234567"):

@@ -65,7 +65,7 @@ def test_a_loss_built_without_the_students_logit_soft_cap_is_refused(saved):
     train against another model's distribution, silently."""
     student = load_student(saved["gemma2"], "float32", "eager", torch.device("cpu"))
     model = SoftPromptModel(student, torch.zeros(2, student.config.hidden_size), make_loss(section("loss")))
-    from spds.fsio import SpdsError
+    from spds.errors import SpdsError
 
     with pytest.raises(SpdsError, match="soft-caps its logits at 30.0"):
         model([Segment(ids=torch.arange(2, 12), prefix_tokens=4, insert_at=0)])

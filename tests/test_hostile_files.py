@@ -271,7 +271,7 @@ def test_init_writes_json_under_a_json_name_and_takes_any_file_name(tiny, tiny_a
 
 def test_generate_never_drops_a_row_it_wrote(tmp_path):
     """A blank line once made the rerun cut every row after it (64 rows before, 44 after)."""
-    from spds.fsio import SpdsError
+    from spds.errors import SpdsError
     from spds.generate import repair_and_read
 
     rows = [json.dumps({"request_id": f"r{i}", "input_ids": [1, 2]}) + "\n" for i in range(6)]
@@ -313,7 +313,8 @@ def test_deepspeed_sections_are_checked_or_refused_at_validate(tiny, capsys, ds,
 # ---------------------------------------------------------------- locks, stop requests, run files
 
 def test_a_refused_process_never_releases_a_lock_it_does_not_hold(tiny, capsys):
-    from spds.fsio import SpdsError, exclusive_lock
+    from spds.errors import SpdsError
+    from spds.fsio import exclusive_lock
     from spds.train import rank_zero_lock
 
     lock = tiny / ".packed.lock"
@@ -353,7 +354,7 @@ def test_stop_requests_that_are_garbled_or_stale_never_crash_or_stop_a_new_run(t
 
 def test_run_files_of_the_wrong_shape_are_refused_or_skipped_by_name(prepared):
     from spds.contract import load_config
-    from spds.fsio import SpdsError
+    from spds.errors import SpdsError
     from spds.identity import check_smoke_evidence
     from spds.records import keep_metrics_before
 

@@ -7,7 +7,7 @@ from conftest import make_tiny
 from helpers import assert_matches_reference, assert_rounding_close
 
 from spds.contract import section
-from spds.fsio import SpdsError
+from spds.errors import SpdsError
 from spds.loss import make_loss
 from spds.model import Segment, SoftPromptModel
 from spds.student import initial_prompt, load_student

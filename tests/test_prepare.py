@@ -13,7 +13,7 @@ from conftest import REPO, edit_config, make_tiny, read_rows
 from spds.contract import load_config
 from spds.data.packed import PackedStore
 from spds.data.prepare import prepare
-from spds.fsio import SpdsError
+from spds.errors import SpdsError
 
 
 def test_packed_tokens_equal_source_tokens_plus_scaffold(tiny):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from spds.fsio import SpdsError
+from spds.errors import SpdsError
 from spds.schedule import deal_to_ranks, global_batch, lr_factor
 
 

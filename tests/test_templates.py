@@ -12,7 +12,7 @@ from conftest import make_tiny
 
 from spds.data.chat import clock_at, derive_scaffold, render
 from spds.data.rows import RowRules, place
-from spds.fsio import SpdsError
+from spds.errors import SpdsError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "templates"
 TEMPLATES = {k: v for k, v in json.loads((FIXTURES / "templates.json").read_text()).items() if not k.startswith("_")}

@@ -37,7 +37,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from ..fsio import SpdsError
+from ..errors import SpdsError
 
 PROBE = "scaffold-check"
 SENTINELS = ("XYZZY sentinel", "PLUGH marker")  # two contents: where renderings differ is where content goes

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fsio import SpdsError, fsync_dir, read_json, sha256_file
+from ..errors import SpdsError
+from ..fsio import fsync_dir, read_json, sha256_file
 from .rows import Record
 
 TOKENS = "tokens.uint32"

@@ -16,7 +16,8 @@ import numpy as np
 from .. import __version__
 from ..contract import Config, require_valid
 from ..digests import sha256_path
-from ..fsio import SpdsError, exclusive_lock, verified_copy
+from ..errors import SpdsError
+from ..fsio import exclusive_lock, verified_copy
 from .chat import Scaffold, derive_scaffold, end_token_ids, stability_problem, tokenizer_identity
 from .packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from .rows import RowRules, read_records

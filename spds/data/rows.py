@@ -15,7 +15,8 @@ from typing import Iterator
 import numpy as np
 
 from ..contract import StrictValidator, describe_errors_with, load_schema
-from ..fsio import MAX_LINE_BYTES, SpdsError, open_regular, parse_json
+from ..errors import SpdsError
+from ..fsio import MAX_LINE_BYTES, open_regular, parse_json
 from .chat import Scaffold, render_chat_row
 
 
