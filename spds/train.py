@@ -45,8 +45,8 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
     clock.mark("process_group")
     out = config.output_dir / "smoke" if smoke else config.output_dir
     with rank_zero_lock(out, rank):  # before anything touches the run directory
-        records = RunRecords(out, rank, last=1 if smoke else config.optim.updates,
-                             progress_bar=config.train.progress_bar)
+        run_files = RunRecords(out, rank, last=1 if smoke else config.optim.updates,
+                               progress_bar=config.train.progress_bar)
         if rank == 0:
             stop.watch(config.output_dir)  # rank 0 reads stop requests for everyone
         try:
@@ -66,16 +66,16 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
             clock.mark("engine")
             saver = Checkpointer(config.checkpoint, out / "checkpoints", config.resolve(config.checkpoint.backup_dir),
                                  smoke, identities, library_versions(), rank, world, config.train.require_same_code)
-            records.resume_point(*saver.newest())  # what terminal.json names, should the restore be refused
-            start = saver.restore(engine, records.checkpoint)
-            records.resume_point(start - 1, records.checkpoint)
+            run_files.resume_point(*saver.newest())  # what terminal.json names, should the restore be refused
+            start = saver.restore(engine, run_files.checkpoint)
+            run_files.resume_point(start - 1, run_files.checkpoint)
             clock.mark("resume")
             code_changes = [c for c in (smoke_code_change, saver.code_change) if c]
-            records.begin(config, smoke, start, world, identities, smoke_waived, code_changes, model, clock.seconds,
-                          rank_hosts())
+            run_files.begin(config, smoke, start, world, identities, smoke_waived, code_changes, model, clock.seconds,
+                            rank_hosts())
             stopping = stopping or stop_agreed(stop, device)
             began, metric = time.monotonic(), None
-            for update in range(start, records.last + 1):
+            for update in range(start, run_files.last + 1):
                 if stopping:
                     break
                 step = plan.step(update, force_longest=smoke)
@@ -83,21 +83,21 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                 pace_point()
                 metric, stopping = train_step(engine, store, plan, step, rank, device, stop, config.optim.max_grad_norm)
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
-                records.update_done(metric, engine)
-                reason = saver.reason(update, records.last, stopping)
+                run_files.update_done(metric, engine)
+                reason = saver.reason(update, run_files.last, stopping)
                 if reason:
-                    records.checkpoint = saver.save(engine, plan.cursor(step, rank), update, reason)
+                    run_files.checkpoint = saver.save(engine, plan.cursor(step, rank), update, reason)
             if smoke and metric is not None:  # not when a stop came during start-up: nothing ran to prove
-                saver.prove_restore(engine, records.checkpoint)
-                records.smoke_passed(identities, world, plan.longest_record_tokens, metric)
+                saver.prove_restore(engine, run_files.checkpoint)
+                run_files.smoke_passed(identities, world, plan.longest_record_tokens, metric)
         except BaseException as error:
-            records.failed(error)
+            run_files.failed(error)
             raise
-        status = records.finish(stop.reason)
+        status = run_files.finish(stop.reason)
         if rank == 0:
             stop.answered()
     torch.distributed.barrier()
-    return records.result(status)
+    return run_files.result(status)
 
 
 def open_store(config: Config) -> PackedStore:
