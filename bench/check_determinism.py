@@ -101,7 +101,7 @@ def kernel_level(model: str, lengths: list[int]) -> None:
 
 
 def model_level(model: str, length: int) -> None:
-    from spds.attention import resolve, use_deterministic_kernels
+    from spds.attention import kernel_setting, use_deterministic_kernels
     from spds.contract import section
     from spds.loss import make_loss
     from spds.model import Segment, SoftPromptModel
@@ -109,7 +109,7 @@ def model_level(model: str, length: int) -> None:
 
     use_deterministic_kernels()
     student = build_student(model)
-    chosen = resolve("auto", True, student, torch.device("cuda"))
+    chosen = kernel_setting("auto", True, student, torch.device("cuda"))
     ids = torch.randint(0, 150000, (length,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     segment = Segment(ids=ids, prefix_tokens=128, insert_at=3)
     grads, seconds = [], []

@@ -103,7 +103,7 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def resolve(setting, deterministic: bool, student, device: torch.device):
+def kernel_setting(setting, deterministic: bool, student, device: torch.device):
     """student.attention_kernel as `student` runs it on `device`.
 
     Under train.deterministic, "auto" is FlashAttention-4 where it can run (spds[fa4] installed,

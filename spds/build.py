@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import resolve as resolve_kernels
+from .attention import kernel_setting
 from .loss import final_logit_softcap, make_loss
 from .model import SoftPromptModel
 from .student import apply_liger_kernels, initial_prompt, load_student, load_tokenizer
@@ -25,7 +25,7 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
         student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
         if student_cfg.liger_kernels:
             apply_liger_kernels(student)
-    attention_kernel = resolve_kernels(student_cfg.attention_kernel, config.train.deterministic, student, device)
+    attention_kernel = kernel_setting(student_cfg.attention_kernel, config.train.deterministic, student, device)
     if prompt is None:
         tokenizer = None
         if prompt_cfg.init.method == "text":

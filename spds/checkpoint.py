@@ -257,7 +257,7 @@ def prove_restore(engine, directory: Path, identities: dict, rank: int, world: i
 
 # ---------------------------------------------------------------- the read side (eval, export)
 
-def resolve(output_dir: Path, path: str | None) -> Path:
+def checkpoint_to_read(output_dir: Path, path: str | None) -> Path:
     """The checkpoint a command names, or the run's newest committed one."""
     if path:
         return Path(path).resolve()

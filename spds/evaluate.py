@@ -21,7 +21,7 @@ import torch
 
 from . import __version__
 from .build import build_soft_prompt_model
-from .checkpoint import prompt_of, resolve
+from .checkpoint import checkpoint_to_read, prompt_of
 from .contract import Config, require_valid
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
@@ -37,7 +37,7 @@ from .teacher import build_teacher, teacher_kind
 
 @torch.no_grad()
 def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> dict:
-    directory = resolve(config.output_dir, checkpoint_path)
+    directory = checkpoint_to_read(config.output_dir, checkpoint_path)
     prompt, commit = prompt_of(directory)
     store = PackedStore.open(config.packed_dir)
     held_out = np.flatnonzero(~store.is_train)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .checkpoint import prompt_of, resolve
+from .checkpoint import checkpoint_to_read, prompt_of
 from .contract import Config
 from .data.chat import Scaffold
 from .data.rows import RowRules, place
@@ -38,7 +38,7 @@ def student_identity(config: Config) -> str:
 def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
     from safetensors.torch import save_file
 
-    directory = resolve(config.output_dir, checkpoint_path)
+    directory = checkpoint_to_read(config.output_dir, checkpoint_path)
     prompt, commit = prompt_of(directory)
     manifest = read_json(config.packed_dir / "manifest.json")
     metadata = {"format": "spds-soft-prompt-v1", "spds_version": __version__, "placement": manifest["placement"],

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import prompt_of, resolve
+from .checkpoint import checkpoint_to_read, prompt_of
 from .contract import Config
 from .data.chat import end_token_ids
 from .data.packed import PackedStore
@@ -59,7 +59,7 @@ def prompts_to_answer(config: Config, store: PackedStore, tokenizer, count: int,
 @torch.no_grad()
 def answers(config: Config, count: int, questions: Path | None = None, checkpoint: str | None = None,
             max_new_tokens: int = 64, student=None) -> list[dict]:
-    directory = resolve(config.output_dir, checkpoint)
+    directory = checkpoint_to_read(config.output_dir, checkpoint)
     prompt, commit = prompt_of(directory)
     store = PackedStore.open(config.packed_dir)
     tokenizer = load_tokenizer(config)

@@ -146,17 +146,17 @@ def test_deterministic_auto_takes_fa4_only_where_it_runs_and_a_named_fa4_elsewhe
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the device's type is read
     seen = []
     monkeypatch.setattr(attention, "fa4_unavailable", lambda head_dim: seen.append(head_dim) or "not installed")
-    assert attention.resolve("auto", True, student, cuda) == "flex"
-    assert attention.resolve("auto", True, student, cpu) == "math"
-    assert attention.resolve("auto", False, student, cuda) == "auto"
+    assert attention.kernel_setting("auto", True, student, cuda) == "flex"
+    assert attention.kernel_setting("auto", True, student, cpu) == "math"
+    assert attention.kernel_setting("auto", False, student, cuda) == "auto"
     with pytest.raises(SpdsError, match="names fa4 .FlashAttention-4., but not installed; choose another kernel"):
-        attention.resolve({"below": 64, "short": "flash", "long": "fa4"}, True, student, cuda)
+        attention.kernel_setting({"below": 64, "short": "flash", "long": "fa4"}, True, student, cuda)
     assert seen and set(seen) == {8}  # the student's head dimension is what is checked
     monkeypatch.setattr(attention, "fa4_unavailable", lambda head_dim: None)
-    assert attention.resolve("auto", True, student, cuda) == "fa4"
-    assert attention.resolve("fa4", False, student, cuda) == "fa4"
+    assert attention.kernel_setting("auto", True, student, cuda) == "fa4"
+    assert attention.kernel_setting("fa4", False, student, cuda) == "fa4"
     with pytest.raises(SpdsError, match="there is no CUDA device"):
-        attention.resolve("fa4", False, student, cpu)
+        attention.kernel_setting("fa4", False, student, cpu)
 
 
 @pytest.mark.parametrize("user_setting", [None, "0"])
