@@ -100,7 +100,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     result = dict(checkpoint=str(directory), update=commit["update"], records=len(held_out), supervised_tokens=tokens,
                   context_tokens=len(blocks["ceiling"]) if "ceiling" in blocks else 0, nll=nll, gap_recovered=gap,
                   kl_to_teacher=float(sums[-1]) / tokens if kl else None,
-                  teacher=teacher_kind(config.loss, store) if kl else None, world_size=world,
+                  teacher=teacher_kind(config, store) if kl else None, world_size=world,
                   seconds=seconds, tokens_per_second=positions * world / seconds if seconds else None,
                   spds_version=__version__, plot=None)
     out = config.output_dir

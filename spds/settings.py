@@ -100,6 +100,18 @@ class LossSettings:
     kernel: Literal["auto", "liger", "chunked"]
     chunk_tokens: int
 
+    def teacher_source(self, has_context: bool, packed_top_k: bool | None) -> str:
+        """The teacher loss.teacher names for this data: "top_k" (an offline teacher's
+        log-probabilities, packed with the rows) or "context" (the student with the context).
+        auto is top_k when the packed data holds them, else context; before packing
+        (packed_top_k None), top_k exactly when there is no context: every row must then carry
+        them. prepare, train and eval all ask here."""
+        if self.teacher != "auto":
+            return self.teacher
+        if packed_top_k is None:
+            return "context" if has_context else "top_k"
+        return "top_k" if packed_top_k else "context"
+
 
 @dataclass(frozen=True)
 class CheckpointSettings:

@@ -147,12 +147,10 @@ class TopKTeacher:
                               top_logprobs=torch.cat([s.top_logprobs for s in segments]))
 
 
-def teacher_kind(loss_settings, store) -> str:
+def teacher_kind(config, store) -> str:
     """loss.teacher resolved against the packed data: auto is top_k when the store holds them."""
-    has_top_k = store.top_k > 0
-    kind = loss_settings.teacher
-    if kind == "auto":
-        kind = "top_k" if has_top_k else "context"
+    loss_settings, has_top_k = config.loss, store.top_k > 0
+    kind = loss_settings.teacher_source(bool(config.context_text), has_top_k)
     if kind == "top_k" and not has_top_k:
         raise SpdsError(f"loss.teacher is 'top_k' but {store.directory} holds no top-k log-probabilities (the "
                         "candidate rows carry none: spds generate writes them with generate.top_k_logprobs > 0)")
@@ -165,7 +163,7 @@ def teacher_kind(loss_settings, store) -> str:
 def build_teacher(config, model, store, memo: bool = False):
     """The teacher for `model` (None when its loss needs none); `memo`: keep the online teacher's
     states per record within loss.teacher_memo_gib (training, where records come back)."""
-    kind = teacher_kind(config.loss, store)
+    kind = teacher_kind(config, store)
     if kind == "top_k":
         return TopKTeacher()
     text = config.context_text

@@ -119,8 +119,7 @@ def reuse_existing(target: Path, inputs: dict, log) -> dict:
 
 def offline_teacher(config: Config) -> bool:
     """Will training read the teacher from the rows (so every row must carry top_logprobs)?"""
-    loss = config.loss
-    return loss.objective != "ce" and (loss.teacher == "top_k" or (loss.teacher == "auto" and not config.context_text))
+    return config.loss.objective != "ce" and config.loss.teacher_source(bool(config.context_text), None) == "top_k"
 
 
 def file_state(path: Path) -> tuple | None:
