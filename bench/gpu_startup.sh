@@ -18,10 +18,10 @@ c["train"].update(require_smoke=False, deterministic=False)
 if os.environ.get("SPDS_BENCH_CPU") == "1":  # a dry run of this script on CPU: no Liger, CPU SDPA
     pass
 elif os.environ.get("KERNEL") == "fa4":  # FlashAttention-4 (spds[fa4]), records packed end to end
-    c["student"].update(liger_kernels=True, sdpa_backend="fa4")
+    c["student"].update(liger_kernels=True, attention_kernel="fa4")
     c["optim"].update(micro_batch_layout="packed")
 else:
-    c["student"].update(liger_kernels=True, sdpa_backend={"below": 8192, "short": "flash", "long": "cudnn"})
+    c["student"].update(liger_kernels=True, attention_kernel={"below": 8192, "short": "flash", "long": "cudnn"})
 c["checkpoint"].update(every=100)
 json.dump(c, open(sys.argv[1], "w"), indent=2)
 PY

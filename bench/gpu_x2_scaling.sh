@@ -15,7 +15,7 @@ import json, sys
 c = json.load(open(sys.argv[1]))
 c["optim"].update(updates=int(sys.argv[2]), effective_batch=32, micro_batch=16, micro_batch_tokens=16384,
                   max_grad_norm=1000.0)
-c["student"].update(liger_kernels=True, sdpa_backend={"below": 8192, "short": "flash", "long": "cudnn"})
+c["student"].update(liger_kernels=True, attention_kernel={"below": 8192, "short": "flash", "long": "cudnn"})
 c["train"].update(deterministic=False, require_smoke=False)
 c["checkpoint"].update(every=1000)
 json.dump(c, open(sys.argv[1], "w"), indent=2)
