@@ -37,10 +37,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .contract import describe_errors, require_valid
 from .errors import SpdsError
 from .fsio import atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy, write_failure
 from .identity import code_change, refusing_keys
+from .schema import describe_errors, require_valid
 from .settings import CheckpointSettings
 
 PATTERN = re.compile(r"^update-(\d{6,})$")

@@ -22,7 +22,7 @@ import torch
 from . import __version__
 from .build import build_soft_prompt_model
 from .checkpoint import checkpoint_to_read, prompt_of
-from .contract import Config, require_valid
+from .contract import Config
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
 from .errors import SpdsError
@@ -30,6 +30,7 @@ from .fsio import atomic_path, atomic_write_json
 from .loss import final_logit_softcap, make_loss
 from .model import load_segments
 from .records import read_metrics
+from .schema import require_valid
 from .settings import KLSettings
 from .student import load_tokenizer
 from .teacher import build_teacher, teacher_kind

@@ -16,11 +16,12 @@ import sys
 import torch
 
 from . import __version__
-from .contract import PACKAGE_ROOT, SCHEMA_DIR, Config, describe_errors
+from .contract import Config
 from .data.packed import PackedStore
 from .digests import sha256_path
 from .errors import SpdsError
 from .fsio import read_json, sha256_json
+from .schema import PACKAGE_ROOT, SCHEMA_DIR, describe_errors
 
 
 def code_digest() -> str:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from .contract import Config, require_valid
+from .contract import Config
 from .fsio import (
     SpdsError,
     append_line_durably,
@@ -31,6 +31,7 @@ from .fsio import (
     read_bytes,
 )
 from .identity import library_versions
+from .schema import require_valid
 
 
 class StartupClock:

@@ -14,13 +14,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from .contract import apply_defaults, load_config, load_schema
+from .contract import load_config
 from .data.chat import derive_scaffold, stability_problem
 from .data.rows import json_lines
 from .errors import SpdsError
 from .fsio import atomic_writer
 from .hub import model_directory
 from .preflight import require_preflight
+from .schema import apply_defaults, load_schema
 
 # (section, field) in the order a user reads them; the values come from the schema's defaults.
 FIELDS = [

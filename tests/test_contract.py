@@ -13,9 +13,10 @@ from conftest import REPO, edit_config
 
 from spds import fsio
 from spds.cli import main
-from spds.contract import load_config, load_schema, pin_config
+from spds.contract import load_config, pin_config
 from spds.digests import sha256_path
 from spds.errors import SpdsError
+from spds.schema import load_schema
 from spds.settings import SECTIONS, CandidateSettings
 
 

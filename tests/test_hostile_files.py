@@ -172,7 +172,7 @@ CONSUMERS = {"optim.seed": _consume_seed, "generate.seed": _consume_seed,
 def test_every_numeric_field_is_bounded_and_its_bounds_are_what_its_consumer_takes(tiny, capsys):
     """Every number the schema accepts must be one its consumer can take: a seed of 2**32 once
     passed the schema and crashed numpy, a timeout of 1e300 minutes crashed timedelta."""
-    from spds.contract import load_schema
+    from spds.schema import load_schema
 
     schema = load_schema("config")
     fields = list(_numeric_fields(schema))

@@ -151,7 +151,7 @@ def test_the_wheel_runs_the_whole_loop_outside_the_checkout(tmp_path):
         assert result.returncode == 0, f"spds {' '.join(args)}: exit {result.returncode}\n{result.stderr[-4000:]}"
         return result.stdout
 
-    where = subprocess.run([str(python), "-c", "import spds.contract as c; print(c.__file__, c.SCHEMA_DIR)"], cwd=work,
+    where = subprocess.run([str(python), "-c", "import spds.schema as c; print(c.__file__, c.SCHEMA_DIR)"], cwd=work,
                            env=env, capture_output=True, text=True, check=True).stdout
     assert str(REPO) not in where and str(venv) in where, where
     run("init", "student", "candidates.jsonl", "--out", "run.yaml")

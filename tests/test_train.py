@@ -25,9 +25,10 @@ from helpers import (
     start_endless,
 )
 
-from spds.contract import describe_errors, load_config
+from spds.contract import load_config
 from spds.data.packed import PackedStore
 from spds.schedule import Plan
+from spds.schema import describe_errors
 
 
 @pytest.fixture

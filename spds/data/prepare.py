@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from ..contract import Config, require_valid
+from ..contract import Config
 from ..digests import sha256_path
 from ..errors import SpdsError
 from ..fsio import exclusive_lock, verified_copy
+from ..schema import require_valid
 from .chat import Scaffold, derive_scaffold, end_token_ids, stability_problem, tokenizer_identity
 from .packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from .rows import RowRules, read_records

@@ -14,9 +14,9 @@ from typing import Iterator
 
 import numpy as np
 
-from ..contract import StrictValidator, describe_errors_with, load_schema
 from ..errors import SpdsError
 from ..fsio import MAX_LINE_BYTES, open_regular, parse_json
+from ..schema import StrictValidator, describe_errors_with, load_schema
 from .chat import Scaffold, render_chat_row
 
 

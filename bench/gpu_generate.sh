@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 32, goal 1: how fast `spds generate` writes the teacher's rows today, against the memory
+# bandwidth bound of decoding at that batch. A random-weight Qwen3-shaped student saved with
+# save_pretrained (bench/make_synthetic.py) is the teacher; a context of CONTEXT_TOKENS tokens;
+# QUESTIONS questions x SAMPLES samples, MAX_NEW tokens each, sampling at temperature 1 (random
+# weights rarely sample the end token, so every response runs to MAX_NEW).
+#   bash bench/gpu_generate.sh 1.7b [8b ...]
+#   QUESTIONS=32 SAMPLES=4 MAX_NEW=512 BATCH=16 CONTEXT_TOKENS=4096 (the defaults)
+set -euo pipefail
+QUESTIONS=${QUESTIONS:-32} SAMPLES=${SAMPLES:-4} MAX_NEW=${MAX_NEW:-512} BATCH=${BATCH:-16}
+CONTEXT_TOKENS=${CONTEXT_TOKENS:-4096}
+export QUESTIONS SAMPLES MAX_NEW BATCH CONTEXT_TOKENS
+for model in "$@"; do
+  work=$(mktemp -d)
+  python3 bench/make_synthetic.py "$work" --model "$model" --records 2 --min-tokens 256 --max-tokens 512 | tail -1
+  python3 - "$work" <<'PY'
+import json, os, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+c = json.loads((work / "config.json").read_text())
+words = "the archive keeps every record in the order it was written and names its source "
+c["context"] = {"text": (words * (int(os.environ["CONTEXT_TOKENS"]) // len(words) + 1))[:int(os.environ["CONTEXT_TOKENS"])]}
+with open(work / "questions.jsonl", "w") as stream:
+    for i in range(int(os.environ["QUESTIONS"])):
+        stream.write(json.dumps(dict(question_id=f"q{i}", question=f"What does entry {i} of the archive say?")) + "\n")
+c["generate"] = dict(questions="questions.jsonl", output="generated.jsonl", samples_per_question=int(os.environ["SAMPLES"]),
+                     temperature=1.0, top_p=1.0, max_new_tokens=int(os.environ["MAX_NEW"]),
+                     batch_size=int(os.environ["BATCH"]), seed=0)
+(work / "config.json").write_text(json.dumps(c, indent=2))
+PY
+  began=$(date +%s.%N)
+  python3 -m spds.cli generate "$work/config.json" 2>&1 | tail -2
+  ended=$(date +%s.%N)
+  python3 - "$work" "$model" "$began" "$ended" <<'PY'
+import json, os, sys
+from pathlib import Path
+work, model, began, ended = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+rows = [json.loads(line) for line in open(work / "generated.jsonl")]
+new = sum(row["supervised_tokens"] for row in rows)
+shape = json.loads((work / "student" / "config.json").read_text())
+hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
+kv, head_dim, vocab = shape["num_key_value_heads"], shape.get("head_dim") or hidden // heads, shape["vocab_size"]
+weights = 2 * (layers * (2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * shape["intermediate_size"])
+               + vocab * hidden)  # bf16 bytes read once per decode step (lm_head included)
+batch, context = int(os.environ["BATCH"]), int(os.environ["CONTEXT_TOKENS"]) + 40  # + the template and the question
+mean_cache = context + int(os.environ["MAX_NEW"]) / 2  # positions each decode step reads, on average
+kv_bytes = batch * mean_cache * layers * 2 * kv * head_dim * 2
+bandwidth = 4.8e12  # H200 HBM3e, bytes/s (NVIDIA's figure)
+bound = batch * bandwidth / (weights + kv_bytes)  # new tokens/s if every step only read weights and cache once
+seconds = ended - began
+print(json.dumps(dict(model=model, rows=len(rows), new_tokens=new, seconds=round(seconds, 1),
+                      rows_per_second=round(len(rows) / seconds, 3), new_tokens_per_second=round(new / seconds, 1),
+                      batch=batch, context_tokens=context, bandwidth_bound_tokens_per_second=round(bound),
+                      fraction_of_bound=round(new / seconds / bound, 3))))
+PY
+  rm -rf "$work"
+done
