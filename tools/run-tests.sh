@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # make test's pytest run: the two-host cluster's tests (tests/test_multinode.py: their daemons are
 # made once per process, and they spend most of their time waiting on SLURM's clock and on paced
-# updates) run in a process of their own, beside the rest on two xdist workers; a worker that
-# runs out of tests takes half of the other's queue (--dist worksteal), so no long test waits at
-# the end of one queue while the other worker idles. Their output follows the rest's; the exit
-# status is non-zero if either failed.
+# updates) run in a process of their own, beside the rest on two xdist workers balanced test by
+# test. Their output follows the rest's; the exit status is non-zero if either failed.
 #   tools/run-tests.sh PYTHON [PYTEST ARGS...]
 set -uo pipefail
 python=$1; shift
@@ -12,7 +10,7 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 "$python" -m pytest -q "$@" tests/test_multinode.py > "$log" 2>&1 &
 cluster=$!
-"$python" -m pytest -q -n 2 --dist worksteal "$@" --ignore=tests/test_multinode.py tests
+"$python" -m pytest -q -n 2 "$@" --ignore=tests/test_multinode.py tests
 rest=$?
 wait "$cluster"
 multinode=$?
