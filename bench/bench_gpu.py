@@ -210,7 +210,7 @@ AFTER_BUILD = {"wholeckpt": all_or_nothing, "liger-own-figure": planned_as_own_k
 
 
 def spds_config(directory: Path, records: int, variant: str):
-    from spds.contract import Config
+    from spds.config import Config
     from spds.schema import apply_defaults, describe_errors, load_schema
 
     student, optim = VARIANTS[variant]

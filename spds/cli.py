@@ -41,7 +41,8 @@ def cmd_validate(args) -> int:
 def cmd_pin(args) -> int:
     from pathlib import Path
 
-    from .contract import pin_config, pins_path  # per verb
+    from .contract import pin_config  # per verb
+    from .pins import pins_path  # per verb
 
     for key, digest in pin_config(args.config).items():
         print(f"{key} = {digest}")

@@ -26,7 +26,7 @@ from typing import ContextManager, Protocol
 
 import torch
 
-from .contract import Config
+from .config import Config
 from .errors import SpdsError
 from .fsio import exclusive_lock, read_json
 from .schedule import lr_factor

@@ -22,7 +22,7 @@ import torch
 from . import __version__
 from .build import build_soft_prompt_model
 from .checkpoint import checkpoint_to_read, prompt_of
-from .contract import Config
+from .config import Config
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
 from .errors import SpdsError

@@ -20,7 +20,7 @@ import torch
 
 from . import __version__
 from .checkpoint import checkpoint_to_read, prompt_of
-from .contract import Config
+from .config import Config
 from .data.chat import Scaffold
 from .data.rows import RowRules, place
 from .errors import SpdsError

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .contract import Config
+from .config import Config
 from .data.chat import end_token_ids, render
 from .errors import SpdsError
 from .fsio import MAX_LINE_BYTES, open_regular, parse_json

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from . import __version__
-from .contract import Config
+from .config import Config
 from .data.packed import PackedStore
 from .digests import sha256_path
 from .errors import SpdsError

@@ -9,7 +9,7 @@ the student's embedding, and that the soft prompt and the template's own tokens 
 """
 from __future__ import annotations
 
-from .contract import Config
+from .config import Config
 from .data.chat import end_token_ids
 from .data.prepare import model_vocabulary_rows, scaffold_for
 from .errors import SpdsError

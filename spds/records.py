@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from .contract import Config
+from .config import Config
 from .fsio import (
     SpdsError,
     append_line_durably,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .checkpoint import checkpoint_to_read, prompt_of
-from .contract import Config
+from .config import Config
 from .data.chat import end_token_ids
 from .data.packed import PackedStore
 from .errors import SpdsError

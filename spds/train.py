@@ -22,7 +22,8 @@ import torch
 from .attention import use_deterministic_kernels
 from .build import build_soft_prompt_model
 from .checkpoint import Checkpointer, fault_point, pace_point
-from .contract import Config, load_config, validate_run_world
+from .config import Config
+from .contract import load_config, validate_run_world
 from .data.packed import PackedStore
 from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
 from .errors import SpdsError

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from ..contract import Config
+from ..config import Config
 from ..digests import sha256_path
 from ..errors import SpdsError
 from ..fsio import exclusive_lock, verified_copy
