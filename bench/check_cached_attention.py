@@ -6,7 +6,7 @@ A record's L queries attend to C cached context keys plus its own L keys, causal
 right, grouped-query heads (Qwen3 1.7B: 16 query, 8 key heads; 8B: 32, 8). Three ways, forward
 only (the teacher has no backward):
   bias     SDPA with torch's causal_lower_right bias, keys repeated to the query heads (spds before)
-  spds     spds.attention.lower_right_causal as it stands
+  spds     spds.kernels.lower_right_causal as it stands
   batched  what the batched teacher pays instead: causal SDPA over all C + L positions
 Each is checked against an fp32 reference with an explicit mask where that fits, and timed; the
 kernels the bias path launched are listed.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spds.attention import lower_right_causal  # noqa: E402
+from spds.kernels import lower_right_causal  # noqa: E402
 
 CONTEXT, HEAD_DIM = 4096, 128
 

@@ -39,10 +39,10 @@ def inputs(length: int, heads: int, kv_heads: int, seed: int = 0):
 
 def run_kernel(kernel: str, q, k, v, grad_out):
     """spds's own attention paths: SDPA with a named kernel, or flex."""
-    from spds import attention
+    from spds import kernels
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = attention.flex_causal(q, k, v, None) if kernel == "flex" else attention.sdpa_causal(kernel, q, k, v, None)
+    out = kernels.flex_causal(q, k, v, None) if kernel == "flex" else kernels.sdpa_causal(kernel, q, k, v, None)
     out.backward(grad_out)
     return q.grad, k.grad, v.grad
 

@@ -34,7 +34,7 @@ LENGTHS = [700, 2300]  # the packed case's records; the padded case is one row o
 
 
 def compute(out: Path) -> None:
-    from spds.attention import fa4_causal
+    from spds.kernels import fa4_causal
 
     torch.use_deterministic_algorithms(True)  # FA4's deterministic backward: repeatable bits
     generator = torch.Generator(device="cuda").manual_seed(0)

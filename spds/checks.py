@@ -145,17 +145,9 @@ def determinism_problems(config: Config) -> list[str]:
     """train.deterministic against the attention kernels that have no deterministic backward."""
     if not config.train.deterministic:
         return []
-    from .attention import kernels_in  # deferred: spds.attention imports torch, which validating a config does without
+    from .attention import determinism_problems  # deferred: it imports torch, which validating a config does without
 
-    student = config.student
-    if student.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
-        return [f"student.attn_implementation: {student.attn_implementation!r} has no deterministic backward that "
-                "spds can switch on, and train.deterministic is true: use sdpa (its fa4, flex or flash kernel) "
-                "or eager"]
-    if student.attn_implementation == "sdpa" and "cudnn" in kernels_in(student.attention_kernel):
-        return ["student.attention_kernel: cuDNN attention has no deterministic backward, and train.deterministic is "
-                "true: use auto (fa4 or flex on CUDA), fa4, flex, flash, efficient or math"]
-    return []
+    return determinism_problems(config.student.attn_implementation, config.student.attention_kernel)
 
 
 def deepspeed_config_problems(config: Config) -> list[str]:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .attention import AttentionPlan
 from .attention import install as install_attention
-from .attention import kernel_for
 from .errors import SpdsError
 from .loss import final_logit_softcap
 from .recompute import RecomputePolicy, enable_recompute, recompute_first
@@ -95,26 +95,22 @@ class SoftPromptModel(nn.Module):
         self.student = student
         self.prompt = nn.Parameter(prompt.to(torch.float32).to(device))
         self.loss_fn = loss_fn
-        self.attention_kernel = attention_kernel
+        self.attention = AttentionPlan(attention_kernel, student, device, deterministic)
         self.kernel_choice = install_attention(student)  # None: the student's own attention (eager, ...)
         if packed and self.kernel_choice is None:  # the config check says so first; a library caller learns here
             raise SpdsError("packed micro-batches need spds's attention: load the student with sdpa attention")
         self.recompute = RecomputePolicy(activation_checkpointing, student, activation_memory_gib, device,
-                                              self.kernel_at, deterministic, liger_kernels)
+                                         self.attention, liger_kernels)
         self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
         self.teacher = None  # spds/teacher.py, for a loss that needs one
         if activation_checkpointing is not False:
             enable_recompute(student)
         student.eval()
 
-    def kernel_at(self, positions: int) -> str:
-        """The attention kernel for a sequence of `positions` (padded): "auto" lets PyTorch choose."""
-        return kernel_for(self.attention_kernel, positions)
-
-    def use_kernel(self, positions: int) -> None:
-        """The kernel of the next forward (and of its recompute in backward)."""
+    def use_kernel(self, longest: int, packed: bool = False) -> None:
+        """The kernel of the next forward (and of its recompute in backward), from the plan."""
         if self.kernel_choice is not None:
-            self.kernel_choice.kernel = self.kernel_at(positions)
+            self.kernel_choice.kernel = self.attention.kernel(longest, packed)
 
     def joined_embeddings(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
         """embed(x[:a]) ++ block ++ embed(x[a:]) for each segment; one embedding call for all."""
@@ -165,7 +161,7 @@ class SoftPromptModel(nn.Module):
         if self.prompt.device.type == "cuda":  # a pinned, asynchronous copy: no host sync per micro-batch
             starts = starts.pin_memory().to(self.prompt.device, non_blocking=True)
         positions = torch.cat([torch.arange(n, device=self.prompt.device) for n in lengths])[None]
-        self.use_kernel(longest)  # fa4 runs its own variable-length kernel; any other, FlashAttention-2's
+        self.use_kernel(longest, packed=True)
         recompute_first(self.student, self.recompute(recompute_positions or sum(lengths), longest, packed=True))
         output = self.student.base_model(inputs_embeds=torch.cat(joined)[None], position_ids=positions, use_cache=False,
                                          cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=longest,

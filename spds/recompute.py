@@ -8,8 +8,7 @@ import math
 import torch
 from torch import nn
 
-from .attention import NAME as SPDS_ATTENTION
-from .attention import QUADRATIC_ATTENTION_BYTES, head_dim_of, packed_kernel
+from .attention import AttentionPlan
 from .errors import SpdsError
 from .student import decoder_layers
 
@@ -31,54 +30,23 @@ class RecomputePolicy:
 
         positions x hidden x (40 bytes per plain layer (26 with Liger's kernels), 2 per checkpointed
                               one, + one layer's recompute)
-      + the attention kernel's memory: a quadratic kernel's score matrices (kept by each plain
-        layer, and one layer's transient), FlashAttention-2's deterministic dQ accumulators
-        (one fp32 copy of dQ per split of the SMs over the heads, during one layer's backward).
+      + the attention kernel's memory (AttentionPlan.memory: a quadratic kernel's score matrices,
+        kept by each plain layer, and one layer's transient; FlashAttention's fp32 accumulators
+        during one layer's backward).
 
     When even k = all layers cannot fit, it stops the run with the sizes and what to change,
     rather than run out of memory mid-update (the smoke meets the longest micro-batch first).
     True and False: all layers, none."""
 
     def __init__(self, setting, student: nn.Module, budget_gib: float | None, device: torch.device,
-                 kernel_at=lambda length: "auto", deterministic: bool = False, liger_kernels: bool = False):
+                 attention: AttentionPlan | None = None, liger_kernels: bool = False):
         self.setting = setting
         self.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["liger" if liger_kernels else "own"]
         config = student.config
         self.layers, self.hidden = config.num_hidden_layers, config.hidden_size
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = head_dim_of(config)
-        self.attn_implementation = config._attn_implementation
-        # a soft-capped layer (Gemma 2) materialises its scores whatever the kernel (spds/attention.py)
-        self.materialised = bool(getattr(config, "attn_logit_softcapping", None))
-        self.kernel_at = kernel_at  # padded sequence length -> the SDPA kernel name
+        self.attention = attention or AttentionPlan("auto", student, device)  # its kernels' memory
         self.budget = budget_gib * 2**30 if budget_gib else None
         self.device = device
-        # flash's deterministic backward keeps one fp32 dQ per split of the SMs over the heads
-        self.dq_splits = 0
-        if deterministic and device.type == "cuda":
-            self.dq_splits = math.ceil(torch.cuda.get_device_properties(device).multi_processor_count / self.heads)
-
-    def attention_bytes(self, positions: int, longest: int, packed: bool = False) -> tuple[float, float]:
-        """(bytes each plain layer keeps, bytes one running layer needs at most) for attention.
-        Records packed end to end run attention.packed_kernel. fa4 keeps O(L), like flash; its
-        backward allocates fp32 accumulators for dQ and, with grouped-query heads, for dK and dV
-        (flash_attn.cute's _flash_attn_bwd), one layer at a time."""
-        implementation = self.attn_implementation
-        kernel = self.kernel_at(longest) if implementation in ("sdpa", SPDS_ATTENTION) else implementation
-        if packed:
-            kernel = packed_kernel(kernel, self.device)
-        if self.materialised:
-            kernel = "eager"  # the scores in the inputs' dtype, their softmax in fp32, as eager keeps them
-        kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
-        square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
-        workspace = 0
-        if kernel == "flash":
-            workspace = positions * self.dq_splits * self.heads * self.head_dim * 4
-        elif kernel == "fa4":
-            accumulated_heads = self.heads + (2 * self.kv_heads if self.kv_heads != self.heads else 0)
-            workspace = positions * accumulated_heads * self.head_dim * 4
-        return kept * square, transient * square + workspace
 
     def __call__(self, positions: int, longest: int | None = None, packed: bool = False) -> int:
         if self.setting in (True, False):
@@ -88,7 +56,7 @@ class RecomputePolicy:
         if self.budget is None:  # measured once, after the student and engine are in memory
             self.budget = 0.9 * free_device_memory(self.device)
         plain, kept = self.activation_bytes, CHECKPOINTED_BYTES_PER_HIDDEN
-        attention_kept, attention_transient = self.attention_bytes(positions, longest or positions, packed)
+        attention_kept, attention_transient = self.attention.memory(positions, longest or positions, packed)
         per_plain_layer = positions * self.hidden * plain + attention_kept
         per_kept_layer = positions * self.hidden * kept
         running = positions * self.hidden * plain + attention_transient
@@ -104,7 +72,7 @@ class RecomputePolicy:
                 f"a micro-batch of {positions} positions (longest sequence {longest or positions}) needs about "
                 f"{need(self.layers) / 2**30:.1f} GiB of activations with every layer recomputed, over the "
                 f"{self.budget / 2**30:.1f} GiB budget (student.activation_memory_gib, or 90% of the free GPU memory); "
-                f"attention kernel {self.kernel_at(longest or positions)!r}"
+                f"attention kernel {self.attention.kernel(longest or positions, packed)!r}"
                 f"{' (memory quadratic in length)' if attention_kept else ''}: shorten the longest records, lower "
                 "optim.micro_batch or optim.micro_batch_tokens, or choose an O(L) kernel (student.attention_kernel "
                 "flex, flash)")

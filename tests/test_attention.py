@@ -12,13 +12,13 @@ from conftest import make_tiny
 from helpers import assert_matches_reference, assert_rounding_close
 from helpers import spliced_reference_loss as reference_loss
 
-from spds import attention
+from spds import attention, kernels
 from spds.contract import section
 from spds.loss import make_loss
 from spds.model import Segment, SoftPromptModel
 from spds.student import initial_prompt
 
-BLOCK = attention.BLOCK
+BLOCK = kernels.BLOCK
 
 
 def block_sets(mask) -> tuple[set, set]:
@@ -34,7 +34,7 @@ def block_sets(mask) -> tuple[set, set]:
                                           (257, 1000), (128, 256), (1000, 1000), (129, 4000)])
 def test_causal_block_mask_covers_exactly_the_allowed_pairs(queries, keys):
     allowed = np.arange(keys)[None] <= np.arange(queries)[:, None] + (keys - queries)  # element by element
-    assert_visits_exactly(attention.causal_block_mask(queries, keys, torch.device("cpu")), allowed)
+    assert_visits_exactly(kernels.causal_block_mask(queries, keys, torch.device("cpu")), allowed)
 
 
 def assert_visits_exactly(mask, allowed: np.ndarray) -> None:
@@ -106,7 +106,7 @@ def test_windowed_block_mask_covers_exactly_the_allowed_pairs(queries, keys, win
     """flex's block mask for a sliding-window layer: the window's pairs, element by element."""
     position = np.arange(queries)[:, None] + (keys - queries)
     allowed = (np.arange(keys)[None] <= position) & (np.arange(keys)[None] > position - window)
-    assert_visits_exactly(attention.windowed_block_mask(queries, keys, window, torch.device("cpu")), allowed)
+    assert_visits_exactly(kernels.windowed_block_mask(queries, keys, window, torch.device("cpu")), allowed)
 
 
 @pytest.mark.numeric

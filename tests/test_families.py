@@ -74,10 +74,10 @@ def test_a_loss_built_without_the_students_logit_soft_cap_is_refused(saved):
 def test_the_memory_planner_counts_the_scores_a_soft_capped_layer_materialises(saved):
     """Gemma 2's soft-capped layers keep their score matrices whatever kernel the length chose;
     Gemma 3's windowed layers run an O(L) kernel: the recompute planner must tell them apart."""
-    from spds.recompute import RecomputePolicy
+    from spds.attention import AttentionPlan
 
     for family, quadratic in (("gemma2", True), ("gemma3", False)):
         student = load_student(saved[family], "float32", "sdpa", torch.device("cpu"))
-        policy = RecomputePolicy("auto", student, 1.0, torch.device("cpu"), kernel_at=lambda length: "flash")
-        kept, transient = policy.attention_bytes(positions=4096, longest=4096)
+        plan = AttentionPlan("flash", student, torch.device("cpu"))
+        kept, transient = plan.memory(positions=4096, longest=4096)
         assert (kept > 0 and transient > kept) == quadratic, family

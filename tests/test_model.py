@@ -163,6 +163,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
 
 
 def test_auto_checkpointing_policy(student):
+    from spds.attention import AttentionPlan
     from spds.recompute import RecomputePolicy
 
     policy = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cpu"))
@@ -183,9 +184,9 @@ def test_auto_checkpointing_policy(student):
     # three while a layer runs. The same micro-batch needs more layers recomputed, and a length the
     # linear model would accept is refused.
     quadratic = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cpu"),
-                                 kernel_at=lambda length: "math")
+                                attention=AttentionPlan("math", student, torch.device("cpu")))
     quadratic.device, quadratic.layers, quadratic.budget = policy.device, policy.layers, policy.budget
-    heads, hidden, layers = quadratic.heads, quadratic.hidden, quadratic.layers
+    heads, hidden, layers = quadratic.attention.heads, quadratic.hidden, quadratic.layers
 
     def quadratic_need(k, positions):
         plain = positions * hidden * 40 + 2 * heads * positions**2
@@ -202,12 +203,12 @@ def test_auto_checkpointing_policy(student):
     assert RecomputePolicy(True, student, None, torch.device("cpu"))(1) == student.config.num_hidden_layers
     # FlashAttention-4 keeps O(L), but its backward allocates fp32 accumulators for dQ (every query
     # head) and, with grouped-query heads, dK and dV (every key/value head): counted while a layer runs.
-    fa4 = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cuda"), kernel_at=lambda n: "fa4")
+    fa4 = AttentionPlan("fa4", student, torch.device("cuda"))
     config = student.config
     assert config.num_key_value_heads < config.num_attention_heads  # the grouped-query case
     accumulators = 1500 * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim * 4
-    assert fa4.attention_bytes(1500, 1500) == (0, accumulators)
-    assert fa4.attention_bytes(1500, 500, packed=True) == (0, accumulators)  # packed: fa4's own varlen kernel
+    assert fa4.memory(1500, 1500) == (0, accumulators)
+    assert fa4.memory(1500, 500, packed=True) == (0, accumulators)  # packed: fa4's own varlen kernel
     # Liger's kernels keep 26 bytes per position per hidden unit, not 40 (measured on H200): a
     # micro-batch over the budget at 40 fits whole with them.
     liger = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cpu"), liger_kernels=True)
