@@ -185,7 +185,7 @@ def online_kl(reuse_context: bool, memo_gib: float = 0.0):
 
         model.loss_fn = make_loss(section("loss", objective="kl"))
         context = torch.from_numpy(np.random.default_rng(1).integers(0, VOCAB - 1000, CONTEXT)).to(DEVICE)
-        model.teacher = ContextTeacher(model, context, reuse_context=reuse_context, memo_gib=memo_gib)
+        return ContextTeacher(model, context, reuse_context=reuse_context, memo_gib=memo_gib)
 
     return attach
 
@@ -252,7 +252,7 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
 
             use_deterministic_kernels()
         model = build_soft_prompt_model(config, torch.device(DEVICE), student=student)
-        AFTER_BUILD.get(variant, lambda model: None)(model)
+        teacher = AFTER_BUILD.get(variant, lambda model: None)(model)  # the online-KL variants' teacher
         policy, recomputed = model.recompute, []  # layers recomputed, per micro-batch
         model.recompute = lambda *args, **kwargs: recomputed.append(policy(*args, **kwargs)) or recomputed[-1]
         engine = build_engine(config, model, 1)
@@ -262,7 +262,7 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         warm = np.arange(len(warm_lengths))
         trace = VisitTrace(model) if TRACE else None
         with phase(trace, f"{variant} warm-up"):
-            train_step(engine, store, plan, plan.step_of(1, warm), 0, device, stop, None)  # kernels, JIT, plans
+            train_step(engine, teacher, store, plan, plan.step_of(1, warm), 0, device, stop, None)  # kernels, JIT
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         batch = np.arange(len(warm_lengths), len(warm_lengths) + len(lengths))
@@ -270,15 +270,15 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
         if second_visit or variant in REVISIT:  # the first visit of the timed records, then the timed second one
             started = time.perf_counter()
             with profiled(PROFILE == "first"), phase(trace, f"{variant} first visit"):
-                train_step(engine, store, plan, plan.step_of(2, batch), 0, device, stop, None)
+                train_step(engine, teacher, store, plan, plan.step_of(2, batch), 0, device, stop, None)
                 torch.cuda.synchronize()
             extra = dict(first_visit_seconds=time.perf_counter() - started)
-            if model.teacher is not None:
-                extra["teacher_memo_gib"] = model.teacher.memo_bytes / 2**30
+            if teacher is not None:
+                extra["teacher_memo_gib"] = teacher.memo_bytes / 2**30
         recomputed.clear()
         started = time.perf_counter()
         with profiled(PROFILE == "timed"), phase(trace, f"{variant} {'second visit' if extra else 'timed'}"):
-            metric, _ = train_step(engine, store, plan, plan.step_of(3, batch), 0, device, stop, None)
+            metric, _ = train_step(engine, teacher, store, plan, plan.step_of(3, batch), 0, device, stop, None)
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         result = dict(seconds=seconds, positions=metric["tokens"], peak_gib=torch.cuda.max_memory_allocated() / 2**30,

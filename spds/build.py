@@ -8,16 +8,16 @@ from .attention import kernel_setting
 from .loss import final_logit_softcap, make_loss
 from .model import SoftPromptModel
 from .student import apply_liger_kernels, initial_prompt, load_student, load_tokenizer
-from .teacher import build_teacher
 
 
 def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor | None = None, training: bool = True,
-                            student: nn.Module | None = None, store=None) -> SoftPromptModel:
+                            student: nn.Module | None = None) -> SoftPromptModel:
     """The student as every command runs it: train, smoke, eval and the GPU benchmark build it here,
     so they share the kernels (Liger), the attention choice (deterministic or by length), the
-    loss kernel, the teacher and the placement of a student to be sharded. `prompt` is the initial
-    value (training) or a checkpoint's (eval); `student` lets the benchmark reuse one it holds;
-    `store` (the packed data) decides an `auto` teacher, for a loss that needs one."""
+    loss kernel and the placement of a student to be sharded. `prompt` is the initial value
+    (training) or a checkpoint's (eval); `student` lets the benchmark reuse one it holds. The
+    teacher, for a loss that needs one, is spds.teacher.build_teacher's: the step hands its
+    targets to the model."""
     student_cfg, prompt_cfg = config.student, config.soft_prompt
     if student is None:
         # A student to be sharded is loaded on the host; its layout puts each shard on the device.
@@ -37,6 +37,4 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
                             student_cfg.activation_memory_gib, student_cfg.pad_to_multiple_of, device,
                             config.train.deterministic, student_cfg.liger_kernels,
                             config.optim.micro_batch_layout == "packed")
-    if loss_fn.needs_teacher:
-        model.teacher = build_teacher(config, model, store, memo=training)
     return model

@@ -30,6 +30,7 @@ from .fsio import atomic_path, atomic_write_json
 from .loss import final_logit_softcap, make_loss
 from .model import load_segments
 from .records import read_metrics
+from .schedule import lockstep_passes
 from .schema import require_valid
 from .settings import KLSettings
 from .student import load_tokenizer
@@ -51,7 +52,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         rank, world, device = init_distributed(config.distributed)
     else:
         rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_soft_prompt_model(config, device, prompt=prompt, training=False, store=store)  # as training runs it
+    model = build_soft_prompt_model(config, device, prompt=prompt, training=False)  # as training runs it
     student = model.student
     if sharded:
         shard_student(config, model, world)
@@ -60,7 +61,10 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     cap = final_logit_softcap(student)
     nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"), cap)
     kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=KLSettings("forward", 1.0, 0.5)), cap)
-    teacher = eval_teacher(config, model, store) if config.eval.kl else None
+    # the training teacher, or the one loss.teacher names (auto: the packed top-k, else the
+    # context); none when neither exists (no context, no top-k): then eval reports no KL
+    has_teacher = config.eval.kl and (store.top_k or config.context_text)
+    teacher = build_teacher(config, model, store) if has_teacher else None
     text = config.context_text
     blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
     if text:
@@ -69,24 +73,27 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     names = list(blocks)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)  # NLL per condition, then KL
     kl = teacher is not None
-    mine = held_out[rank::world]  # launched on several ranks: each takes every world-th record
-    # A sharded student gathers weights collectively in every forward: every rank makes as many
-    # passes as the busiest, a rank out of records repeating its last one without counting it.
-    steps = -(-len(held_out) // world) if model.layout.lockstep else len(mine)
+    # Each rank takes every world-th record. A sharded student gathers weights collectively in
+    # every forward: there every rank makes as many passes as the busiest, a rank out of records
+    # repeating one without counting it (the training step's lockstep rule).
+    every = [[[int(i)] for i in held_out[r::world]] for r in range(world)]
+    passes = [(group, None, True) for group in every[rank]]
+    if model.layout.lockstep:
+        passes = lockstep_passes(every, rank, footprint=len, filler=[int(held_out[0])])
     started, positions = time.monotonic(), 0  # positions forwarded on this rank, every condition
-    for step in range(steps):
-        i = int(mine[min(step, len(mine) - 1)] if len(mine) else held_out[0])
-        counted = float(step < len(mine))
+    for (i,), _, counted in passes:
         segment = load_segments(store, [i], device)[i]
+        targets = teacher.targets([segment]) if kl else None
         for k, name in enumerate(names):
             # the soft prompt's one forward gives the KL too (the student's rows are the same)
             fns = [nll_fn, kl_fn] if kl and name == "soft" else [nll_fn]
-            values = model.losses([segment], fns, inserted=blocks[name])
-            sums[k] += counted * values[0].double()
+            values = model.losses([segment], fns, targets, inserted=blocks[name])
+            sums[k] += float(counted) * values[0].double()
             if len(values) > 1:
-                sums[-1] += counted * values[1].double()
-                positions += len(segment.ids)  # the teacher's record
+                sums[-1] += float(counted) * values[1].double()
             positions += len(segment.ids) + len(blocks[name] if blocks[name] is not None else prompt)
+        if kl:
+            positions += len(segment.ids)  # the teacher's record
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.monotonic() - started
@@ -116,14 +123,6 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     require_valid(result, "eval", "eval.json")
     atomic_write_json(out / "eval.json", result)
     return result
-
-
-def eval_teacher(config: Config, model, store):
-    """The training teacher, or the one loss.teacher names (auto: the packed top-k, else the
-    context); None when neither exists (no context, no top-k): then eval reports no KL."""
-    model.teacher = model.teacher or (build_teacher(config, model, store)
-                                      if store.top_k or config.context_text else None)
-    return model.teacher
 
 
 def plot(metrics_path: Path, nll: dict, target: Path) -> str | None:

@@ -24,7 +24,7 @@ from torch import nn
 from .attention import AttentionPlan
 from .attention import install as install_attention
 from .errors import SpdsError
-from .loss import final_logit_softcap
+from .loss import TeacherTargets, final_logit_softcap
 from .recompute import RecomputePolicy, enable_recompute, recompute_first
 from .sharded import Replicated
 
@@ -102,7 +102,6 @@ class SoftPromptModel(nn.Module):
         self.recompute = RecomputePolicy(activation_checkpointing, student, activation_memory_gib, device,
                                          self.attention, liger_kernels)
         self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
-        self.teacher = None  # spds/teacher.py, for a loss that needs one
         if activation_checkpointing is not False:
             enable_recompute(student)
         student.eval()
@@ -182,21 +181,24 @@ class SoftPromptModel(nn.Module):
             targets.append(segment.supervised_ids())
         return torch.cat(rows), torch.cat(targets)
 
-    def forward(self, segments: list[Segment], inserted: torch.Tensor | None = None,
-                recompute_positions: int | None = None, loss_fn=None) -> torch.Tensor:
+    def forward(self, segments: list[Segment], teacher: TeacherTargets | None = None,
+                inserted: torch.Tensor | None = None, recompute_positions: int | None = None,
+                loss_fn=None) -> torch.Tensor:
         """The summed loss (fp32 scalar) over the supervised tokens of `segments`: the model's own
-        loss (loss.objective), or `loss_fn`."""
-        return self.losses(segments, [loss_fn or self.loss_fn], inserted, recompute_positions)[0]
+        loss (loss.objective), or `loss_fn`; `teacher`: the teacher's targets for the same
+        segments, for a loss that needs them (spds/teacher.py computes them; the step hands them in)."""
+        return self.losses(segments, [loss_fn or self.loss_fn], teacher, inserted, recompute_positions)[0]
 
-    def losses(self, segments: list[Segment], loss_fns: list, inserted: torch.Tensor | None = None,
-               recompute_positions: int | None = None) -> list[torch.Tensor]:
+    def losses(self, segments: list[Segment], loss_fns: list, teacher: TeacherTargets | None = None,
+               inserted: torch.Tensor | None = None, recompute_positions: int | None = None) -> list[torch.Tensor]:
         """Each of `loss_fns` over one forward of the student (eval: the NLL and the KL together)."""
-        # The teacher first: its activations are freed before the student's are stored.
         cap = final_logit_softcap(self.student)
         if any(getattr(f, "softcap", None) != cap for f in loss_fns):  # never train on other logits than the head's
             raise SpdsError(f"{type(self.student).__name__} soft-caps its logits at {cap}, and a loss was built for "
                             f"another cap: build it with make_loss(settings, final_logit_softcap(student))")
-        teacher = self.teacher.targets(segments) if any(f.needs_teacher for f in loss_fns) else None
+        if teacher is None and any(f.needs_teacher for f in loss_fns):
+            raise SpdsError("this loss matches a teacher, and no teacher targets were given: compute them with "
+                            "spds.teacher.build_teacher(...).targets(segments) and pass them as teacher=")
         rows, targets = self.response_states(segments, inserted, recompute_positions)
         weight = self.student.get_output_embeddings().weight
         with self.layout.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight

@@ -116,6 +116,20 @@ class Step:
         return batch_digest(self.batch)
 
 
+def lockstep_passes(every: list[list[list[int]]], rank: int, footprint, filler: list[int]
+                    ) -> list[tuple[list[int], int, bool]]:
+    """`rank`'s passes when every rank must run as many as the busiest (a sharded student gathers
+    its weights collectively in each): `every[r]` is rank r's groups of records; pass j is rank
+    `rank`'s group j, or `filler` not counted once it has none left, with the largest footprint
+    of any rank's pass j (so that every rank recomputes alike). Training (Plan.passes) and eval
+    both pass through here."""
+    mine, passes = every[rank], []
+    for j in range(max(len(groups) for groups in every)):
+        largest = max(footprint(groups[j]) for groups in every if j < len(groups))
+        passes.append((mine[j], largest, True) if j < len(mine) else (filler, largest, False))
+    return passes
+
+
 class Plan:
     """Which records are trained, in which update, on which rank, in which micro-batches."""
 
@@ -187,14 +201,8 @@ class Plan:
         the deal: no communication."""
         if not lockstep:
             return [(group, None, True) for group in self.micro_batches(step.dealt[rank])]
-        every = [self.micro_batches(records) for records in step.dealt]
-        mine = every[rank]
         filler = [min(step.dealt[rank], key=lambda i: int(self.positions[i]))]
-        passes = []
-        for j in range(max(len(groups) for groups in every)):
-            largest = max(self.footprint(groups[j]) for groups in every if j < len(groups))
-            passes.append((mine[j], largest, True) if j < len(mine) else (filler, largest, False))
-        return passes
+        return lockstep_passes([self.micro_batches(records) for records in step.dealt], rank, self.footprint, filler)
 
     def cursor(self, step: Step, rank: int) -> dict:
         """Where the data stream stands after `step`: saved with every checkpoint, per rank."""

@@ -100,17 +100,20 @@ class LossSettings:
     kernel: Literal["auto", "liger", "chunked"]
     chunk_tokens: int
 
-    def teacher_source(self, has_context: bool, packed_top_k: bool | None) -> str:
-        """The teacher loss.teacher names for this data: "top_k" (an offline teacher's
-        log-probabilities, packed with the rows) or "context" (the student with the context).
-        auto is top_k when the packed data holds them, else context; before packing
-        (packed_top_k None), top_k exactly when there is no context: every row must then carry
-        them. prepare, train and eval all ask here."""
+    def teacher_before_packing(self, has_context: bool) -> str:
+        """The teacher loss.teacher names, asked before the rows are packed (prepare: must every
+        row carry top-k log-probabilities?): auto is top_k exactly when there is no context."""
         if self.teacher != "auto":
             return self.teacher
-        if packed_top_k is None:
-            return "context" if has_context else "top_k"
-        return "top_k" if packed_top_k else "context"
+        return "context" if has_context else "top_k"
+
+    def teacher_for_store(self, store_has_top_k: bool) -> str:
+        """The teacher loss.teacher names for packed data (train, eval): "top_k" (an offline
+        teacher's log-probabilities, packed with the rows) or "context" (the student with the
+        context); auto is top_k when the store holds them."""
+        if self.teacher != "auto":
+            return self.teacher
+        return "top_k" if store_has_top_k else "context"
 
 
 @dataclass(frozen=True)

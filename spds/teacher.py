@@ -38,18 +38,28 @@ keeps no memo (the config check refuses one).
 from __future__ import annotations
 
 import inspect
+from typing import Protocol
 
 import torch
 
+from .config import Config
+from .data.packed import PackedStore
 from .errors import SpdsError
 from .loss import TeacherTargets
+from .model import Segment, SoftPromptModel
 from .recompute import recompute_first
 from .student import load_tokenizer
 
 
+class Teacher(Protocol):
+    """What the training step and eval ask of a teacher: its targets for the segments of a pass."""
+
+    def targets(self, segments: list[Segment]) -> TeacherTargets: ...
+
+
 class ContextTeacher:
-    def __init__(self, model, context_ids: torch.Tensor, max_prefixes: int = 4, reuse_context: bool = True,
-                 memo_gib: float = 0.0):
+    def __init__(self, model: SoftPromptModel, context_ids: torch.Tensor, max_prefixes: int = 4,
+                 reuse_context: bool = True, memo_gib: float = 0.0):
         if len(context_ids) < 1:
             raise SpdsError("loss.teacher 'context' needs a non-empty context (context.text or context.file)")
         self.model, self.context_ids = model, context_ids
@@ -76,7 +86,7 @@ class ContextTeacher:
         return self.embedded
 
     @torch.no_grad()
-    def targets(self, segments) -> TeacherTargets:
+    def targets(self, segments: list[Segment]) -> TeacherTargets:
         recompute_first(self.model.student, 0)  # nothing to recompute without a backward
         if self.memo_budget:
             return TeacherTargets(hidden=torch.cat([self.remembered(segment) for segment in segments]))
@@ -142,15 +152,15 @@ class ContextTeacher:
 class TopKTeacher:
     """The packed top-k log-probabilities of each segment's supervised tokens."""
 
-    def targets(self, segments) -> TeacherTargets:
+    def targets(self, segments: list[Segment]) -> TeacherTargets:
         return TeacherTargets(top_ids=torch.cat([s.top_ids for s in segments]),
                               top_logprobs=torch.cat([s.top_logprobs for s in segments]))
 
 
-def teacher_kind(config, store) -> str:
+def teacher_kind(config: Config, store: PackedStore) -> str:
     """loss.teacher resolved against the packed data: auto is top_k when the store holds them."""
     loss_settings, has_top_k = config.loss, store.top_k > 0
-    kind = loss_settings.teacher_source(bool(config.context_text), has_top_k)
+    kind = loss_settings.teacher_for_store(has_top_k)
     if kind == "top_k" and not has_top_k:
         raise SpdsError(f"loss.teacher is 'top_k' but {store.directory} holds no top-k log-probabilities (the "
                         "candidate rows carry none: spds generate writes them with generate.top_k_logprobs > 0)")
@@ -160,9 +170,10 @@ def teacher_kind(config, store) -> str:
     return kind
 
 
-def build_teacher(config, model, store, memo: bool = False):
-    """The teacher for `model` (None when its loss needs none); `memo`: keep the online teacher's
-    states per record within loss.teacher_memo_gib (training, where records come back)."""
+def build_teacher(config: Config, model: SoftPromptModel, store: PackedStore, memo: bool = False) -> Teacher:
+    """The teacher whose targets `model`'s loss matches (loss.teacher against the packed data);
+    `memo`: keep the online teacher's states per record within loss.teacher_memo_gib (training,
+    where records come back). The step asks it for each pass's targets and hands them to the model."""
     kind = teacher_kind(config, store)
     if kind == "top_k":
         return TopKTeacher()

@@ -1,8 +1,9 @@
 """spds smoke / spds train: the training loop, top-down.
 
-    contract -> process group -> packed data -> frozen student + FP32 prompt -> DeepSpeed engine
-    -> resume from the newest committed checkpoint -> for each update:
+    contract -> process group -> packed data -> frozen student + FP32 prompt (+ its teacher)
+    -> DeepSpeed engine -> resume from the newest committed checkpoint -> for each update:
          global batch (seed, u) -> this rank's records -> micro-batches under no_sync
+         (each: the teacher's targets -> the student's summed loss -> backward)
          -> exact SUM all-reduce -> clip -> step -> metrics -> checkpoint / stop at the boundary
 
 Every rank runs this file. What the run writes (rank 0) is records.RunRecords's; what it is
@@ -25,7 +26,7 @@ from .checkpoint import Checkpointer, fault_point, pace_point
 from .config import Config
 from .contract import load_config, validate_run_world
 from .data.packed import PackedStore
-from .engine import all_reduce_sum, build_engine, check_precision, init_distributed
+from .engine import Engine, all_reduce_sum, build_engine, check_precision, init_distributed
 from .errors import SpdsError
 from .fsio import exclusive_lock
 from .identity import check_smoke_evidence, library_versions, run_identities
@@ -34,6 +35,7 @@ from .records import RunRecords, StartupClock, rank_hosts
 from .schedule import Plan, Step
 from .stop import StopRequest
 from .student import quadratic_length
+from .teacher import Teacher, build_teacher
 
 # ---------------------------------------------------------------- the loop
 
@@ -61,7 +63,8 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
             smoke_waived, smoke_code_change = (False, None) if smoke else check_smoke_evidence(config, identities)
             seed_everything(config.optim.seed)
             clock.mark("identities")
-            model = None if stopping else build_soft_prompt_model(config, device, store=store)
+            model = None if stopping else build_soft_prompt_model(config, device)
+            teacher = build_teacher(config, model, store, memo=True) if model and model.loss_fn.needs_teacher else None
             clock.mark("student")
             engine = None if stopping else build_engine(config, model, world)
             clock.mark("engine")
@@ -82,7 +85,8 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                 step = plan.step(update, force_longest=smoke)
                 fault_point(f"sigterm-before-update-rank{rank}", update)
                 pace_point()
-                metric, stopping = train_step(engine, store, plan, step, rank, device, stop, config.optim.max_grad_norm)
+                metric, stopping = train_step(engine, teacher, store, plan, step, rank, device, stop,
+                                              config.optim.max_grad_norm)
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 run_files.update_done(metric, engine)
                 reason = saver.reason(update, run_files.last, stopping)
@@ -109,8 +113,8 @@ def open_store(config: Config) -> PackedStore:
     return store
 
 
-def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, device, stop: StopRequest,
-               max_grad_norm: float | None):
+def train_step(engine: Engine, teacher: Teacher | None, store: PackedStore, plan: Plan, step: Step, rank: int,
+               device: torch.device, stop: StopRequest, max_grad_norm: float | None) -> tuple[dict, bool]:
     """One update: d/dprompt of (the loss summed over the global batch's supervised tokens: CE,
     a divergence to the teacher, or both) / (their count).
 
@@ -122,8 +126,11 @@ def train_step(engine, store: PackedStore, plan: Plan, step: Step, rank: int, de
     local_loss = torch.zeros((), dtype=torch.float32, device=device)
     with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
         for records, recompute_positions, counted in plan.passes(step, rank, engine.module.layout.lockstep):
+            batch = [segments[i] for i in records]
             agreed = {"recompute_positions": recompute_positions} if recompute_positions else {}
-            loss_sum = engine([segments[i] for i in records], **agreed)
+            # the teacher first: its activations are freed before the student's are stored
+            targets = teacher.targets(batch) if teacher else None
+            loss_sum = engine(batch, teacher=targets, **agreed)
             if counted:
                 engine.backward(loss_sum)
                 local_loss += loss_sum.detach()

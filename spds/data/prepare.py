@@ -120,7 +120,7 @@ def reuse_existing(target: Path, inputs: dict, log) -> dict:
 
 def offline_teacher(config: Config) -> bool:
     """Will training read the teacher from the rows (so every row must carry top_logprobs)?"""
-    return config.loss.objective != "ce" and config.loss.teacher_source(bool(config.context_text), None) == "top_k"
+    return config.loss.objective != "ce" and config.loss.teacher_before_packing(bool(config.context_text)) == "top_k"
 
 
 def file_state(path: Path) -> tuple | None:
