@@ -337,8 +337,8 @@ class Checkpointer:
         """Why `update` is saved, or None: every N, the last update, a stop; the smoke's one update."""
         if self.smoke:
             return "smoke"
-        if stopping:
-            return "signal"
+        if stopping:  # a signal, or a stop request by file: at this update boundary either way
+            return "stop"
         if update == last:
             return "final"
         return "scheduled" if update % self.every == 0 else None

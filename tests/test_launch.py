@@ -88,7 +88,7 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_at_a_boundary_and_resume
         terminal = read_json(run_dir / name / "terminal.json")
         assert terminal["status"] == "stopped" and 2 <= terminal["update"] < 30, (name, terminal)
         commit = read_json(run_dir / name / "checkpoints" / f"update-{terminal['update']:06d}" / "commit.json")
-        assert commit["reason"] == "signal" and commit["world_size"] == 2
+        assert commit["reason"] == "stop" and commit["world_size"] == 2
         assert not _spds_ranks_running(run_dir), f"{name}: ranks outlived their launcher"
         assert not (run_dir / name / "stop-request.json").exists()  # answered: it cannot stop the next launch
     # The stopped run resumes to the straight run's state, bit for bit (a resume does not depend on

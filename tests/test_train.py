@@ -109,7 +109,7 @@ def test_sigterm_then_resume_is_bit_identical(run_dir, objective):
     terminal = read_json(run_dir / "stopped" / "terminal.json")
     assert terminal["status"] == "stopped" and terminal["update"] == 3
     assert newest_checkpoint(run_dir / "stopped").name == "update-000003"
-    assert read_json(newest_checkpoint(run_dir / "stopped") / "commit.json")["reason"] == "signal"
+    assert read_json(newest_checkpoint(run_dir / "stopped") / "commit.json")["reason"] == "stop"
     check(spds(["train", "config.json"], run_dir))
     assert read_json(run_dir / "stopped" / "run.json")["start_update"] == 4
     assert read_json(run_dir / "stopped" / "terminal.json")["status"] == "complete"
@@ -195,7 +195,7 @@ def test_sigterm_during_start_up_and_mid_run_to_a_plain_process(run_dir):
     terminal = read_json(run_dir / "early" / "terminal.json")
     assert terminal["status"] == "stopped" and 2 <= terminal["update"] < 400
     commit = read_json(newest_checkpoint(run_dir / "early") / "commit.json")
-    assert commit["update"] == terminal["update"] and commit["reason"] == "signal"
+    assert commit["update"] == terminal["update"] and commit["reason"] == "stop"
     assert [m["update"] for m in metrics(run_dir / "early")] == list(range(1, terminal["update"] + 1))
 
 
