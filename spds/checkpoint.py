@@ -1,7 +1,9 @@
 """Checkpoints that resume bit-exactly, and that exist only once committed. This module owns the
 whole concern: when to save (Checkpointer), the files and their commit, verification, restore,
 the smoke's proof that a restore is exact, retention, backup, and the read side that eval and
-export use (resolve, prompt_of).
+export use (checkpoint_to_read, prompt_of). It is longer than most modules on purpose: the write
+side and the read side of the commit protocol are one contract, and are checked against each
+other by reading them together.
 
 A checkpoint directory  <output>/checkpoints/update-NNNNNN/  holds
     mp_rank_00_model_states.pt   DeepSpeed's save_checkpoint(exclude_frozen_parameters=True):

@@ -8,6 +8,9 @@ rename survives a power loss.
 Reading: every file spds reads goes through `open_regular` (a regular file, or a refusal naming
 it: a FIFO nobody writes would hang the read, a device would never end) and a size limit, and
 every JSON document through `parse_json` (strict RFC 8259, nesting at most MAX_DEPTH deep).
+
+Both halves stay in one module (over 300 lines): they are the one place where spds meets the
+file system, and a reviewer of its crash and hostile-input guarantees reads them here alone.
 """
 from __future__ import annotations
 

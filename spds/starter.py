@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .contract import load_config
 from .data.chat import derive_scaffold, stability_problem
-from .data.rows import json_lines
+from .data.sources import json_lines
 from .errors import SpdsError
 from .fsio import atomic_writer
 from .hub import model_directory

@@ -1,0 +1,72 @@
+"""Where candidate rows come from: a JSONL file, a parquet file or a datasets save_to_disk
+directory, streamed a row (or a small batch) at a time, each row with its line or row number so
+that every refusal can name the place (RowError)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import SpdsError
+from ..fsio import MAX_LINE_BYTES, open_regular, parse_json
+
+
+class RowError(SpdsError):
+    """A candidate row that breaks a rule: the message names the file, the line or row, and the rule."""
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed row or the error parsing it) of a JSONL file, one line in memory (at
+    most MAX_LINE_BYTES: a file with no line breaks is refused, not read whole)."""
+    with open_regular(path) as stream:
+        number = 0
+        while line := stream.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise RowError(f"{path}:{number}: rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
+            if not line.strip():
+                raise RowError(f"{path}:{number}: rule 'one JSON object per line': blank line")
+            try:
+                yield number, parse_json(line)
+            except ValueError as error:  # JSONDecodeError included: read_records names the line
+                yield number, error
+
+
+def is_table(path: Path) -> bool:
+    return path.is_dir() or path.suffix == ".parquet"
+
+
+def table_rows(path: Path, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
+    """(row number from 1, row) of a parquet file or a save_to_disk directory, streamed in
+    batches of `batch_rows` (memory flat, as for JSONL). Columns a row leaves empty (null) are
+    absent from it, as they would be from a JSON line; the schema then judges the row alike."""
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise SpdsError(f"{path}: reading parquet or datasets directories needs pyarrow and datasets "
+                        "(pip install 'spds[datasets]')") from None
+    try:
+        if path.is_dir():
+            from datasets import load_from_disk
+
+            if not any(path.glob("*.arrow")):  # datasets writes no arrow file for a dataset of no rows
+                return  # prepare's rule 'rows present' names it
+            table = load_from_disk(str(path)).data
+            batches = (batch.to_pylist() for batch in table.to_batches(max_chunksize=batch_rows))
+        else:
+            open_regular(path).close()
+            batches = (batch.to_pylist() for batch in parquet.ParquetFile(path).iter_batches(batch_size=batch_rows))
+        yield from _numbered(batches)
+    except (RowError, SpdsError):
+        raise
+    except Exception as error:  # pyarrow's and datasets' own errors: a damaged or foreign file
+        kind = "a datasets save_to_disk directory" if path.is_dir() else "a parquet file"
+        raise RowError(f"{path}: rule 'readable table': not readable as {kind}: {type(error).__name__}: "
+                       f"{str(error).splitlines()[0] if str(error) else ''}") from None
+
+
+def _numbered(batches) -> Iterator[tuple[int, dict]]:
+    number = 0
+    for batch in batches:
+        for row in batch:
+            number += 1
+            yield number, {key: value for key, value in row.items() if value is not None}
