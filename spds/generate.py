@@ -22,6 +22,7 @@ import torch
 
 from .config import Config
 from .data.chat import end_token_ids, render
+from .decode import Decoder
 from .errors import SpdsError
 from .fsio import MAX_LINE_BYTES, open_regular, parse_json
 from .preflight import require_preflight
@@ -72,9 +73,18 @@ def repair_and_read(output: Path) -> set[str]:
     return done
 
 
-def generate(config: Config, log=print) -> dict:
-    from transformers import AutoModelForCausalLM
+def load_teacher(path: Path, dtype: str, device: torch.device):
+    """The teacher for decoding: transformers' sdpa attention under spds.decode's masks, or eager
+    for a model that soft-caps its attention scores (Gemma 2), which sdpa cannot."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    shape = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    attention = "eager" if getattr(shape, "attn_logit_softcapping", None) else "sdpa"
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=getattr(torch, dtype),
+                                                attn_implementation=attention).to(device).eval()
+
+
+def generate(config: Config, log=print) -> dict:
     settings = config.generate
     if not settings.questions:
         raise SpdsError("generate.questions is not set")
@@ -84,12 +94,12 @@ def generate(config: Config, log=print) -> dict:
     tokenizer = load_tokenizer(config)
     scaffold = require_preflight(config, tokenizer)  # before the first batch: refused rows cost no hour
     context_in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
-    tokenizer.padding_side = "left"
     kwargs = config.data.chat_template_kwargs
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    teacher = AutoModelForCausalLM.from_pretrained(str(config.teacher_path), local_files_only=True,
-                                                   dtype=getattr(torch, config.student.dtype)).to(device).eval()
+    teacher = load_teacher(config.teacher_path, config.student.dtype, device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
+    decoder = Decoder(teacher, end_ids, pad)
     questions = read_questions(config.resolve(settings.questions))
     requests = [dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
                 for q in questions for s in range(settings.samples_per_question)]
@@ -104,7 +114,7 @@ def generate(config: Config, log=print) -> dict:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
                 continue
-            turns = answer_turns(teacher, tokenizer, batch, context, context_in_user_turn, settings, end_ids, kwargs,
+            turns = answer_turns(decoder, tokenizer, batch, context, context_in_user_turn, settings, kwargs,
                                  seed=settings.seed + number)
             for request, asked in zip(batch, turns):
                 if request["request_id"] in done:
@@ -124,26 +134,13 @@ def generate(config: Config, log=print) -> dict:
     return dict(written=written, skipped=len(done), output=str(output))
 
 
-@torch.no_grad()
-def answer(teacher, tokenizer, batch: list[dict], context: str, context_in_user_turn: bool, settings: dict,
-           end_ids: list[int], kwargs: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+def answer(decoder: Decoder, tokenizer, batch: list[dict], context: str, context_in_user_turn: bool, settings,
+           kwargs: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """(the teacher's prompt ids, its response ids) for each request; a response ends at the first
-    end token, which is kept."""
+    end token, which is kept (spds/decode.py)."""
     prompts = [render(tokenizer, with_context(r["messages"], context, context_in_user_turn), True, kwargs)
                for r in batch]
-    width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=teacher.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=teacher.device)
-    torch.manual_seed(seed)
-    sample = settings.temperature > 0
-    output = teacher.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens,
-                              do_sample=sample, temperature=settings.temperature if sample else None,
-                              top_p=settings.top_p if sample else None, eos_token_id=end_ids, pad_token_id=pad)
-    responses = []
-    for row in output[:, width:].tolist():
-        end = next((i for i, t in enumerate(row) if t in end_ids), None)
-        responses.append(row[:end + 1] if end is not None else row + [end_ids[0]])  # cut at max_new_tokens: close it
+    responses = decoder.answer(prompts, settings.max_new_tokens, settings.temperature, settings.top_p, seed)
     return prompts, responses
 
 
@@ -154,8 +151,8 @@ def user_turns(messages: list[dict]) -> list[int]:
     return [i for i, message in enumerate(messages) if message["role"] == "user"]
 
 
-def answer_turns(teacher, tokenizer, batch: list[dict], context: str, context_in_user_turn: bool, settings,
-                 end_ids: list[int], kwargs: dict, seed: int) -> list[list[tuple[list[int], list[int]]]]:
+def answer_turns(decoder: Decoder, tokenizer, batch: list[dict], context: str, context_in_user_turn: bool, settings,
+                 kwargs: dict, seed: int) -> list[list[tuple[list[int], list[int]]]]:
     """For each request, (the teacher's prompt ids, its answer ids) for each of its user turns, in
     order: a question of several user turns is answered turn by turn, each turn asked with the
     teacher's earlier answers in the conversation (as text)."""
@@ -163,9 +160,8 @@ def answer_turns(teacher, tokenizer, batch: list[dict], context: str, context_in
     for turn in range(max(len(user_turns(r["messages"])) for r in batch)):
         active = [i for i, r in enumerate(batch) if len(user_turns(r["messages"])) > turn]
         conversations = [conversation_through(batch[i]["messages"], turn, asked[i], tokenizer) for i in active]
-        prompts, responses = answer(teacher, tokenizer, [dict(messages=c) for c in conversations], context,
-                                    context_in_user_turn, settings, end_ids, kwargs,
-                                    seed=seed + turn * TURN_SEED_STRIDE)
+        prompts, responses = answer(decoder, tokenizer, [dict(messages=c) for c in conversations], context,
+                                    context_in_user_turn, settings, kwargs, seed=seed + turn * TURN_SEED_STRIDE)
         for i, prompt, response in zip(active, prompts, responses):
             asked[i].append((prompt, response))
     return asked

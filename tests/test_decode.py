@@ -1,0 +1,62 @@
+"""spds generate's decoding (spds/decode.py) against transformers' own `generate`, the path it
+replaced: for greedy decoding the answers are the same ids, for every decoder family
+(tests/fixtures/models/families.json), with prompts that share a long prefix and questions of
+different lengths; the shared prefix is computed once for every batch that shares it; and a
+sampled batch is the same on a second run with the same seed."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import FAMILIES, save_family
+
+from spds.decode import Decoder, common_prefix
+from spds.generate import load_teacher
+
+END = 1
+
+
+def prompts(generator: torch.Generator, context: int = 40) -> list[list[int]]:
+    """A shared 'template + context' prefix, then questions of 1 to 9 tokens."""
+    shared = torch.randint(2, 300, (context,), generator=generator).tolist()
+    return [shared + torch.randint(2, 300, (n,), generator=generator).tolist() for n in (5, 1, 9, 3)]
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' generate, one prompt at a time (no padding at all): the answer up to and
+    including its first end token, or closed with one when cut."""
+    ids = torch.tensor([prompt])
+    output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                            do_sample=False, eos_token_id=[END], pad_token_id=0)[0, len(prompt):].tolist()
+    end = next((i for i, t in enumerate(output) if t == END), None)
+    return output[:end + 1] if end is not None else output + [END]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode-families")
+    return {family: save_family(root / family, family) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_answers_equal_transformers_generate(saved, family):
+    model = load_teacher(saved[family], "float32", torch.device("cpu"))
+    batch = prompts(torch.Generator().manual_seed(4))
+    decoder = Decoder(model, [END], pad_id=0)
+    answers = decoder.answer(batch, max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0)
+    # fp32 on the CPU: the split into prefix and question changes the order of a few sums (rounding
+    # at 1e-7 of the logits), far under the gaps between a random model's top two logits here
+    assert answers == [reference_greedy(model, p, 12) for p in batch], family
+    assert decoder.prefix_forwards == 1
+    again = decoder.answer(batch[:2], max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0)
+    assert again == answers[:2] and decoder.prefix_forwards == 1  # the same prefix: its keys and values kept
+
+
+def test_sampling_is_the_same_for_a_seed_and_the_prefix_is_the_batchs_own(saved):
+    model = load_teacher(saved["qwen3"], "float32", torch.device("cpu"))
+    batch = prompts(torch.Generator().manual_seed(5))
+    first = Decoder(model, [END], 0).answer(batch, 16, temperature=1.0, top_p=0.9, seed=7)
+    second = Decoder(model, [END], 0).answer(batch, 16, temperature=1.0, top_p=0.9, seed=7)
+    other = Decoder(model, [END], 0).answer(batch, 16, temperature=1.0, top_p=0.9, seed=8)
+    assert first == second and first != other
+    assert all(a[-1] == END and END not in a[:-1] for a in first)  # every answer ends once, at its end
+    assert common_prefix(batch) == 40 and common_prefix([[3, 4], [3, 4]]) == 1  # each keeps its last token
