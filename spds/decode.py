@@ -12,17 +12,25 @@ whole cache). Here:
   * the questions, of different lengths, are right-aligned after the prefix, so that every row
     writes its next token at the same index; the holes before a short question are masked;
     positions (RoPE) count only a row's own tokens, as if it had never been padded;
-  * the model runs its own attention (sdpa, or eager for a soft-capped Gemma 2) under an explicit
-    4D mask (transformers uses a 4D mask, or a dict of them per layer kind, as given).
+  * the keys are the whole cache at every step (one shape per batch, unwritten positions masked),
+    and attention is spds's `grouped_attention`: the query heads that share a key/value head are
+    folded into its query rows, so grouped-query keys are read as they are (transformers' sdpa
+    path repeats the whole cache to every query head when a mask is given) and PyTorch's
+    memory-efficient kernel takes the mask; a soft-capped Gemma 2 runs transformers' eager
+    attention. The mask goes in as a 4D tensor (or a dict of them per layer kind), which
+    transformers uses as given.
 
 Deterministic for a given seed: the same batch, on the same device and versions, samples the same
 tokens (one torch.Generator per batch; no kernel here accumulates with atomics in a forward).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
+
+NAME = "spds_decode"
 
 
 def common_prefix(prompts: list[list[int]]) -> int:
@@ -46,17 +54,18 @@ class BatchCache:
         self.is_compileable = False
 
     def allocate(self, rows: int, capacity: int) -> None:
-        self.rows, self.capacity = rows, capacity
+        self.rows, self.capacity = rows, -(-capacity // 16) * 16  # the efficient kernel's mask alignment
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_, **__):  # the rest: per version
         if self.keys[layer] is None:  # the first write of a layer: its buffers, now that its shapes are known
             shape = (self.rows, key.shape[1], self.capacity, key.shape[3])
-            self.keys[layer] = key.new_empty(shape)
-            self.values[layer] = value.new_empty(shape)
+            # zeros, not garbage: a masked key's weight is 0, and 0 x NaN would still be NaN
+            self.keys[layer] = key.new_zeros(shape)
+            self.values[layer] = value.new_zeros(shape)
         end = self.write_at + key.shape[2]
         self.keys[layer][:, :, self.write_at:end] = key
         self.values[layer][:, :, self.write_at:end] = value
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        return self.keys[layer], self.values[layer]
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.write_at
@@ -79,6 +88,11 @@ class Decoder:
         self.window = getattr(config, "sliding_window", None)
         self.window_everywhere = bool(self.window) and not self.layer_types
         self.eager = config._attn_implementation == "eager"
+        if not self.eager:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(NAME, grouped_attention)
+            config._attn_implementation = NAME
         self.prefix_ids: list[int] | None = None  # the prefix whose keys and values are kept
         self.prefix_states: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.prefix_forwards = 0  # how many times a prefix was run (the tests read it)
@@ -138,8 +152,10 @@ class Decoder:
             single = BatchCache(self.layers)
             single.allocate(1, len(ids))
             tokens = torch.tensor([ids], device=self.model.device)
-            self.forward(tokens, torch.arange(len(ids), device=tokens.device)[None], single, logits=False)
-            self.prefix_states = [(k, v) for k, v in zip(single.keys, single.values)]
+            positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=tokens.device)
+            positions[0, :len(ids)] = torch.arange(len(ids), device=tokens.device)
+            self.forward(tokens, positions, single, logits=False)
+            self.prefix_states = [(k[:, :, :len(ids)], v[:, :, :len(ids)]) for k, v in zip(single.keys, single.values)]
             self.prefix_ids = list(ids)
             self.prefix_forwards += 1
         for layer, (keys, values) in enumerate(self.prefix_states):
@@ -151,7 +167,7 @@ class Decoder:
         the next-token logits (fp32) of each row's last column."""
         start, count = cache.write_at, ids.shape[1]
         end = start + count
-        keys = positions[:, :end]  # each key's logical position (-1: a hole)
+        keys = positions  # each key's logical position (-1: a hole, or not written yet)
         queries = positions[:, start:end]
         # a query sees its row's keys at or before its own position; a hole sees only itself (its
         # outputs are never read, but must stay finite: they become keys the mask then hides)
@@ -194,3 +210,29 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torc
         ordered = ordered.masked_fill(before >= top_p, 0.0)  # the first token always stays
         probabilities = torch.zeros_like(probabilities).scatter_(-1, order, ordered)
     return torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention signature: query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D],
+    attention_mask bool [B, 1, Lq, Lk]. The G = Hq / Hkv query heads of each key/value head become
+    G x Lq query rows of that head (query head h reads key/value head h // G, as transformers'
+    repeat_kv has it), so the keys are read once per key/value head and never copied.
+    Returns [B, Lq, Hq, D]."""
+    batch, heads, queries, dim = query.shape
+    groups = heads // key.shape[1]
+    if attention_mask is None:  # a plain causal forward of the same model (generate's top-k pass)
+        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=queries > 1,
+                                                                  scale=scaling, enable_gqa=groups > 1)
+        return output.transpose(1, 2).contiguous(), None
+    folded = query.reshape(batch, key.shape[1], groups * queries, dim)
+    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * queries, -1)
+    call = functools.partial(torch.nn.functional.scaled_dot_product_attention, folded, key, value, attn_mask=mask,
+                             scale=scaling)
+    if query.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # the fused kernel that takes a mask
+            output = call()
+    else:
+        output = call()
+    return output.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
