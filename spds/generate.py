@@ -7,7 +7,8 @@ first_user and templates without a system role (Gemma 2), at the start of the fi
 records what the *student* will see: the question rendered by the student's chat template
 WITHOUT the context, then the teacher's response ids, ending in an end-of-turn token; a question of
 several user turns is answered turn by turn and its row supervises every answer. Requests
-are batched in a fixed order with a seed per batch, so a run is deterministic, and resuming
+are batched in a fixed order with a seed per batch and decoded by spds/decode.py (the context's
+keys and values computed once for every batch), so a run is deterministic, and resuming
 (request_ids already in the output are skipped; a half-written last line is cut) regenerates
 only what is missing, with the same result.
 """
