@@ -5,28 +5,34 @@ the same first tokens, thousands of them, in every row. transformers' `generate`
 again for every batch and grows its cache by concatenation at every step (each step copies the
 whole cache). Here:
 
-  * the prompts' longest common prefix is run once and its keys and values kept (`PrefixCache`,
-    keyed by the prefix's ids): every batch that shares it copies them instead of computing them;
+  * the prompts' longest common prefix is run once and its keys and values kept (keyed by the
+    prefix's ids): every batch that shares it copies them instead of computing them;
   * each batch gets one cache allocated once for its whole length ([rows, kv heads, prefix +
     longest question + max_new_tokens, head dim] per layer), written in place (`BatchCache`);
   * the questions, of different lengths, are right-aligned after the prefix, so that every row
     writes its next token at the same index; the holes before a short question are masked;
     positions (RoPE) count only a row's own tokens, as if it had never been padded;
-  * the keys are the whole cache at every step (one shape per batch, unwritten positions masked),
-    and attention is spds's `grouped_attention`: the query heads that share a key/value head are
-    folded into its query rows, so grouped-query keys are read as they are (transformers' sdpa
-    path repeats the whole cache to every query head when a mask is given) and PyTorch's
-    memory-efficient kernel takes the mask; a soft-capped Gemma 2 runs transformers' eager
-    attention. The mask goes in as a 4D tensor (or a dict of them per layer kind), which
-    transformers uses as given.
+  * the keys are the whole cache at every step (unwritten positions masked), and attention is
+    spds's `grouped_attention`: the query heads that share a key/value head are folded into its
+    query rows, so grouped-query keys are read as they are (transformers' sdpa path repeats the
+    whole cache to every query head when a mask is given) and PyTorch's memory-efficient kernel
+    takes the mask; a soft-capped Gemma 2 runs transformers' eager attention. The mask goes in
+    as a 4D tensor (or a dict of them per layer kind), which transformers uses as given;
+  * a decode step reads and writes only buffers that live as long as the batch (`Step`), so on
+    CUDA it is captured once per batch as a CUDA graph and replayed: the model's Python (tens of
+    milliseconds a step, more than the GPU's work at these sizes) runs once, not once per token.
+    A model whose forward cannot be captured (a host sync inside) decodes eagerly, the same
+    numbers, and says so once.
 
 Deterministic for a given seed: the same batch, on the same device and versions, samples the same
-tokens (one torch.Generator per batch; no kernel here accumulates with atomics in a forward).
+tokens (one torch.Generator per batch, sampling outside the graph; no kernel here accumulates
+with atomics in a forward).
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import torch
 
@@ -44,17 +50,17 @@ def common_prefix(prompts: list[list[int]]) -> int:
 
 
 class BatchCache:
-    """The keys and values of one batch, in buffers allocated once, written in place at `write_at`.
-    Offers what transformers' decoder layers call on a cache (`update`, `get_seq_length`)."""
+    """The keys and values of one batch, in buffers allocated once and written in place at the
+    cache indices `index` (a tensor, so that a captured step writes where the replay says). Offers
+    what transformers' decoder layers call on a cache (`update`, `get_seq_length`)."""
 
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, rows: int, capacity: int, device: torch.device):
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
-        self.write_at, self.capacity, self.rows = 0, 0, 0
+        self.rows = rows
+        self.capacity = -(-capacity // 16) * 16  # the efficient kernel's alignment for the mask's rows
+        self.index = torch.zeros(1, dtype=torch.long, device=device)
         self.is_compileable = False
-
-    def allocate(self, rows: int, capacity: int) -> None:
-        self.rows, self.capacity = rows, -(-capacity // 16) * 16  # the efficient kernel's mask alignment
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_, **__):  # the rest: per version
         if self.keys[layer] is None:  # the first write of a layer: its buffers, now that its shapes are known
@@ -62,13 +68,12 @@ class BatchCache:
             # zeros, not garbage: a masked key's weight is 0, and 0 x NaN would still be NaN
             self.keys[layer] = key.new_zeros(shape)
             self.values[layer] = value.new_zeros(shape)
-        end = self.write_at + key.shape[2]
-        self.keys[layer][:, :, self.write_at:end] = key
-        self.values[layer][:, :, self.write_at:end] = value
+        self.keys[layer].index_copy_(2, self.index, key)
+        self.values[layer].index_copy_(2, self.index, value)
         return self.keys[layer], self.values[layer]
 
     def get_seq_length(self, layer: int = 0) -> int:
-        return self.write_at
+        return 0  # never asked: every forward passes its cache_position
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -78,7 +83,7 @@ class Decoder:
     """Answers batches of prompts with one model. Keeps the keys and values of the last common
     prefix it ran (a generate run's context, shared by all its batches)."""
 
-    def __init__(self, model, end_ids: list[int], pad_id: int):
+    def __init__(self, model, end_ids: list[int], pad_id: int, graphs: bool = True):
         self.model, self.end_ids, self.pad_id = model, end_ids, pad_id
         config = model.config
         self.layers = config.num_hidden_layers
@@ -93,9 +98,11 @@ class Decoder:
 
             AttentionInterface.register(NAME, grouped_attention)
             config._attn_implementation = NAME
+        self.graphs = graphs and model.device.type == "cuda"  # False: every step eagerly (the same numbers)
         self.prefix_ids: list[int] | None = None  # the prefix whose keys and values are kept
         self.prefix_states: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.prefix_forwards = 0  # how many times a prefix was run (the tests read it)
+        self.captured = 0  # batches whose decode step ran as a CUDA graph (the benchmark reads it)
         # transformers renamed past_key_values to cache (5.2x); both name the same object
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -108,9 +115,8 @@ class Decoder:
         device = self.model.device
         prefix = common_prefix(prompts)
         rows, longest = len(prompts), max(len(p) - prefix for p in prompts)
-        cache = BatchCache(self.layers)
-        cache.allocate(rows, prefix + longest + max_new_tokens)
-        # a row's logical position at each cache index (-1: a hole before a short question)
+        cache = BatchCache(self.layers, rows, prefix + longest + max_new_tokens, device)
+        # a row's logical position at each cache index (-1: a hole, or not written yet)
         positions = torch.full((rows, cache.capacity), -1, dtype=torch.long, device=device)
         if prefix:
             self.load_prefix(prompts[0][:prefix], cache)
@@ -123,21 +129,19 @@ class Decoder:
             positions[row, prefix + longest - len(own):prefix + longest] = torch.arange(prefix, len(prompt),
                                                                                        device=device)
         generator = torch.Generator(device=device).manual_seed(seed)
-        logits = self.forward(ids, positions, cache)
+        logits = self.forward(ids, positions, cache, start=prefix)
+        step = Step(self, cache, positions, next_position=positions[:, prefix + longest - 1] + 1,
+                    write_at=prefix + longest)
         answers = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
         ends = torch.tensor(self.end_ids, device=device)
-        next_position = positions[:, prefix + longest - 1] + 1
-        for step in range(max_new_tokens):
-            token = pick(logits, temperature, top_p, generator)
-            token = torch.where(ended, self.pad_id, token)
-            answers[:, step] = token
+        for number in range(max_new_tokens):
+            token = torch.where(ended, self.pad_id, pick(logits, temperature, top_p, generator))
+            answers[:, number] = token
             ended |= torch.isin(token, ends)
-            if step + 1 == max_new_tokens or (step % 8 == 7 and bool(ended.all())):  # a host sync every 8 steps
+            if number + 1 == max_new_tokens or (number % 8 == 7 and bool(ended.all())):  # a host sync every 8 steps
                 break
-            positions[:, cache.write_at] = next_position
-            next_position = next_position + 1
-            logits = self.forward(token[:, None], positions, cache)
+            logits = step(token)
         result = []
         for row in answers.tolist():
             end = next((i for i, t in enumerate(row) if t in self.end_ids), None)
@@ -145,48 +149,53 @@ class Decoder:
         return result
 
     def load_prefix(self, ids: list[int], cache: BatchCache) -> None:
-        """The prefix's keys and values into `cache` (rows 0..n-1, indices 0..len-1): computed once
+        """The prefix's keys and values into `cache` (every row, indices 0..len-1): computed once
         per distinct prefix, then copied."""
+        device = cache.index.device
         if ids != self.prefix_ids:
             self.prefix_ids, self.prefix_states = None, []  # never keep a half-made prefix
-            single = BatchCache(self.layers)
-            single.allocate(1, len(ids))
-            tokens = torch.tensor([ids], device=self.model.device)
-            positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=tokens.device)
-            positions[0, :len(ids)] = torch.arange(len(ids), device=tokens.device)
-            self.forward(tokens, positions, single, logits=False)
+            single = BatchCache(self.layers, 1, len(ids), device)
+            positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
+            positions[0, :len(ids)] = torch.arange(len(ids), device=device)
+            self.forward(torch.tensor([ids], device=device), positions, single, start=0, logits=False)
             self.prefix_states = [(k[:, :, :len(ids)], v[:, :, :len(ids)]) for k, v in zip(single.keys, single.values)]
             self.prefix_ids = list(ids)
             self.prefix_forwards += 1
+        cache.index = torch.arange(len(ids), device=device)
         for layer, (keys, values) in enumerate(self.prefix_states):
             cache.update(keys.expand(cache.rows, -1, -1, -1), values.expand(cache.rows, -1, -1, -1), layer)
-        cache.write_at = len(ids)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: BatchCache, logits: bool = True):
-        """Run `ids` ([rows, n], written at cache.write_at..+n) against everything the cache holds;
-        the next-token logits (fp32) of each row's last column."""
-        start, count = cache.write_at, ids.shape[1]
-        end = start + count
-        keys = positions  # each key's logical position (-1: a hole, or not written yet)
-        queries = positions[:, start:end]
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: BatchCache, start: int,
+                logits: bool = True):
+        """Run `ids` ([rows, n], written at cache indices start..start+n-1) against everything the
+        cache holds; the next-token logits (fp32) of each row's last column."""
+        count = ids.shape[1]
+        cache.index = torch.arange(start, start + count, device=ids.device)
+        queries = positions[:, start:start + count]
         # a query sees its row's keys at or before its own position; a hole sees only itself (its
         # outputs are never read, but must stay finite: they become keys the mask then hides)
-        visible = (keys[:, None, :] >= 0) & (keys[:, None, :] <= queries[:, :, None])
-        visible[:, torch.arange(count), torch.arange(start, end)] = True
-        windowed = visible & (queries[:, :, None] - keys[:, None, :] < self.window) if self.window else None
+        visible = (positions[:, None, :] >= 0) & (positions[:, None, :] <= queries[:, :, None])
+        visible[:, torch.arange(count, device=ids.device), cache.index] = True
+        return self.run(ids, queries, positions, visible, cache, logits)
+
+    def run(self, ids: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+            cache: BatchCache, logits: bool = True):
+        """The model over `ids` at logical positions `queries` ([rows, n]), each query seeing the keys
+        `visible` marks ([rows, n, cache capacity]; `positions`: each key's logical position),
+        written at cache.index."""
+        windowed = None
+        if self.window:  # transformers' window: a key is seen while query - key < window
+            windowed = visible & (queries[:, :, None] - positions[:, None, :] < self.window)
         if "sliding_attention" in self.layer_types:
             masks = {"full_attention": self.as_mask(visible), "sliding_attention": self.as_mask(windowed)}
         else:  # a 4D mask is used as given
             masks = self.as_mask(windowed if self.window_everywhere else visible)
         arguments = dict(input_ids=ids, position_ids=queries.clamp(min=0), attention_mask=masks, use_cache=True,
-                         **{self.cache_argument: cache})
+                         cache_position=cache.index, **{self.cache_argument: cache})
         if not logits:  # the prefix: its keys and values only, no vocabulary-sized work
             self.model.base_model(**arguments)
-            cache.write_at = end
             return None
-        output = self.model(**arguments, logits_to_keep=1)
-        cache.write_at = end
-        return output.logits[:, -1].float()
+        return self.model(**arguments, logits_to_keep=1).logits[:, -1].float()
 
     def as_mask(self, visible: torch.Tensor) -> torch.Tensor:
         """[rows, 1, queries, keys]: boolean for sdpa, additive for eager attention."""
@@ -196,6 +205,68 @@ class Decoder:
         dtype = self.model.dtype
         return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible,
                                                                                           torch.finfo(dtype).min)
+
+
+class Step:
+    """One decode step of a batch: the last tokens in, the next logits out, through buffers that
+    live as long as the batch (the token, each row's next position, the cache index, the cache),
+    so that the same work can be captured once as a CUDA graph and replayed for every token."""
+
+    def __init__(self, decoder: Decoder, cache: BatchCache, positions: torch.Tensor, next_position: torch.Tensor,
+                 write_at: int):
+        self.decoder, self.cache, self.positions = decoder, cache, positions
+        self.token = torch.zeros(cache.rows, dtype=torch.long, device=positions.device)
+        self.next_position = next_position.clone()  # each row's logical position of the token going in
+        cache.index = torch.full((1,), write_at, dtype=torch.long, device=positions.device)
+        self.logits = None
+        self.graph = None
+        self.capture = decoder.graphs
+
+    def compute(self) -> torch.Tensor:
+        """The step on the buffers alone (what a graph captures): the token's position goes in at
+        the cache index; being the newest, it sees every key written so far."""
+        index, positions = self.cache.index, self.positions
+        positions.index_copy_(1, index, self.next_position[:, None])
+        visible = (positions >= 0)[:, None, :]
+        return self.decoder.run(self.token[:, None], self.next_position[:, None], positions, visible, self.cache)
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        self.token.copy_(token)
+        if self.capture:
+            self.capture = False
+            self.graph = captured(self)
+        if self.graph is not None:
+            self.graph.replay()
+            logits = self.logits.clone()  # the graph's output buffer is overwritten by the next replay
+        else:
+            logits = self.compute()
+        self.next_position += 1
+        self.cache.index += 1
+        return logits
+
+
+def captured(step: Step):
+    """`step.compute` as a CUDA graph (its output in step.logits), or None when the model's forward
+    cannot be captured (it syncs with the host, say): the step then runs eagerly."""
+    decoder = step.decoder
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # one eager run first, off the default stream, as capture needs;
+            step.compute()             # its writes are the ones the first replay makes again
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step.logits = step.compute()
+        decoder.captured += 1
+        return graph
+    except Exception as error:  # noqa: BLE001 (any failure to capture means: decode eagerly)
+        torch.cuda.synchronize()
+        if decoder.graphs:
+            print(f"spds generate: the decode step could not be captured as a CUDA graph ({type(error).__name__}: "
+                  f"{str(error)[:160]}); decoding eagerly", file=sys.stderr)
+        decoder.graphs = False
+        return None
 
 
 def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
