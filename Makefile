@@ -45,6 +45,11 @@ test-fast: venv
 
 lint: venv
 	$(VENV)/bin/ruff check spds tests bench examples
+	$(VENV)/bin/ruff format --check spds tests bench examples
+
+format: venv
+	$(VENV)/bin/ruff format spds tests bench examples
+	$(VENV)/bin/ruff check --fix spds tests bench examples
 
 bench-prepare: venv
 	$(PY) bench/bench_prepare.py

@@ -8,6 +8,7 @@ Reports per case the positions per second of eval's NLL pass (no grad, chunked l
 on the GPU (no download); the training figure for the same student and length mix comes from
 bench_gpu.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,11 @@ def main() -> None:
             torch.cuda.synchronize()
             seconds = time.perf_counter() - began
             positions = sum(group) + len(group) * bench_gpu.PROMPT
-            print(f"{args.model} eval {label}: {positions / seconds:,.0f} positions/s, {seconds:.2f} s, "
-                  f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+            print(
+                f"{args.model} eval {label}: {positions / seconds:,.0f} positions/s, {seconds:.2f} s, "
+                f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

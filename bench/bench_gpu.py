@@ -17,6 +17,7 @@ Useful FLOPs per position = 4 x matmul parameters (lm_head included) + 6 x layer
 heads x head_dim (forward and input-gradient backward, causal attention, no recompute); MFU is
 that over the measured bf16 matmul peak.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,19 @@ def qwen3_config(name: str, attn: str = "sdpa"):
     from transformers import Qwen3Config
 
     hidden, layers, heads, kv, inter, tied = SHAPES[name]
-    return Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=HEAD_DIM,
-                       max_position_embeddings=131072, tie_word_embeddings=tied, rope_theta=1_000_000,
-                       attn_implementation=attn)
+    return Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=131072,
+        tie_word_embeddings=tied,
+        rope_theta=1_000_000,
+        attn_implementation=attn,
+    )
 
 
 def build_student(name: str, layers: int | None = None):
@@ -109,6 +119,7 @@ def measure_peak_tflops() -> float:
 
 # ---------------------------------------------------------------- spds
 
+
 def write_store(directory: Path, lengths: list[int], seed: int = 0):
     from spds.data.packed import PackedStore, PackedWriter
     from spds.data.rows import Record
@@ -117,9 +128,20 @@ def write_store(directory: Path, lengths: list[int], seed: int = 0):
     writer = PackedWriter(directory)
     for i, length in enumerate(lengths):
         ids = rng.integers(0, VOCAB - 1000, length).astype(np.uint32)
-        writer.add(Record(request_id=f"r{i}", question_id=f"q{i}", sample_index=0, ids=ids,
-                          prefix_tokens=min(PREFIX, length // 2), insert_at=3, response_sha256="0" * 64,
-                          added_system=False, source=f"synthetic:{i}"), "train")
+        writer.add(
+            Record(
+                request_id=f"r{i}",
+                question_id=f"q{i}",
+                sample_index=0,
+                ids=ids,
+                prefix_tokens=min(PREFIX, length // 2),
+                insert_at=3,
+                response_sha256="0" * 64,
+                added_system=False,
+                source=f"synthetic:{i}",
+            ),
+            "train",
+        )
     files = writer.close_files()
     writer.commit(dict(format="spds-packed-v1", records=len(lengths), tokens=int(sum(lengths)), files=files))
     return PackedStore.open(directory)
@@ -150,13 +172,17 @@ VARIANTS["liger-det-flash"] = ({"attention_kernel": "flash", "liger_kernels": Tr
 VARIANTS["liger-cudnn"] = ({"attention_kernel": "cudnn", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-flash"] = ({"attention_kernel": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-flex"] = ({"attention_kernel": "flex", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-flexlong"] = ({"attention_kernel": {"below": 8192, "short": "flash", "long": "flex"},
-                               "liger_kernels": True}, VARIANTS["liger"][1])
+VARIANTS["liger-flexlong"] = (
+    {"attention_kernel": {"below": 8192, "short": "flash", "long": "flex"}, "liger_kernels": True},
+    VARIANTS["liger"][1],
+)
 # liger with the records of a forward end to end (variable-length attention, no padding)
 VARIANTS["liger-packed"] = (VARIANTS["liger"][0], {**VARIANTS["liger"][1], "micro_batch_layout": "packed"})
 # the same with twice the positions per forward: fewer, larger forwards for the short records
-VARIANTS["liger-packed-32k"] = (VARIANTS["liger"][0], {**VARIANTS["liger-packed"][1], "micro_batch": 64,
-                                                       "micro_batch_tokens": 32768})
+VARIANTS["liger-packed-32k"] = (
+    VARIANTS["liger"][0],
+    {**VARIANTS["liger-packed"][1], "micro_batch": 64, "micro_batch_tokens": 32768},
+)
 # FlashAttention-4 at every length (flash-attn-4; bench/check_fa4.py), padded rows and packed
 VARIANTS["liger-fa4"] = ({"attention_kernel": "fa4", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-packed-fa4"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed"][1])
@@ -194,6 +220,8 @@ def online_kl(reuse_context: bool, memo_gib: float = 0.0):
 # records (a later epoch), after a timed first visit (first_visit_seconds).
 VARIANTS["liger-kl-memo"] = VARIANTS["liger-kl-nocache-memo"] = VARIANTS["liger"]
 REVISIT = {"liger-kl-memo", "liger-kl-nocache-memo"}
+
+
 def planned_as_own_kernels(model) -> None:
     """Liger's layers planned with the model's own kernels' activation figure (spds before the
     figure by kernel set): it recomputes layers that would fit."""
@@ -203,10 +231,16 @@ def planned_as_own_kernels(model) -> None:
 
 
 VARIANTS["liger-own-figure"] = VARIANTS["liger"]
-AFTER_BUILD = {"wholeckpt": all_or_nothing, "liger-own-figure": planned_as_own_kernels,
-               "kl": online_kl(True), "kl-nocache": online_kl(False),
-               "liger-kl": online_kl(True), "liger-kl-nocache": online_kl(False),
-               "liger-kl-memo": online_kl(True, memo_gib=64.0), "liger-kl-nocache-memo": online_kl(False, 64.0)}
+AFTER_BUILD = {
+    "wholeckpt": all_or_nothing,
+    "liger-own-figure": planned_as_own_kernels,
+    "kl": online_kl(True),
+    "kl-nocache": online_kl(False),
+    "liger-kl": online_kl(True),
+    "liger-kl-nocache": online_kl(False),
+    "liger-kl-memo": online_kl(True, memo_gib=64.0),
+    "liger-kl-nocache-memo": online_kl(False, 64.0),
+}
 
 
 def spds_config(directory: Path, records: int, variant: str):
@@ -216,18 +250,22 @@ def spds_config(directory: Path, records: int, variant: str):
     student, optim = VARIANTS[variant]
     if DEVICE == "cpu":  # a dry run: CPU SDPA has the math kernel only
         student = {k: v for k, v in student.items() if k != "attention_kernel"}
-    raw = {"student": {"model_path": "random-weights", **student},
-           "soft_prompt": {"length": PROMPT}, "data": {"candidates": [{"path": "synthetic"}]},
-           "optim": {"effective_batch": records, "updates": 1, "learning_rate": 1e-3, **optim},
-           "train": {"require_smoke": False, "deterministic": variant in DETERMINISTIC},
-           "output_dir": str(directory / "run")}
+    raw = {
+        "student": {"model_path": "random-weights", **student},
+        "soft_prompt": {"length": PROMPT},
+        "data": {"candidates": [{"path": "synthetic"}]},
+        "optim": {"effective_batch": records, "updates": 1, "learning_rate": 1e-3, **optim},
+        "train": {"require_smoke": False, "deterministic": variant in DETERMINISTIC},
+        "output_dir": str(directory / "run"),
+    }
     apply_defaults(raw, load_schema("config"))
     assert not describe_errors(raw, "config"), describe_errors(raw, "config")
     return Config(path=directory / "config.json", raw=raw)
 
 
-def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths: list[int],
-              second_visit: bool = False) -> dict:
+def time_spds(
+    student, name: str, lengths: list[int], variant: str, warm_lengths: list[int], second_visit: bool = False
+) -> dict:
     """One timed update over `lengths` after one warm-up update over `warm_lengths` (with
     `second_visit`, the second of two updates over `lengths`)."""
     from spds.build import build_soft_prompt_model
@@ -281,9 +319,16 @@ def time_spds(student, name: str, lengths: list[int], variant: str, warm_lengths
             metric, _ = train_step(engine, teacher, store, plan, plan.step_of(3, batch), 0, device, stop, None)
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-        result = dict(seconds=seconds, positions=metric["tokens"], peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                      loss=metric["loss"], kernel=model.loss_fn.kernel, recomputed_layers=sum(recomputed),
-                      micro_batches=len(recomputed), **extra)
+        result = dict(
+            seconds=seconds,
+            positions=metric["tokens"],
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+            loss=metric["loss"],
+            kernel=model.loss_fn.kernel,
+            recomputed_layers=sum(recomputed),
+            micro_batches=len(recomputed),
+            **extra,
+        )
         del engine, model
         torch.cuda.empty_cache()
         torch.use_deterministic_algorithms(False)
@@ -326,8 +371,11 @@ class VisitTrace:
     @staticmethod
     def counters() -> dict:
         cache = Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))
-        counts = dict(triton=sum(1 for _ in cache.glob("*/*.json")) if cache.is_dir() else 0, fa4=0,
-                      cuda_malloc=torch.cuda.memory_stats().get("num_device_alloc", 0) if DEVICE == "cuda" else 0)
+        counts = dict(
+            triton=sum(1 for _ in cache.glob("*/*.json")) if cache.is_dir() else 0,
+            fa4=0,
+            cuda_malloc=torch.cuda.memory_stats().get("num_device_alloc", 0) if DEVICE == "cuda" else 0,
+        )
         interface = sys.modules.get("flash_attn.cute.interface")
         for value in vars(interface).values() if interface else ():
             cache_of = getattr(getattr(value, "compile_cache", None), "cache", None)
@@ -346,15 +394,19 @@ class VisitTrace:
         slowest = sorted(self.steps, key=lambda nt: nt[1] - rate * nt[0], reverse=True)[:4]
         excess = sum(max(0.0, t - rate * n) for n, t in self.steps)
         in_steps = sum(t for _, t in self.steps)
-        print(f"trace {name}: {seconds:.2f} s, {len(self.steps)} micro-steps {in_steps:.2f} s (median "
-              f"{rate * 1e6:.1f} us/position), {excess:.2f} s above the median "
-              f"s/position; slowest for their size " + ", ".join(f"{n} pos {t:.2f} s" for n, t in slowest)
-              + f"; {grown}", flush=True)
+        print(
+            f"trace {name}: {seconds:.2f} s, {len(self.steps)} micro-steps {in_steps:.2f} s (median "
+            f"{rate * 1e6:.1f} us/position), {excess:.2f} s above the median "
+            f"s/position; slowest for their size " + ", ".join(f"{n} pos {t:.2f} s" for n, t in slowest) + f"; {grown}",
+            flush=True,
+        )
         if [n for n, _ in self.previous] == [n for n, _ in self.steps]:  # the same micro-batches again
             ratios = np.array([t0 / t for (_, t0), (_, t) in zip(self.previous, self.steps)])
-            print(f"trace {name}: the phase before took {np.percentile(ratios, 10):.2f}x / {np.median(ratios):.2f}x / "
-                  f"{np.percentile(ratios, 90):.2f}x this one's time per micro-step (10th percentile / median / 90th)",
-                  flush=True)
+            print(
+                f"trace {name}: the phase before took {np.percentile(ratios, 10):.2f}x / {np.median(ratios):.2f}x / "
+                f"{np.percentile(ratios, 90):.2f}x this one's time per micro-step (10th percentile / median / 90th)",
+                flush=True,
+            )
         self.previous = self.steps
 
 
@@ -396,24 +448,35 @@ def profiled(enabled: bool):
     # launch themselves (FlashAttention-4's through TVM FFI, Liger's).
     from torch.autograd import DeviceType
 
-    kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages()
-               if e.self_device_time_total > 0 and e.device_type == DeviceType.CUDA]
+    kernels = [
+        (e.key, e.self_device_time_total)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0 and e.device_type == DeviceType.CUDA
+    ]
     total = sum(t for _, t in kernels) or 1
     by_kind: dict[str, float] = {}
     for name, t in kernels:
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0) + t
     print(f"profiled update: {wall:.2f} s wall, {total / 1e6:.2f} s of GPU kernels", flush=True)
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
-    print("host time, the largest self CPU totals: " + ", ".join(
-        f"{e.key[:60]} {e.self_cpu_time_total / 1e6:.2f} s ({e.count})" for e in host), flush=True)
-    print("GPU time by kind: " + ", ".join(f"{k} {v / 1e6:.2f} s ({100 * v / total:.0f}%)"
-                                          for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])), flush=True)
+    print(
+        "host time, the largest self CPU totals: "
+        + ", ".join(f"{e.key[:60]} {e.self_cpu_time_total / 1e6:.2f} s ({e.count})" for e in host),
+        flush=True,
+    )
+    print(
+        "GPU time by kind: "
+        + ", ".join(
+            f"{k} {v / 1e6:.2f} s ({100 * v / total:.0f}%)" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+        ),
+        flush=True,
+    )
     for name, t in sorted(kernels, key=lambda kv: -kv[1])[:12]:
         print(f"  {t / 1e6:7.3f} s {100 * t / total:4.1f}%  {name[:110]}", flush=True)
 
 
-
 # ---------------------------------------------------------------- HF + PEFT
+
 
 def time_peft(student, lengths: list[int], warm_lengths: list[int], second_visit: bool = False) -> dict:
     from peft import PromptTuningConfig, TaskType, get_peft_model
@@ -427,7 +490,7 @@ def time_peft(student, lengths: list[int], warm_lengths: list[int], second_visit
     def step(length: int) -> None:
         ids = torch.from_numpy(rng.integers(0, VOCAB - 1000, length)).to(DEVICE)[None]
         labels = ids.clone()
-        labels[:, :min(PREFIX, length // 2)] = -100
+        labels[:, : min(PREFIX, length // 2)] = -100
         model(input_ids=ids, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -456,6 +519,7 @@ def time_peft(student, lengths: list[int], warm_lengths: list[int], second_visit
 
 # ---------------------------------------------------------------- driver
 
+
 def guarded(fn, *args, **kwargs) -> dict:
     try:
         return fn(*args, **kwargs)
@@ -467,20 +531,35 @@ def guarded(fn, *args, **kwargs) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, choices=sorted(SHAPES))
-    parser.add_argument("--cases", nargs="+", required=True,
-                        help="fixed:L1,L2,...[:records]  or  mix:RECORDS[:SEED]  (log-uniform 512-32k)")
-    parser.add_argument("--variants", default="default",
-                        help="comma list of spds variants: " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        required=True,
+        help="fixed:L1,L2,...[:records]  or  mix:RECORDS[:SEED]  (log-uniform 512-32k)",
+    )
+    parser.add_argument("--variants", default="default", help="comma list of spds variants: " + ", ".join(VARIANTS))
     parser.add_argument("--no-peft", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--profile", nargs="?", const="timed", choices=("timed", "first"), default=None,
-                        help="torch.profiler over each timed spds update, or (first) over its first visit")
-    parser.add_argument("--second-visit", action="store_true",
-                        help="time a second update over the same records (both systems), after a timed first one: "
-                             "the steady state of a long run, where every shape's kernels and plans exist")
-    parser.add_argument("--trace-visits", action="store_true",
-                        help="per update of each spds variant: seconds, the slowest micro-steps for their size, "
-                             "JIT compiles and cudaMalloc calls (VisitTrace); its device syncs cost a little")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="timed",
+        choices=("timed", "first"),
+        default=None,
+        help="torch.profiler over each timed spds update, or (first) over its first visit",
+    )
+    parser.add_argument(
+        "--second-visit",
+        action="store_true",
+        help="time a second update over the same records (both systems), after a timed first one: "
+        "the steady state of a long run, where every shape's kernels and plans exist",
+    )
+    parser.add_argument(
+        "--trace-visits",
+        action="store_true",
+        help="per update of each spds variant: seconds, the slowest micro-steps for their size, "
+        "JIT compiles and cudaMalloc calls (VisitTrace); its device syncs cost a little",
+    )
     args = parser.parse_args()
     global PROFILE, TRACE
     PROFILE, TRACE = args.profile, args.trace_visits
@@ -501,8 +580,10 @@ def main() -> None:
         torch.cuda.get_device_name = lambda *a, **k: "cpu (dry run)"
 
     peak = measure_peak_tflops()
-    header = (f"{time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-              f"transformers {transformers.__version__} | measured bf16 matmul peak {peak:.0f} TFLOP/s")
+    header = (
+        f"{time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+        f"transformers {transformers.__version__} | measured bf16 matmul peak {peak:.0f} TFLOP/s"
+    )
     print(header, flush=True)
     student = build_student(args.model)
     rows, cases = [], []
@@ -510,6 +591,7 @@ def main() -> None:
         kind, spec, *rest = case.split(":")
         if kind == "mix":  # steady state: one update over another mix first, then the timed one
             rng = np.random.default_rng(int(rest[0]) if rest else 0)
+
             def draw():
                 return [int(x) for x in np.exp(rng.uniform(math.log(512), math.log(32768), int(spec)))]
 

@@ -7,6 +7,7 @@ tokens (tiny example tokenizer), runs `spds prepare` in a fresh process and repo
 records/s, tokens/s and the process's peak RSS. Flat RSS across record counts shows that
 prepare streams.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ import make_tiny  # noqa: E402
 
 def write_candidates(path: Path, tokenizer, total_tokens: int, mean_length: int, seed: int = 0) -> tuple[int, int]:
     rng = random.Random(seed)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Summarise the archive."}], tokenize=True,
-                                           add_generation_prompt=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Summarise the archive."}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     eos = tokenizer.eos_token_id
     rows = tokens = 0
     with open(path, "w") as stream:
@@ -36,11 +41,21 @@ def write_candidates(path: Path, tokenizer, total_tokens: int, mean_length: int,
             n = max(2, int(rng.expovariate(1 / mean_length)))
             response = [rng.randrange(32, 127) for _ in range(n)] + [eos]
             ids = list(prompt) + response
-            stream.write(json.dumps(dict(request_id=f"r{rows}", question_id=f"q{rows // 4}", sample_index=rows % 4,
-                                         input_ids=ids, prefix_tokens=len(prompt),
-                                         labels=[-100] * len(prompt) + response,
-                                         supervised_tokens=len(response),
-                                         response_sha256=hashlib.sha256(bytes(response[:-1])).hexdigest())) + "\n")
+            stream.write(
+                json.dumps(
+                    dict(
+                        request_id=f"r{rows}",
+                        question_id=f"q{rows // 4}",
+                        sample_index=rows % 4,
+                        input_ids=ids,
+                        prefix_tokens=len(prompt),
+                        labels=[-100] * len(prompt) + response,
+                        supervised_tokens=len(response),
+                        response_sha256=hashlib.sha256(bytes(response[:-1])).hexdigest(),
+                    )
+                )
+                + "\n"
+            )
             rows += 1
             tokens += len(ids)
     return rows, tokens
@@ -61,20 +76,37 @@ def main() -> None:
             tokenizer = make_tiny.chatml_tokenizer()
             make_tiny.save_student(directory / "student", tokenizer, layers=1, hidden=32)
             rows, tokens = write_candidates(directory / "candidates.jsonl", tokenizer, args.tokens, mean_length)
-            make_tiny.tiny_config(directory, data={"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed",
-                                                   "context_limit": 1 << 20})
+            make_tiny.tiny_config(
+                directory,
+                data={"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed", "context_limit": 1 << 20},
+            )
             started = time.monotonic()
             # A fresh process per run, reporting its own peak RSS (RUSAGE_CHILDREN would keep the
             # largest child so far).
-            probe = ("import resource, sys; from spds.cli import main; code = main(['prepare', sys.argv[1]]); "
-                     "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
-            output = subprocess.run([sys.executable, "-c", probe, str(directory / "config.json")], check=True,
-                                    capture_output=True, text=True, cwd=REPO).stdout
+            probe = (
+                "import resource, sys; from spds.cli import main; code = main(['prepare', sys.argv[1]]); "
+                "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)"
+            )
+            output = subprocess.run(
+                [sys.executable, "-c", probe, str(directory / "config.json")],
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+            ).stdout
             seconds = time.monotonic() - started
             peak = int(output.split("PEAK_RSS_KIB")[1].split()[0]) / 1024
             size = (directory / "candidates.jsonl").stat().st_size / 2**20
-            cells = [mean_length, rows, tokens, f"{seconds:.1f}", f"{rows / seconds:.0f}", f"{tokens / seconds:.0f}",
-                     f"{peak:.0f}", f"{size:.0f}"]
+            cells = [
+                mean_length,
+                rows,
+                tokens,
+                f"{seconds:.1f}",
+                f"{rows / seconds:.0f}",
+                f"{tokens / seconds:.0f}",
+                f"{peak:.0f}",
+                f"{size:.0f}",
+            ]
             print("| " + " | ".join(map(str, cells)) + " |")
 
 

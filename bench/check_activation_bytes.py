@@ -5,6 +5,7 @@ forward, over positions x layers x hidden, with the student's own kernels and wi
 
     python bench/check_activation_bytes.py --model 1.7b --positions 8192
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,14 @@ def measure(student, name: str, variant: str, positions: int) -> dict:
         hidden.sum().backward()
         del hidden, model
         torch.cuda.empty_cache()
-        return dict(model=name, variant=variant, positions=positions, kept_gib=round(kept / 2**30, 2),
-                    bytes_per_position_per_hidden_per_layer=round(kept / per, 2),
-                    forward_peak_over_kept_gib=round((peak - kept) / 2**30, 2))
+        return dict(
+            model=name,
+            variant=variant,
+            positions=positions,
+            kept_gib=round(kept / 2**30, 2),
+            bytes_per_position_per_hidden_per_layer=round(kept / per, 2),
+            forward_peak_over_kept_gib=round((peak - kept) / 2**30, 2),
+        )
 
 
 def main() -> None:

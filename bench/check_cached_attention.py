@@ -11,6 +11,7 @@ only (the teacher has no backward):
 Each is checked against an fp32 reference with an explicit mask where that fits, and timed; the
 kernels the bias path launched are listed.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -70,8 +71,10 @@ def main() -> None:
     for name, heads, kv_heads in (("1.7b", 16, 8), ("8b", 32, 8)):
         for length in (1024, 8192, 32768):
             g = torch.Generator(device="cuda").manual_seed(length)
+
             def draw(h, n):
                 return torch.randn(1, h, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+
             k, v = draw(kv_heads, CONTEXT + length), draw(kv_heads, CONTEXT + length)
             q_all = draw(heads, CONTEXT + length)
             q = q_all[:, :, CONTEXT:].contiguous()

@@ -13,6 +13,7 @@ time and memory (CUDA)?
    of the longest length, twice, then on flash: is the prompt gradient bit-identical, and how
    far from flash's?
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,8 @@ def reference_grads(q, k, v, grad_out):
     q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True)
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+    )
     out.backward(grad_out.float())
     return q.grad, k.grad, v.grad
 
@@ -73,8 +75,11 @@ def measure(run, tensors, repeats: int = 3, expected=None) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
         identical &= all(torch.equal(a, b) for a, b in zip(first, grads))
-    result = dict(bit_identical=identical, ms=round(1000 * statistics.median(times), 2),
-                  peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 2))
+    result = dict(
+        bit_identical=identical,
+        ms=round(1000 * statistics.median(times), 2),
+        peak_gib=round((torch.cuda.max_memory_allocated() - base) / 2**30, 2),
+    )
     if expected is not None:  # dQ, dK, dV's largest error relative to the reference's largest entry
         error = max(float((a.float() - b).abs().max() / b.abs().max()) for a, b in zip(first, expected))
         result["rel_err_vs_fp32"] = f"{error:.1e}"
@@ -93,8 +98,11 @@ def kernel_level(model: str, lengths: list[int]) -> None:
                     continue  # its scores alone would not fit
                 started = time.perf_counter()
                 result = measure(lambda *t, k=kernel: run_kernel(k, *t), tensors, expected=expected)
-                print(f"{model} L={length:6d} {mode:9s} {kernel:9s} {result} "
-                      f"({time.perf_counter() - started:.0f} s in all)", flush=True)
+                print(
+                    f"{model} L={length:6d} {mode:9s} {kernel:9s} {result} "
+                    f"({time.perf_counter() - started:.0f} s in all)",
+                    flush=True,
+                )
         del tensors, expected
         torch.cuda.empty_cache()
     torch.use_deterministic_algorithms(False)
@@ -124,10 +132,12 @@ def model_level(model: str, length: int) -> None:
         seconds.append(time.perf_counter() - started)
         grads.append(spds_model.prompt.grad.clone())
     relative = float((grads[0] - grads[2]).abs().max() / grads[2].abs().max())
-    print(f"spds {model} one {length}-token record, train.deterministic ({chosen}, strict, all layers recomputed): "
-          f"prompt gradient bit-identical over 2 runs: {torch.equal(grads[0], grads[1])}; fwd+bwd {seconds[1]:.2f} s "
-          f"(flash {seconds[2]:.2f} s); largest difference from flash's gradient {relative:.1e} of its largest entry",
-          flush=True)
+    print(
+        f"spds {model} one {length}-token record, train.deterministic ({chosen}, strict, all layers recomputed): "
+        f"prompt gradient bit-identical over 2 runs: {torch.equal(grads[0], grads[1])}; fwd+bwd {seconds[1]:.2f} s "
+        f"(flash {seconds[2]:.2f} s); largest difference from flash's gradient {relative:.1e} of its largest entry",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -137,8 +147,10 @@ def main() -> None:
     parser.add_argument("--skip-kernels", action="store_true")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cuDNN {torch.backends.cudnn.version()}",
-          flush=True)
+    print(
+        f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cuDNN {torch.backends.cudnn.version()}",
+        flush=True,
+    )
     if not args.skip_kernels:
         kernel_level(args.model, lengths)
     model_level(args.model, max(lengths))

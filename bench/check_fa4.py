@@ -14,6 +14,7 @@ backward (train.deterministic) repeats bit for bit where its default one does no
     python bench/check_fa4.py --lengths 4096,8192,32768
     python bench/check_fa4.py --spds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,8 @@ def reference_losses(segments, prompt: torch.Tensor, layers: int) -> tuple[float
         own = student.get_input_embeddings()(segment.ids)
         joined = torch.cat([own[:a], prompt.to(own.dtype), own[a:]])[None]
         logits = student(inputs_embeds=joined).logits[0].float()
-        rows = logits[segment.prefix_tokens + P - 1:len(segment.ids) + P - 1]  # each predicts the next id
-        loss = F.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
+        rows = logits[segment.prefix_tokens + P - 1 : len(segment.ids) + P - 1]  # each predicts the next id
+        loss = F.cross_entropy(rows, segment.ids[segment.prefix_tokens :], reduction="sum")
         loss.backward()
         total += float(loss.detach())
     del student
@@ -77,29 +78,42 @@ def check_spds(lengths=(700, 3000, 9000), layers: int = 4) -> None:
 
     generator = torch.Generator(device="cuda").manual_seed(1)
     prompt = torch.randn(256, SHAPES["1.7b"][0], device="cuda", generator=generator) * 0.02
-    segments = [Segment(ids=torch.randint(0, 150000, (n,), device="cuda", generator=generator), prefix_tokens=128,
-                        insert_at=3) for n in lengths]
+    segments = [
+        Segment(ids=torch.randint(0, 150000, (n,), device="cuda", generator=generator), prefix_tokens=128, insert_at=3)
+        for n in lengths
+    ]
     loss_ref, grad_ref = reference_losses(segments, prompt, layers)
     student = build_student("1.7b", layers)  # the same seed: the reference's weights
 
     def run(backend: str, packed: bool, together: bool) -> tuple[float, torch.Tensor]:
-        model = SoftPromptModel(student, prompt, make_loss(section("loss")), attention_kernel=backend,
-                                device=torch.device("cuda"), packed=packed)
+        model = SoftPromptModel(
+            student,
+            prompt,
+            make_loss(section("loss")),
+            attention_kernel=backend,
+            device=torch.device("cuda"),
+            packed=packed,
+        )
         total = 0.0
-        for group in ([segments] if together else [[s] for s in segments]):
+        for group in [segments] if together else [[s] for s in segments]:
             loss = model(group)
             loss.backward()
             total += float(loss.detach())
         return total, model.prompt.grad.clone()
 
-    print(f"spds SoftPromptModel, {layers} layers of Qwen3-1.7B's shape, records {list(lengths)} + 256 prompt, "
-          "against plain transformers (SDPA, materialised logits, F.cross_entropy), each record alone")
+    print(
+        f"spds SoftPromptModel, {layers} layers of Qwen3-1.7B's shape, records {list(lengths)} + 256 prompt, "
+        "against plain transformers (SDPA, materialised logits, F.cross_entropy), each record alone"
+    )
     print("| spds kernel | layout | loss sum | rel. diff | prompt grad max |diff| / max |grad| |")
     print("|---|---|---|---|---|")
     print(f"| (reference: transformers) | one record per forward | {loss_ref:.4f} | 0 | 0 |")
-    for name, backend, packed, together in (("cuDNN", "cudnn", False, False),
-                                            ("FA2 varlen (packed, without fa4)", "cudnn", True, True),
-                                            ("FA4", "fa4", False, True), ("FA4 varlen", "fa4", True, True)):
+    for name, backend, packed, together in (
+        ("cuDNN", "cudnn", False, False),
+        ("FA2 varlen (packed, without fa4)", "cudnn", True, True),
+        ("FA4", "fa4", False, True),
+        ("FA4 varlen", "fa4", True, True),
+    ):
         loss, grad = run(backend, packed, together)
         layout = "packed" if packed else ("padded rows" if together else "one record per forward")
         loss_diff = abs(loss - loss_ref) / loss_ref
@@ -138,9 +152,13 @@ def main() -> None:
                 q.grad = k.grad = v.grad = None
                 with sdpa_kernel(backend):  # [batch, heads, L, dim]; keys and values repeated per group
                     out = F.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1),
-                        v.transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1), is_causal=True)
+                        q.transpose(1, 2),
+                        k.transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1),
+                        v.transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1),
+                        is_causal=True,
+                    )
                 out.transpose(1, 2).backward(grad_out)
+
             return step
 
         def fa4(deterministic: bool):
@@ -149,12 +167,17 @@ def main() -> None:
                 out = flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
                 out = out[0] if isinstance(out, tuple) else out
                 out.backward(grad_out)
+
             return step
 
         flops = 6 * HEADS * HEAD_DIM * length * length  # causal: forward 2, backward 4 (x heads x dim x L^2)
         reference = None
-        kernels = [("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION)), ("FA2 (flash SDPA)", sdpa(SDPBackend.FLASH_ATTENTION)),
-                   ("FA4", fa4(False)), ("FA4 deterministic", fa4(True))]
+        kernels = [
+            ("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION)),
+            ("FA2 (flash SDPA)", sdpa(SDPBackend.FLASH_ATTENTION)),
+            ("FA4", fa4(False)),
+            ("FA4 deterministic", fa4(True)),
+        ]
         for name, step in kernels:
             try:
                 ms = milliseconds(step)
@@ -166,8 +189,10 @@ def main() -> None:
             if reference is None:
                 reference, reference_ms = grads, ms
             diff = float((grads - reference).abs().max() / reference.abs().max())
-            print(f"| {length} | {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {reference_ms / ms:.2f}x | {diff:.1e} |",
-                  flush=True)
+            print(
+                f"| {length} | {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {reference_ms / ms:.2f}x | {diff:.1e} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ and compares the outputs and gradients of the three bit for bit.
 
     python3 bench/check_fa4_cache.py
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,32 +42,50 @@ def compute(out: Path) -> None:
     total = sum(LENGTHS)
 
     def tensor(heads):
-        return torch.randn(1, heads, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                           generator=generator).requires_grad_()
+        return torch.randn(
+            1, heads, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator
+        ).requires_grad_()
 
     results, started = {}, time.perf_counter()
     starts = torch.tensor([0, *itertools.accumulate(LENGTHS)], dtype=torch.int32, device="cuda")
     for layout in ("padded", "packed"):
         query, key, value = tensor(HEADS), tensor(KV_HEADS), tensor(KV_HEADS)
         if layout == "padded":
-            output = fa4_causal(query, key, value, HEAD_DIM ** -0.5)
+            output = fa4_causal(query, key, value, HEAD_DIM**-0.5)
         else:
-            output = fa4_causal(query, key, value, HEAD_DIM ** -0.5, starts, max(LENGTHS))
+            output = fa4_causal(query, key, value, HEAD_DIM**-0.5, starts, max(LENGTHS))
         output.backward(torch.randn(output.shape, device="cuda", dtype=output.dtype, generator=generator))
-        results.update({f"{layout}.output": output.detach(), f"{layout}.dq": query.grad, f"{layout}.dk": key.grad,
-                        f"{layout}.dv": value.grad})
+        results.update(
+            {
+                f"{layout}.output": output.detach(),
+                f"{layout}.dq": query.grad,
+                f"{layout}.dk": key.grad,
+                f"{layout}.dv": value.grad,
+            }
+        )
     torch.cuda.synchronize()
     torch.save({k: v.cpu() for k, v in results.items()}, out)
-    print(json.dumps(dict(run=out.stem, seconds=round(time.perf_counter() - started, 2),
-                          cache=os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"))), flush=True)
+    print(
+        json.dumps(
+            dict(
+                run=out.stem,
+                seconds=round(time.perf_counter() - started, 2),
+                cache=os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"),
+            )
+        ),
+        flush=True,
+    )
 
 
 def main() -> int:
     work = Path(tempfile.mkdtemp())
     runs = {"compile": "1", "load": "1", "off": "0"}
     for name, enabled in runs.items():
-        env = dict(os.environ, FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=enabled,
-                   FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(work / "cache"))
+        env = dict(
+            os.environ,
+            FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=enabled,
+            FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(work / "cache"),
+        )
         subprocess.run([sys.executable, __file__, str(work / f"{name}.pt")], env=env, check=True)
         print(f"after {name}: {sum(1 for _ in (work / 'cache').rglob('*.o'))} kernels in the disk cache", flush=True)
     outputs = {name: torch.load(work / f"{name}.pt") for name in runs}

@@ -10,6 +10,7 @@ varlen kernel with its left window, or the scores materialised where a cap needs
 the family's own eager forward of the same weights. fp32 rows: rounding (~1e-6 relative); bf16
 packed rows: bf16 (~1e-2). Prints one line per case.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,15 @@ def student_pair(family: str, dtype):
 
     fields = dict(json.loads((REPO / "tests" / "fixtures" / "models" / "families.json").read_text())[family]["config"])
     fields.update(sliding_window=128, max_position_embeddings=4096)
-    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=512, eos_token_id=1, pad_token_id=0,
-                                  bos_token_id=None, initializer_range=0.2, **fields)
+    config = AutoConfig.for_model(
+        fields.pop("model_type"),
+        vocab_size=512,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+        initializer_range=0.2,
+        **fields,
+    )
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to("cuda", dtype)
     try:
@@ -50,11 +58,16 @@ def student_pair(family: str, dtype):
 def main() -> None:
     generator = torch.Generator().manual_seed(1)
     for family in ("gemma2", "gemma3"):
-        for dtype, packed, kernel in ((torch.float32, False, "flash"), (torch.bfloat16, True, "auto"),
-                                      (torch.bfloat16, False, "flex")):
+        for dtype, packed, kernel in (
+            (torch.float32, False, "flash"),
+            (torch.bfloat16, True, "auto"),
+            (torch.bfloat16, False, "flex"),
+        ):
             student, plain = student_pair(family, dtype)
-            segments = [Segment(ids=torch.randint(2, 512, (n,), generator=generator).cuda(), prefix_tokens=p,
-                                insert_at=1) for n, p in ((700, 300), (250, 40), (431, 200))]
+            segments = [
+                Segment(ids=torch.randint(2, 512, (n,), generator=generator).cuda(), prefix_tokens=p, insert_at=1)
+                for n, p in ((700, 300), (250, 40), (431, 200))
+            ]
             prompt = (torch.randn(16, student.config.hidden_size, generator=generator) * 0.3).cuda()
             loss_fn = make_loss(section("loss", kernel="chunked"), final_logit_softcap(student))
             model = SoftPromptModel(student, prompt.clone(), loss_fn, attention_kernel=kernel, packed=packed)
@@ -65,9 +78,12 @@ def main() -> None:
             expected.backward()
             loss_error = abs(float(loss) - float(expected)) / abs(float(expected))
             grad_error = float((model.prompt.grad - reference.grad).abs().max() / reference.grad.abs().max())
-            print(f"{family:7s} {str(dtype):15s} {'packed' if packed else 'padded'} kernel {kernel:5s}  "
-                  f"loss {float(loss):.4f} vs {float(expected):.4f} (relative {loss_error:.1e})  "
-                  f"prompt gradient max error / max {grad_error:.1e}", flush=True)
+            print(
+                f"{family:7s} {str(dtype):15s} {'packed' if packed else 'padded'} kernel {kernel:5s}  "
+                f"loss {float(loss):.4f} vs {float(expected):.4f} (relative {loss_error:.1e})  "
+                f"prompt gradient max error / max {grad_error:.1e}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

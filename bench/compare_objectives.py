@@ -9,6 +9,7 @@ else equal (seed, initial prompt, batches, learning rate, updates) and evaluates
 held-out questions with `eval.kl`. Runs the real CLI, on CUDA when there is one. Writes
 objectives.json and objectives.png (gap recovered and held-out KL per objective) to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,13 @@ OBJECTIVES = {
 
 
 def spds(*args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "spds.cli", *args], capture_output=True, text=True,
-                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "spds.cli", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+        cwd=REPO,
+    )
     if result.returncode:
         raise SystemExit(f"spds {' '.join(args)} failed:\n{result.stderr[-3000:]}")
     return result.stdout
@@ -45,16 +51,24 @@ def main() -> None:
     out = Path(args.out or tiny)
     out.mkdir(parents=True, exist_ok=True)
     if not (tiny / "loop.json").exists():
-        subprocess.run([sys.executable, str(REPO / "examples" / "tiny" / "make_tiny.py"), str(tiny)], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, str(REPO / "examples" / "tiny" / "make_tiny.py"), str(tiny)],
+            check=True,
+            capture_output=True,
+        )
     loop = json.loads((tiny / "loop.json").read_text())
     if not (tiny / loop["generate"]["output"]).exists():
         spds("generate", str(tiny / "loop.json"))
     results = {}
     for name, loss in OBJECTIVES.items():
-        config = dict(loop, loss=dict(loop.get("loss", {}), **loss), output_dir=f"objective-{name}",
-                      optim=dict(loop["optim"], updates=args.updates), eval={"kl": True},
-                      train=dict(loop.get("train", {}), require_smoke=False))
+        config = dict(
+            loop,
+            loss=dict(loop.get("loss", {}), **loss),
+            output_dir=f"objective-{name}",
+            optim=dict(loop["optim"], updates=args.updates),
+            eval={"kl": True},
+            train=dict(loop.get("train", {}), require_smoke=False),
+        )
         path = tiny / f"objective-{name}.json"
         path.write_text(json.dumps(config, indent=2))
         spds("prepare", str(path))
@@ -63,12 +77,21 @@ def main() -> None:
         seconds = time.monotonic() - started
         spds("eval", str(path))
         report = json.loads((tiny / f"objective-{name}" / "eval.json").read_text())
-        results[name] = dict(gap_recovered=report["gap_recovered"], kl_to_teacher=report["kl_to_teacher"],
-                             nll=report["nll"], train_seconds=seconds, updates=args.updates,
-                             records=report["records"], supervised_tokens=report["supervised_tokens"])
-        print(f"{name:4s}  gap recovered {report['gap_recovered']:.1%}  held-out KL {report['kl_to_teacher']:.4f}  "
-              f"NLL soft {report['nll']['soft']:.4f} (floor {report['nll']['floor']:.4f}, ceiling "
-              f"{report['nll']['ceiling']:.4f})  train {seconds:.0f} s", flush=True)
+        results[name] = dict(
+            gap_recovered=report["gap_recovered"],
+            kl_to_teacher=report["kl_to_teacher"],
+            nll=report["nll"],
+            train_seconds=seconds,
+            updates=args.updates,
+            records=report["records"],
+            supervised_tokens=report["supervised_tokens"],
+        )
+        print(
+            f"{name:4s}  gap recovered {report['gap_recovered']:.1%}  held-out KL {report['kl_to_teacher']:.4f}  "
+            f"NLL soft {report['nll']['soft']:.4f} (floor {report['nll']['floor']:.4f}, ceiling "
+            f"{report['nll']['ceiling']:.4f})  train {seconds:.0f} s",
+            flush=True,
+        )
     (out / "objectives.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "objectives.png")
 
@@ -89,8 +112,7 @@ def plot(results: dict, target: Path) -> None:
     kl.set(title="held-out KL(teacher || soft prompt) per token", ylabel="nats")
     for axis, key, scale, form in ((gap, "gap_recovered", 100, "{:.1f}"), (kl, "kl_to_teacher", 1, "{:.3f}")):
         for x, n in enumerate(names):
-            axis.annotate(form.format(scale * results[n][key]), (x, scale * results[n][key]), ha="center",
-                          va="bottom")
+            axis.annotate(form.format(scale * results[n][key]), (x, scale * results[n][key]), ha="center", va="bottom")
     figure.suptitle(f"tiny example, {results[names[0]]['updates']} updates each, the same teacher rows")
     figure.tight_layout()
     figure.savefig(target)

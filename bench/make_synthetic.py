@@ -3,6 +3,7 @@ ChatML tokenizer, synthetic token-form candidates of log-uniform length, and a r
 
     python bench/make_synthetic.py DIR --model 0.6b --records 32 --min-tokens 256 --max-tokens 8192 [--longest 32768]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=32)
     parser.add_argument("--min-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--longest", type=int, default=None,
-                        help="make the first record exactly this many tokens (a drawn mix may fall short of its most)")
+    parser.add_argument(
+        "--longest",
+        type=int,
+        default=None,
+        help="make the first record exactly this many tokens (a drawn mix may fall short of its most)",
+    )
     args = parser.parse_args()
     directory = Path(args.directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -40,24 +45,48 @@ def main() -> None:
     model.save_pretrained(directory / "student")
     tokenizer.save_pretrained(directory / "student")
     rng = np.random.default_rng(0)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Explain the archive."}], tokenize=True,
-                                           add_generation_prompt=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain the archive."}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     with open(directory / "candidates.jsonl", "w") as stream:
         for i in range(args.records):
             total = int(math.exp(rng.uniform(math.log(args.min_tokens), math.log(args.max_tokens))))
             if i == 0 and args.longest:
                 total = args.longest
             response = rng.integers(32, 127, max(2, total - len(prompt) - 1)).tolist() + [tokenizer.eos_token_id]
-            stream.write(json.dumps(dict(request_id=f"r{i}", question_id=f"q{i // 2}", sample_index=i % 2,
-                                         input_ids=list(prompt) + response, prefix_tokens=len(prompt),
-                                         labels=[-100] * len(prompt) + response, supervised_tokens=len(response),
-                                         response_sha256=hashlib.sha256(bytes(response[:-1])).hexdigest())) + "\n")
-    make_tiny.tiny_config(directory, soft_prompt={"length": 256, "placement": "system"},
-                          data={"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed",
-                                "context_limit": 65536},
-                          optim={"updates": 10, "effective_batch": 8, "learning_rate": 0.001, "seed": 3,
-                                 "warmup_updates": 0, "schedule": "constant"},
-                          checkpoint={"every": 5, "keep_last": 3}, train={"deterministic": True})
+            stream.write(
+                json.dumps(
+                    dict(
+                        request_id=f"r{i}",
+                        question_id=f"q{i // 2}",
+                        sample_index=i % 2,
+                        input_ids=list(prompt) + response,
+                        prefix_tokens=len(prompt),
+                        labels=[-100] * len(prompt) + response,
+                        supervised_tokens=len(response),
+                        response_sha256=hashlib.sha256(bytes(response[:-1])).hexdigest(),
+                    )
+                )
+                + "\n"
+            )
+    make_tiny.tiny_config(
+        directory,
+        soft_prompt={"length": 256, "placement": "system"},
+        data={"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed", "context_limit": 65536},
+        optim={
+            "updates": 10,
+            "effective_batch": 8,
+            "learning_rate": 0.001,
+            "seed": 3,
+            "warmup_updates": 0,
+            "schedule": "constant",
+        },
+        checkpoint={"every": 5, "keep_last": 3},
+        train={"deterministic": True},
+    )
     print(directory / "config.json")
 
 

@@ -15,6 +15,7 @@ soft-prompt positions. Rules:
 
 Efficiency of a batch = sum of times / (ranks x the busiest rank's time); the mean over batches.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,10 +62,12 @@ def main() -> None:
                 positions = np.exp(rng.uniform(math.log(512), math.log(32768), batch)).astype(int) + PROMPT
                 times = a * positions + b * positions.astype(float) ** 2
                 indices = np.arange(batch)
-                scores["equal"].append(efficiency(deal_to_ranks(indices, positions.astype(float), world,
-                                                                equal_counts=True), times))
-                scores["cost"].append(efficiency(deal_to_ranks(
-                    indices, record_cost(positions, QUADRATIC_LENGTH_1_7B), world), times))
+                scores["equal"].append(
+                    efficiency(deal_to_ranks(indices, positions.astype(float), world, equal_counts=True), times)
+                )
+                scores["cost"].append(
+                    efficiency(deal_to_ranks(indices, record_cost(positions, QUADRATIC_LENGTH_1_7B), world), times)
+                )
                 scores["oracle"].append(efficiency(deal_to_ranks(indices, times, world), times))
             cells = [f"{np.mean(scores[k]):.3f}" for k in ("equal", "cost", "oracle")]
             print(f"| {world} | {batch} | " + " | ".join(cells) + " |")

@@ -8,6 +8,7 @@ identity costs), hashed and remembered (spds/digests.py); the student's load ont
 (from_pretrained on the host then .to(device), against from_pretrained straight onto the
 device); Liger's patch; DeepSpeed's engine. Prints one JSON line per phase.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,9 +65,12 @@ def main() -> None:
     model = timed("from_pretrained on the host, then .to(cuda)", host_then_device)
     del model
     torch.cuda.empty_cache()
-    model = timed("from_pretrained(device_map=cuda)",
-                  lambda: AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
-                                                               attn_implementation="sdpa", device_map=device))
+    model = timed(
+        "from_pretrained(device_map=cuda)",
+        lambda: AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa", device_map=device
+        ),
+    )
     from spds.student import apply_liger_kernels
 
     timed("Liger patch", lambda: apply_liger_kernels(model))

@@ -34,6 +34,7 @@ Kernels:
                                         dK/dV in separate passes, no atomics) and O(L) memory:
                                         train.deterministic's choice on CUDA without fa4
 """
+
 from __future__ import annotations
 
 import math
@@ -116,8 +117,9 @@ def kernel_setting(setting, deterministic: bool, student, device: torch.device):
     if "fa4" in kernels_in(setting) and config._attn_implementation in ("sdpa", NAME):
         problem = fa4_unavailable(head_dim_of(config)) if device.type == "cuda" else "there is no CUDA device"
         if problem:
-            raise SpdsError(f"student.attention_kernel names fa4 (FlashAttention-4), but {problem}; "
-                            "choose another kernel")
+            raise SpdsError(
+                f"student.attention_kernel names fa4 (FlashAttention-4), but {problem}; choose another kernel"
+            )
     return setting
 
 
@@ -136,12 +138,16 @@ def kernel_for(setting, positions: int) -> str:
 def determinism_problems(attn_implementation: str, setting) -> list[str]:
     """The attention settings that have no deterministic backward (train.deterministic refuses them)."""
     if attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
-        return [f"student.attn_implementation: {attn_implementation!r} has no deterministic backward that "
-                "spds can switch on, and train.deterministic is true: use sdpa (its fa4, flex or flash kernel) "
-                "or eager"]
+        return [
+            f"student.attn_implementation: {attn_implementation!r} has no deterministic backward that "
+            "spds can switch on, and train.deterministic is true: use sdpa (its fa4, flex or flash kernel) "
+            "or eager"
+        ]
     if attn_implementation == "sdpa" and "cudnn" in kernels_in(setting):
-        return ["student.attention_kernel: cuDNN attention has no deterministic backward, and train.deterministic is "
-                "true: use auto (fa4 or flex on CUDA), fa4, flex, flash, efficient or math"]
+        return [
+            "student.attention_kernel: cuDNN attention has no deterministic backward, and train.deterministic is "
+            "true: use auto (fa4 or flex on CUDA), fa4, flex, flash, efficient or math"
+        ]
     return []
 
 
@@ -213,8 +219,10 @@ def install(student) -> KernelChoice | None:
     choice = KernelChoice()
     modules = [m for m in student.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
     if len(modules) != config.num_hidden_layers:  # transformers' attention modules, one per layer
-        raise SpdsError(f"cannot find the attention modules of {type(student).__name__} (found {len(modules)} "
-                        f"for {config.num_hidden_layers} layers): set student.attn_implementation to eager")
+        raise SpdsError(
+            f"cannot find the attention modules of {type(student).__name__} (found {len(modules)} "
+            f"for {config.num_hidden_layers} layers): set student.attn_implementation to eager"
+        )
     for module in modules:
         module.spds_kernel = choice
     config._attn_implementation = NAME  # unknown to transformers' mask builders: they build no mask
@@ -225,14 +233,16 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
     """transformers' attention signature: query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D] with
     Lk >= Lq, each query at position Lk - Lq + i seeing keys up to its own. Returns [B, Lq, Hq, D]."""
     if kwargs.get("s_aux") is not None:  # never compute something else silently
-        raise SpdsError("spds's attention has no attention sinks, which this model uses: set "
-                        "student.attn_implementation to eager")
+        raise SpdsError(
+            "spds's attention has no attention sinks, which this model uses: set student.attn_implementation to eager"
+        )
     choice = getattr(module, "spds_kernel", None)
     kernel = choice.kernel if choice is not None else "auto"
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if window or softcap:  # Gemma 2 and 3, Mistral v0.1: the layer's own window and cap
-        output = windowed_attention(kernel, query, key, value, scaling, window, softcap,
-                                    kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
+        output = windowed_attention(
+            kernel, query, key, value, scaling, window, softcap, kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        )
         return output, None
     if kwargs.get("cu_seq_lens_q") is not None:  # records packed end to end (optim.micro_batch_layout)
         starts, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
@@ -248,5 +258,3 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
     else:
         output = lower_right_causal(query, key, value, scaling)
     return output.transpose(1, 2).contiguous(), None
-
-

@@ -1,4 +1,5 @@
 """The soft-prompt model as every command builds it (train, smoke, eval, the GPU benchmark)."""
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,13 @@ from .model import SoftPromptModel
 from .student import apply_liger_kernels, initial_prompt, load_student, load_tokenizer
 
 
-def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor | None = None, training: bool = True,
-                            student: nn.Module | None = None) -> SoftPromptModel:
+def build_soft_prompt_model(
+    config,
+    device: torch.device,
+    prompt: torch.Tensor | None = None,
+    training: bool = True,
+    student: nn.Module | None = None,
+) -> SoftPromptModel:
     """The student as every command runs it: train, smoke, eval and the GPU benchmark build it here,
     so they share the kernels (Liger), the attention choice (deterministic or by length), the
     loss kernel and the placement of a student to be sharded. `prompt` is the initial value
@@ -33,8 +39,17 @@ def build_soft_prompt_model(config, device: torch.device, prompt: torch.Tensor |
         prompt = initial_prompt(student, prompt_cfg.length, prompt_cfg.init, config.optim.seed, tokenizer)
     loss_fn = make_loss(config.loss, final_logit_softcap(student))
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
-    model = SoftPromptModel(student, prompt, loss_fn, checkpointing, attention_kernel,
-                            student_cfg.activation_memory_gib, student_cfg.pad_to_multiple_of, device,
-                            config.train.deterministic, student_cfg.liger_kernels,
-                            config.optim.micro_batch_layout == "packed")
+    model = SoftPromptModel(
+        student,
+        prompt,
+        loss_fn,
+        checkpointing,
+        attention_kernel,
+        student_cfg.activation_memory_gib,
+        student_cfg.pad_to_multiple_of,
+        device,
+        config.train.deterministic,
+        student_cfg.liger_kernels,
+        config.optim.micro_batch_layout == "packed",
+    )
     return model

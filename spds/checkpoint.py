@@ -23,6 +23,7 @@ and plain Python values only; a pickle that would call anything is refused), and
 DeepSpeed's saved state to the engine itself instead of calling engine.load_checkpoint, which
 unpickles freely.
 """
+
 from __future__ import annotations
 
 import errno
@@ -39,11 +40,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .config import Config
 from .errors import SpdsError
 from .fsio import atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy, write_failure
-from .identity import code_change, refusing_keys
+from .identity import code_change, library_versions, refusing_keys
 from .schema import describe_errors, require_valid
-from .settings import CheckpointSettings
 
 PATTERN = re.compile(r"^update-(\d{6,})$")
 COMMIT = "commit.json"
@@ -60,11 +61,14 @@ def rank_file(rank: int) -> str:
 
 # ---------------------------------------------------------------- per-rank state
 
+
 def capture_rng() -> dict:
     numpy_state = np.random.get_state()
-    state = dict(python=random.getstate(),
-                 numpy=[numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
-                 torch=torch.get_rng_state())
+    state = dict(
+        python=random.getstate(),
+        numpy=[numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+        torch=torch.get_rng_state(),
+    )
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -92,6 +96,7 @@ def prompt_digest(prompt: torch.Tensor) -> str:
 
 # ---------------------------------------------------------------- save and commit
 
+
 def fault_point(name: str, update: int) -> None:
     """Crash-test hook: SPDS_FAULT=NAME:UPDATE sends this process a signal right here: SIGKILL for
     "kill-*" points (a power cut, the OOM killer), SIGTERM for "sigterm-*" (a preemption). Tests
@@ -109,8 +114,9 @@ def pace_point() -> None:
         time.sleep(float(pace))
 
 
-def save(engine, root: Path, update: int, cursor: dict, identities: dict, versions: dict, reason: str,
-         rank: int, world: int) -> Path:
+def save(
+    engine, root: Path, update: int, cursor: dict, identities: dict, versions: dict, reason: str, rank: int, world: int
+) -> Path:
     """Collective: every rank calls it. Returns the committed directory."""
     tag = tag_for(update)
     directory = root / tag
@@ -137,11 +143,23 @@ def save(engine, root: Path, update: int, cursor: dict, identities: dict, versio
         files = {p.name: sha256_file(p) for p in paths}
         missing = [rank_file(r) for r in range(world) if rank_file(r) not in files]
         if missing:
-            raise SpdsError(f"{directory}: rank files {missing} are not visible to rank 0; checkpoints need a "
-                            "file system shared by all nodes")
-        commit = dict(format="spds-checkpoint-v1", update=update, tag=tag, reason=reason, saved_at=time.time(),
-                      world_size=world, identities=identities, versions=versions, cursor=cursor,
-                      prompt_sha256=prompt_digest(engine.module.prompt), files=files)
+            raise SpdsError(
+                f"{directory}: rank files {missing} are not visible to rank 0; checkpoints need a "
+                "file system shared by all nodes"
+            )
+        commit = dict(
+            format="spds-checkpoint-v1",
+            update=update,
+            tag=tag,
+            reason=reason,
+            saved_at=time.time(),
+            world_size=world,
+            identities=identities,
+            versions=versions,
+            cursor=cursor,
+            prompt_sha256=prompt_digest(engine.module.prompt),
+            files=files,
+        )
         require_valid(commit, "commit", "the commit record")
         atomic_write_json(directory / COMMIT, commit)
     dist.barrier()
@@ -149,6 +167,7 @@ def save(engine, root: Path, update: int, cursor: dict, identities: dict, versio
 
 
 # ---------------------------------------------------------------- find, verify, restore
+
 
 def committed(root: Path) -> list[tuple[int, Path]]:
     """(update, directory) of every directory that holds a commit record, oldest first."""
@@ -172,8 +191,10 @@ def verify(directory: Path) -> dict:
         path = directory / name
         actual = sha256_file(path) if path.exists() else "missing"
         if actual != expected:
-            raise SpdsError(f"checkpoint file {path} is corrupted (expected sha256 {expected}, actual {actual}); "
-                            f"remove {directory} to resume from the previous checkpoint")
+            raise SpdsError(
+                f"checkpoint file {path} is corrupted (expected sha256 {expected}, actual {actual}); "
+                f"remove {directory} to resume from the previous checkpoint"
+            )
     return commit
 
 
@@ -184,8 +205,10 @@ def load_state(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        raise SpdsError(f"{path}: refused: it holds objects other than tensors and plain values, and spds never runs "
-                        f"code from a checkpoint (a planted or foreign file?): {str(error).splitlines()[0]}") from None
+        raise SpdsError(
+            f"{path}: refused: it holds objects other than tensors and plain values, and spds never runs "
+            f"code from a checkpoint (a planted or foreign file?): {str(error).splitlines()[0]}"
+        ) from None
     except (RuntimeError, EOFError, ValueError) as error:
         raise SpdsError(f"{path}: not a readable checkpoint file: {error}") from None
     if not isinstance(state, dict):
@@ -201,8 +224,10 @@ def load_engine_state(engine, directory: Path) -> None:
     try:
         prompt = state["module"]["prompt"]
         if tuple(prompt.shape) != tuple(engine.module.prompt.shape):
-            raise SpdsError(f"{path}: holds a soft prompt of shape {tuple(prompt.shape)}, this run's is "
-                            f"{tuple(engine.module.prompt.shape)} (soft_prompt.length, or another student)")
+            raise SpdsError(
+                f"{path}: holds a soft prompt of shape {tuple(prompt.shape)}, this run's is "
+                f"{tuple(engine.module.prompt.shape)} (soft_prompt.length, or another student)"
+            )
         with torch.no_grad():
             engine.module.prompt.copy_(prompt)
         engine.optimizer.load_state_dict(state["optimizer"])
@@ -220,9 +245,10 @@ def restore(engine, directory: Path, identities: dict, rank: int, world: int, re
     saved = commit["identities"]
     changed = refusing_keys(saved, identities, require_same_code)
     if changed:
-        raise SpdsError(f"cannot resume from {directory}: the run's identity changed",
-                        [f"{key}: checkpoint {saved.get(key)!r:.80} != now {identities.get(key)!r:.80}"
-                         for key in changed])
+        raise SpdsError(
+            f"cannot resume from {directory}: the run's identity changed",
+            [f"{key}: checkpoint {saved.get(key)!r:.80} != now {identities.get(key)!r:.80}" for key in changed],
+        )
     load_engine_state(engine, directory)
     if prompt_digest(engine.module.prompt) != commit["prompt_sha256"]:
         raise SpdsError(f"{directory}: the restored soft prompt does not match the one its commit record names")
@@ -259,6 +285,7 @@ def prove_restore(engine, directory: Path, identities: dict, rank: int, world: i
 
 # ---------------------------------------------------------------- the read side (eval, export)
 
+
 def checkpoint_to_read(output_dir: Path, path: str | None) -> Path:
     """The checkpoint a command names, or the run's newest committed one."""
     if path:
@@ -279,24 +306,28 @@ def prompt_of(directory: Path) -> tuple[torch.Tensor, dict]:
     if not torch.is_tensor(prompt) or prompt.dim() != 2:
         raise SpdsError(f"{path}: holds no soft prompt (module.prompt, a 2-d tensor): not a checkpoint spds wrote")
     if prompt_digest(prompt) != commit["prompt_sha256"]:
-        raise SpdsError(f"{directory}: its soft prompt does not match the one its commit record names "
-                        "(prompt_sha256): the checkpoint was altered")
+        raise SpdsError(
+            f"{directory}: its soft prompt does not match the one its commit record names "
+            "(prompt_sha256): the checkpoint was altered"
+        )
     return prompt.float().contiguous(), commit
 
 
 # ---------------------------------------------------------------- when to save
+
 
 class Checkpointer:
     """checkpoint.every / keep_last / backup_dir, read here and nowhere else: where a run resumes,
     when an update is saved, and what is kept and copied after each save. One per run, bound to
     the run's identities and this rank."""
 
-    def __init__(self, settings: CheckpointSettings, root: Path, backup_root: Path | None, smoke: bool,
-                 identities: dict, versions: dict, rank: int, world: int, require_same_code: bool):
+    def __init__(self, config: Config, out: Path, smoke: bool, identities: dict, rank: int, world: int):
+        settings = config.checkpoint
         self.every, self.keep_last = settings.every, settings.keep_last
-        self.root, self.backup_root, self.smoke, self.versions = root, backup_root, smoke, versions
+        self.root, self.backup_root = out / "checkpoints", config.resolve(settings.backup_dir)
+        self.smoke, self.versions = smoke, library_versions()
         self.identities, self.rank, self.world = identities, rank, world
-        self.require_same_code = require_same_code
+        self.require_same_code = config.train.require_same_code
         self.code_change = None  # set by restore when the checkpoint was written by other spds code
 
     def newest(self) -> tuple[int, Path | None]:
@@ -314,12 +345,18 @@ class Checkpointer:
                 damaged.append(f"{directory}: {error}")
                 continue
             if damaged and self.rank == 0:
-                print(f"spds: resuming from {directory}, the newest intact checkpoint; damaged, and skipped:\n  "
-                      + "\n  ".join(damaged), file=sys.stderr)
+                print(
+                    f"spds: resuming from {directory}, the newest intact checkpoint; damaged, and skipped:\n  "
+                    + "\n  ".join(damaged),
+                    file=sys.stderr,
+                )
             return update, directory
         if damaged:  # starting over would prune them: the user decides
-            raise SpdsError(f"every committed checkpoint in {self.root} is damaged; remove them to start over, or "
-                            "restore them from checkpoint.backup_dir", damaged)
+            raise SpdsError(
+                f"every committed checkpoint in {self.root} is damaged; remove them to start over, or "
+                "restore them from checkpoint.backup_dir",
+                damaged,
+            )
         return 0, None
 
     def restore(self, engine, directory: Path | None) -> int:
@@ -331,8 +368,9 @@ class Checkpointer:
             return verify(directory)["cursor"]["next_update"]
         cursor = restore(engine, directory, self.identities, self.rank, self.world, self.require_same_code)
         commit = read_json(directory / COMMIT)  # verified by restore
-        self.code_change = code_change("checkpoint", directory, commit["identities"], commit["versions"],
-                                       self.identities)
+        self.code_change = code_change(
+            "checkpoint", directory, commit["identities"], commit["versions"], self.identities
+        )
         return cursor["next_update"]
 
     def reason(self, update: int, last: int, stopping: bool) -> str | None:
@@ -346,8 +384,9 @@ class Checkpointer:
         return "scheduled" if update % self.every == 0 else None
 
     def save(self, engine, cursor: dict, update: int, reason: str) -> Path:
-        directory = save(engine, self.root, update, cursor, self.identities, self.versions, reason, self.rank,
-                         self.world)
+        directory = save(
+            engine, self.root, update, cursor, self.identities, self.versions, reason, self.rank, self.world
+        )
         if self.rank == 0:
             if self.backup_root is not None and not self.smoke:
                 backup(directory, self.backup_root)
@@ -360,6 +399,7 @@ class Checkpointer:
 
 # ---------------------------------------------------------------- retention and backup
 
+
 def prune(root: Path, keep_last: int) -> list[Path]:
     """Delete committed checkpoints beyond the newest `keep_last` and uncommitted leftovers older
     than the newest commit. The newest committed checkpoint is never deleted."""
@@ -367,7 +407,7 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     if not kept:
         return []
     newest = kept[-1][0]
-    doomed = [path for _, path in kept[:-max(1, keep_last)]]
+    doomed = [path for _, path in kept[: -max(1, keep_last)]]
     for path in root.iterdir():
         match = PATTERN.match(path.name)
         if match and not (path / COMMIT).exists() and int(match.group(1)) < newest:

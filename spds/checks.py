@@ -2,6 +2,7 @@
 that never overlap an input (compared as the file system resolves them), cross-field rules, the
 DeepSpeed file's own schema and its agreement with the config, the kernels train.deterministic
 allows. Each returns a list of problems, so that a refused config names all of them at once."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -30,16 +31,28 @@ def _inside(path: Path, other: Path) -> bool:
 
 # What a run writes directly in output_dir (spds/records.py, stop.py, evaluate.py): an input of
 # that name there would be replaced.
-RUN_FILES = ("run.json", "metrics.jsonl", "progress.json", "terminal.json", "evidence.json", "stop-request.json",
-             "eval.json")
+RUN_FILES = (
+    "run.json",
+    "metrics.jsonl",
+    "progress.json",
+    "terminal.json",
+    "evidence.json",
+    "stop-request.json",
+    "eval.json",
+)
 
 
 def written_paths(config: Config) -> list[tuple[str, Path]]:
     """(key, resolved path) of every directory or file a command of this config writes."""
-    written = [("output_dir", config.output_dir), ("data.packed_dir", config.packed_dir),
-               ("generate.output", config.resolve(config.generate.output))]
-    for key, value in (("checkpoint.backup_dir", config.checkpoint.backup_dir),
-                       ("data.backup_dir", config.data.backup_dir)):
+    written = [
+        ("output_dir", config.output_dir),
+        ("data.packed_dir", config.packed_dir),
+        ("generate.output", config.resolve(config.generate.output)),
+    ]
+    for key, value in (
+        ("checkpoint.backup_dir", config.checkpoint.backup_dir),
+        ("data.backup_dir", config.data.backup_dir),
+    ):
         if value:
             written.append((key, config.resolve(value)))
     return written + monitor_paths(config)
@@ -65,8 +78,11 @@ def read_paths(config: Config) -> tuple[list[tuple[str, Path]], list[tuple[str, 
     directories = [("student.model_path", config.model_path), ("student.tokenizer_path", config.tokenizer_path)]
     if config.generate.teacher_path:
         directories.append(("generate.teacher_path", config.teacher_path))
-    files = [("the config", config.path), ("its pins file", pins_path(config.path)),
-             ("deepspeed_config", config.deepspeed_config_path.resolve())]
+    files = [
+        ("the config", config.path),
+        ("its pins file", pins_path(config.path)),
+        ("deepspeed_config", config.deepspeed_config_path.resolve()),
+    ]
     for key, value in (("context.file", config.context.file), ("generate.questions", config.generate.questions)):
         if value:
             files.append((key, config.resolve(value)))
@@ -94,28 +110,37 @@ def output_problems(config: Config) -> list[str]:
         if key not in ("output_dir", "data.packed_dir") and _inside(path, config.packed_dir):
             problems.append(f"{key}: {path} is inside data.packed_dir {config.packed_dir}, which prepare replaces")
     if _inside(config.output_dir, config.packed_dir):
-        problems.append(f"output_dir: {config.output_dir} is inside data.packed_dir {config.packed_dir}, "
-                        "which prepare replaces")
+        problems.append(
+            f"output_dir: {config.output_dir} is inside data.packed_dir {config.packed_dir}, which prepare replaces"
+        )
     backup = config.resolve(config.checkpoint.backup_dir)
     if backup is not None and _inside(backup, config.output_dir / "checkpoints"):
-        problems.append(f"checkpoint.backup_dir: {backup} is inside {config.output_dir / 'checkpoints'}, "
-                        "which checkpoint.keep_last prunes")
+        problems.append(
+            f"checkpoint.backup_dir: {backup} is inside {config.output_dir / 'checkpoints'}, "
+            "which checkpoint.keep_last prunes"
+        )
     return problems
 
 
 def input_problems(config: Config, require_candidates: bool = True) -> list[str]:
     problems = model_directory_problems("student.model_path", config.model_path, ("config.json",))
     if config.student.tokenizer_path is not None or not problems:
-        problems += model_directory_problems("student.tokenizer_path", config.tokenizer_path,
-                                             ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        problems += model_directory_problems(
+            "student.tokenizer_path",
+            config.tokenizer_path,
+            ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"),
+        )
     for i, path in enumerate(config.candidate_paths):
         saved_dataset = path.is_dir() and (path / "state.json").is_file()  # datasets' save_to_disk
         if not (path.is_file() or saved_dataset) and require_candidates:  # spds generate writes them
-            problems.append(f"data.candidates[{i}].path: {path} is not a file (jsonl, parquet) or a datasets "
-                            "save_to_disk directory")
-    named = (("context.file", config.resolve(config.context.file), "file"),
-             ("generate.questions", config.resolve(config.generate.questions), "file"),
-             ("generate.teacher_path", config.teacher_path if config.generate.teacher_path else None, "directory"))
+            problems.append(
+                f"data.candidates[{i}].path: {path} is not a file (jsonl, parquet) or a datasets save_to_disk directory"
+            )
+    named = (
+        ("context.file", config.resolve(config.context.file), "file"),
+        ("generate.questions", config.resolve(config.generate.questions), "file"),
+        ("generate.teacher_path", config.teacher_path if config.generate.teacher_path else None, "directory"),
+    )
     for key, path, kind in named:
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
@@ -124,20 +149,23 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     if optim.warmup_updates > optim.updates:
         problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
     if optim.micro_batch_layout == "packed" and config.student.attn_implementation != "sdpa":
-        problems.append(f"optim.micro_batch_layout: packed records need spds's attention, which an sdpa student runs; "
-                        f"student.attn_implementation is {config.student.attn_implementation!r} (set it to sdpa, or "
-                        "the layout to padded)")
+        problems.append(
+            f"optim.micro_batch_layout: packed records need spds's attention, which an sdpa student runs; "
+            f"student.attn_implementation is {config.student.attn_implementation!r} (set it to sdpa, or "
+            "the layout to padded)"
+        )
     size = config.data_parallel_size
     if size != "any" and optim.effective_batch % size:
-        problems.append(f"optim.effective_batch: {optim.effective_batch} does not divide by "
-                        f"data_parallel_size {size}")
+        problems.append(f"optim.effective_batch: {optim.effective_batch} does not divide by data_parallel_size {size}")
     return problems
 
 
 def teacher_memo_problems(config: Config) -> list[str]:
     if config.loss.teacher_memo_gib and config.shards_student:
-        return ["loss.teacher_memo_gib: a sharded student's ranks must make the same forward calls, and a memo "
-                "skips the teacher's on some ranks and not others: set it to 0, or replicate the student"]
+        return [
+            "loss.teacher_memo_gib: a sharded student's ranks must make the same forward calls, and a memo "
+            "skips the teacher's on some ranks and not others: set it to 0, or replicate the student"
+        ]
     return []
 
 
@@ -159,15 +187,25 @@ def deepspeed_config_problems(config: Config) -> list[str]:
     problems = [f"deepspeed_config ({path}): {p}" for p in describe_errors(ds_config, "ds_config")]
     micro = ds_config.get("train_micro_batch_size_per_gpu") if isinstance(ds_config, dict) else None
     if micro is not None and micro != config.optim.micro_batch:
-        problems.append(f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from "
-                        f"optim.micro_batch {config.optim.micro_batch}")
+        problems.append(
+            f"deepspeed_config ({path}): train_micro_batch_size_per_gpu {micro} differs from "
+            f"optim.micro_batch {config.optim.micro_batch}"
+        )
     for section, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):  # DeepSpeed imports them at build
-        if isinstance(ds_config, dict) and isinstance(ds_config.get(section), dict) and \
-                ds_config[section].get("enabled") is True and importlib.util.find_spec(package) is None:
-            problems.append(f"deepspeed_config ({path}): {section}: enabled, but the {package} package is not "
-                            f"installed (pip install {package}, or disable the section)")
+        if (
+            isinstance(ds_config, dict)
+            and isinstance(ds_config.get(section), dict)
+            and ds_config[section].get("enabled") is True
+            and importlib.util.find_spec(package) is None
+        ):
+            problems.append(
+                f"deepspeed_config ({path}): {section}: enabled, but the {package} package is not "
+                f"installed (pip install {package}, or disable the section)"
+            )
     if config.sharding == "fsdp" and config.zero_stage == 3:
-        problems.append(f"sharding: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the "
-                        "student; "
-                        "choose one (sharding 'deepspeed' with stage 3, or fsdp with deepspeed_config zero0)")
+        problems.append(
+            f"sharding: 'fsdp' and deepspeed_config ({path}) zero_optimization.stage 3 both shard the "
+            "student; "
+            "choose one (sharding 'deepspeed' with stage 3, or fsdp with deepspeed_config zero0)"
+        )
     return problems

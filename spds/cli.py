@@ -6,6 +6,7 @@ failed check), printed without a traceback; 2 bad command-line usage (argparse).
 Each verb imports its own modules when it runs ("per verb" below): `spds validate` or `spds stop`
 does not wait seconds for torch and transformers to load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,10 @@ def cmd_validate(args) -> int:
         try:
             config = load_config(path)
             require_preflight(config)  # what prepare would refuse, before any generation or packing
-            print(f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})",
-                  file=sys.stderr if args.print_output_dir else sys.stdout)
+            print(
+                f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})",
+                file=sys.stderr if args.print_output_dir else sys.stdout,
+            )
             if args.print_output_dir:  # the launch scripts fix at launch where their stop requests go
                 print(config.output_dir)
         except SpdsError as error:
@@ -98,8 +101,10 @@ def cmd_eval(args) -> int:
     nll = result["nll"]
     ceiling = "n/a" if nll["ceiling"] is None else f"{nll['ceiling']:.4f}"
     gap = "n/a" if result["gap_recovered"] is None else f"{result['gap_recovered']:.1%}"
-    print(f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), "
-          f"update {result['update']}")
+    print(
+        f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), "
+        f"update {result['update']}"
+    )
     print(f"NLL per token  floor {nll['floor']:.4f}  soft {nll['soft']:.4f}  ceiling {ceiling}  gap recovered {gap}")
     if result["kl_to_teacher"] is not None:
         print(f"KL(teacher || soft) per token {result['kl_to_teacher']:.4f} (teacher: {result['teacher']})")
@@ -108,8 +113,10 @@ def cmd_eval(args) -> int:
 
         print(show(result["samples"]))
     if result["tokens_per_second"]:
-        print(f"{result['tokens_per_second']:,.0f} positions/s over {result['world_size']} rank(s), "
-              f"{result['seconds']:.1f} s")
+        print(
+            f"{result['tokens_per_second']:,.0f} positions/s over {result['world_size']} rank(s), "
+            f"{result['seconds']:.1f} s"
+        )
     print(f"eval.json and plot in {load_config(args.config).output_dir}")
     return 0
 
@@ -121,8 +128,9 @@ def cmd_sample(args) -> int:
     from .sample import answers, show, write  # per verb
 
     config = load_config(args.config)
-    rows = answers(config, args.n, Path(args.questions) if args.questions else None, args.checkpoint,
-                   config.eval.max_new_tokens)
+    rows = answers(
+        config, args.n, Path(args.questions) if args.questions else None, args.checkpoint, config.eval.max_new_tokens
+    )
     print(show(rows))
     jsonl, markdown = write(config.output_dir, rows)
     print(f"{len(rows)} answers in {jsonl} and {markdown}")
@@ -162,8 +170,10 @@ def cmd_launch_ended(args) -> int:
     started = float(os.environ.get("SPDS_LAUNCH_STARTED") or 0)
     path = record_launch_end(out, args.exit_status, started)
     if path:
-        print(f"spds: the launch failed (exit status {args.exit_status}) and no rank recorded it: {path} says so",
-              file=sys.stderr)
+        print(
+            f"spds: the launch failed (exit status {args.exit_status}) and no rank recorded it: {path} says so",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -182,11 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-output-dir", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_validate)
     for verb, text, run in [
-            ("pin", "write the sha256 of every input to CONFIG.pins.json", cmd_pin),
-            ("prepare", "check candidate rows and write the packed store", cmd_prepare),
-            ("smoke", "one real update on the longest record, save, restore, verify", cmd_train),
-            ("train", "train the soft prompt (resumes from the newest committed checkpoint)", cmd_train),
-            ("generate", "the teacher answers the questions with the context: candidate rows", cmd_generate)]:
+        ("pin", "write the sha256 of every input to CONFIG.pins.json", cmd_pin),
+        ("prepare", "check candidate rows and write the packed store", cmd_prepare),
+        ("smoke", "one real update on the longest record, save, restore, verify", cmd_train),
+        ("train", "train the soft prompt (resumes from the newest committed checkpoint)", cmd_train),
+        ("generate", "the teacher answers the questions with the context: candidate rows", cmd_generate),
+    ]:
         p = verbs.add_parser(verb, help=text)
         p.add_argument("config")
         p.set_defaults(run=run)
@@ -195,8 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help="the run's output directory (instead of CONFIG)")
     p.add_argument("--why", default="spds stop", help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_stop)
-    p = verbs.add_parser("launch-ended", help="(the launch scripts) record a launch that failed with no word from "
-                         "rank 0 in terminal.json")
+    p = verbs.add_parser(
+        "launch-ended",
+        help="(the launch scripts) record a launch that failed with no word from rank 0 in terminal.json",
+    )
     p.add_argument("--output-dir", required=True)
     p.add_argument("--exit-status", type=int, required=True)
     p.add_argument("--verb", dest="run_verb", choices=("train", "smoke"), default="train")
@@ -207,10 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_eval)
     p = verbs.add_parser("sample", help="answers by the bare student, with the context, and with the soft prompt")
     p.add_argument("config")
-    p.add_argument("--n", type=int, default=5, choices=range(1, 1001), metavar="N", help="how many questions (1-1000, "
-                   "default 5)")
-    p.add_argument("--questions", default=None, help="a questions file (jsonl, as generate.questions); default: "
-                   "the held-out records")
+    p.add_argument(
+        "--n", type=int, default=5, choices=range(1, 1001), metavar="N", help="how many questions (1-1000, default 5)"
+    )
+    p.add_argument(
+        "--questions",
+        default=None,
+        help="a questions file (jsonl, as generate.questions); default: the held-out records",
+    )
     p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
     p.set_defaults(run=cmd_sample)
     p = verbs.add_parser("export", help="safetensors soft prompt (and a PEFT adapter for prefix placement)")

@@ -2,6 +2,7 @@
 (`config.optim.learning_rate`, from spds/settings.py), the top-level choices, the paths resolved
 against the config file's directory, and its identity (what shapes the trained prompt).
 spds.contract builds one, after the schema and the checks have passed."""
+
 from __future__ import annotations
 
 import copy
@@ -34,6 +35,7 @@ from .settings import (
 class Config:
     """A validated config: its typed sections (`config.optim.learning_rate`), the top-level
     choices, and the paths resolved against the config file's directory."""
+
     path: Path
     raw: dict  # validated, defaults applied, paths as written: what run.json records
     student: StudentSettings = field(init=False)
@@ -146,12 +148,21 @@ class Config:
             fields.pop(key, None)
         fields["data"].pop("packed_dir", None)
         # Operational settings that never change the numbers of a run.
-        for section, key in [("checkpoint", "keep_last"), ("checkpoint", "backup_dir"), ("checkpoint", "every"),
-                             ("train", "progress_bar"), ("train", "require_smoke"),
-                             ("train", "require_same_code"), ("distributed", "timeout_minutes"),
-                             ("distributed", "master_addr"), ("distributed", "master_port"), ("data", "backup_dir"),
-                             # recomputing a layer reproduces its activations exactly
-                             ("student", "activation_checkpointing"), ("student", "activation_memory_gib")]:
+        for section, key in [
+            ("checkpoint", "keep_last"),
+            ("checkpoint", "backup_dir"),
+            ("checkpoint", "every"),
+            ("train", "progress_bar"),
+            ("train", "require_smoke"),
+            ("train", "require_same_code"),
+            ("distributed", "timeout_minutes"),
+            ("distributed", "master_addr"),
+            ("distributed", "master_port"),
+            ("data", "backup_dir"),
+            # recomputing a layer reproduces its activations exactly
+            ("student", "activation_checkpointing"),
+            ("student", "activation_memory_gib"),
+        ]:
             fields.get(section, {}).pop(key, None)
         if fields["optim"]["schedule"] == "constant" and not fields["optim"]["warmup_updates"]:
             fields["optim"].pop("updates")  # a constant-rate run may be extended and resumed

@@ -7,6 +7,7 @@ listed at once. The schema machinery is spds/schema.py's, the pins spds/pins.py'
 beyond the schema spds/checks.py's, `Config` spds/config.py's; this module is the gate that runs
 them, and the config file's strict parsing.
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,8 +51,10 @@ def parse_config_file(path: Path) -> dict:
         def compose_node(self, parent, index):
             if self.check_event(yaml.AliasEvent):
                 mark = self.peek_event().start_mark
-                raise SpdsError(f"{path}:{mark.line + 1}: rule 'no aliases': YAML aliases (*name) are not read "
-                                "in spds configs; write the value out")
+                raise SpdsError(
+                    f"{path}:{mark.line + 1}: rule 'no aliases': YAML aliases (*name) are not read "
+                    "in spds configs; write the value out"
+                )
             return super().compose_node(parent, index)
 
         def construct_mapping(self, node, deep=False):
@@ -60,11 +63,14 @@ def parse_config_file(path: Path) -> dict:
                 line = node.value[index][0].start_mark.line + 1
                 if not isinstance(key, str):
                     hint = " (YAML 1.1 reads on/off/yes/no as booleans: quote it)" if isinstance(key, bool) else ""
-                    raise SpdsError(f"{path}:{line}: rule 'string keys': key {key!r} is not a string but "
-                                    f"{type(key).__name__}{hint}")
+                    raise SpdsError(
+                        f"{path}:{line}: rule 'string keys': key {key!r} is not a string but {type(key).__name__}{hint}"
+                    )
                 if key in keys[:index]:
-                    raise SpdsError(f"{path}:{line}: rule 'unique keys': key {key!r} "
-                                    "appears twice in one mapping (which one was meant?)")
+                    raise SpdsError(
+                        f"{path}:{line}: rule 'unique keys': key {key!r} "
+                        "appears twice in one mapping (which one was meant?)"
+                    )
             return super().construct_mapping(node, deep=deep)
 
     text = read_text(path)
@@ -91,8 +97,9 @@ def _floats(value, where: tuple = ()):
             yield from _floats(item, (*where, key))
 
 
-def load_config(path: str | Path, check_pins: bool = True, require_candidates: bool = True,
-                use_pins: bool = True) -> Config:
+def load_config(
+    path: str | Path, check_pins: bool = True, require_candidates: bool = True, use_pins: bool = True
+) -> Config:
     """Load, apply defaults, validate; raise SpdsError listing every problem, or return Config.
     use_pins False: the pins file beside the config is not read (spds pin, which replaces it)."""
     path = Path(path).resolve()
@@ -131,9 +138,13 @@ def pin_config(path: str | Path) -> dict[str, str]:
 def validate_run_world(config: Config, world_size: int) -> None:
     expected = config.data_parallel_size
     if expected != "any" and expected != world_size:
-        raise SpdsError(f"{config.path}: data_parallel_size is {expected} but this launch has world size {world_size}; "
-                        "launch with that many processes or set data_parallel_size to \"any\"")
+        raise SpdsError(
+            f"{config.path}: data_parallel_size is {expected} but this launch has world size {world_size}; "
+            'launch with that many processes or set data_parallel_size to "any"'
+        )
     batch = config.optim.effective_batch
     if batch % world_size:
-        raise SpdsError(f"{config.path}: optim.effective_batch {batch} does not divide by the world size {world_size}; "
-                        "every rank must hold the same number of records per update")
+        raise SpdsError(
+            f"{config.path}: optim.effective_batch {batch} does not divide by the world size {world_size}; "
+            "every rank must hold the same number of records per update"
+        )

@@ -28,6 +28,7 @@ Deterministic for a given seed: the same batch, on the same device and versions,
 tokens (one torch.Generator per batch, sampling outside the graph; no kernel here accumulates
 with atomics in a forward).
 """
+
 from __future__ import annotations
 
 import functools
@@ -108,8 +109,9 @@ class Decoder:
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
     @torch.no_grad()
-    def answer(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
-               seed: int) -> list[list[int]]:
+    def answer(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[list[int]]:
         """Each prompt's answer ids: up to and including its first end token, or max_new_tokens
         ids with an end token appended (a cut answer is closed, as spds's rows must end)."""
         device = self.model.device
@@ -125,13 +127,15 @@ class Decoder:
         ids = torch.full((rows, longest), self.pad_id, dtype=torch.long, device=device)
         for row, prompt in enumerate(prompts):
             own = prompt[prefix:]
-            ids[row, longest - len(own):] = torch.tensor(own, device=device)
-            positions[row, prefix + longest - len(own):prefix + longest] = torch.arange(prefix, len(prompt),
-                                                                                       device=device)
+            ids[row, longest - len(own) :] = torch.tensor(own, device=device)
+            positions[row, prefix + longest - len(own) : prefix + longest] = torch.arange(
+                prefix, len(prompt), device=device
+            )
         generator = torch.Generator(device=device).manual_seed(seed)
         logits = self.forward(ids, positions, cache, start=prefix)
-        step = Step(self, cache, positions, next_position=positions[:, prefix + longest - 1] + 1,
-                    write_at=prefix + longest)
+        step = Step(
+            self, cache, positions, next_position=positions[:, prefix + longest - 1] + 1, write_at=prefix + longest
+        )
         answers = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
         ends = torch.tensor(self.end_ids, device=device)
@@ -145,7 +149,7 @@ class Decoder:
         result = []
         for row in answers.tolist():
             end = next((i for i, t in enumerate(row) if t in self.end_ids), None)
-            result.append(row[:end + 1] if end is not None else row + [self.end_ids[0]])
+            result.append(row[: end + 1] if end is not None else row + [self.end_ids[0]])
         return result
 
     def load_prefix(self, ids: list[int], cache: BatchCache) -> None:
@@ -156,30 +160,38 @@ class Decoder:
             self.prefix_ids, self.prefix_states = None, []  # never keep a half-made prefix
             single = BatchCache(self.layers, 1, len(ids), device)
             positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
-            positions[0, :len(ids)] = torch.arange(len(ids), device=device)
+            positions[0, : len(ids)] = torch.arange(len(ids), device=device)
             self.forward(torch.tensor([ids], device=device), positions, single, start=0, logits=False)
-            self.prefix_states = [(k[:, :, :len(ids)], v[:, :, :len(ids)]) for k, v in zip(single.keys, single.values)]
+            self.prefix_states = [
+                (k[:, :, : len(ids)], v[:, :, : len(ids)]) for k, v in zip(single.keys, single.values)
+            ]
             self.prefix_ids = list(ids)
             self.prefix_forwards += 1
         cache.index = torch.arange(len(ids), device=device)
         for layer, (keys, values) in enumerate(self.prefix_states):
             cache.update(keys.expand(cache.rows, -1, -1, -1), values.expand(cache.rows, -1, -1, -1), layer)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: BatchCache, start: int,
-                logits: bool = True):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: BatchCache, start: int, logits: bool = True):
         """Run `ids` ([rows, n], written at cache indices start..start+n-1) against everything the
         cache holds; the next-token logits (fp32) of each row's last column."""
         count = ids.shape[1]
         cache.index = torch.arange(start, start + count, device=ids.device)
-        queries = positions[:, start:start + count]
+        queries = positions[:, start : start + count]
         # a query sees its row's keys at or before its own position; a hole sees only itself (its
         # outputs are never read, but must stay finite: they become keys the mask then hides)
         visible = (positions[:, None, :] >= 0) & (positions[:, None, :] <= queries[:, :, None])
         visible[:, torch.arange(count, device=ids.device), cache.index] = True
         return self.run(ids, queries, positions, visible, cache, logits)
 
-    def run(self, ids: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-            cache: BatchCache, logits: bool = True):
+    def run(
+        self,
+        ids: torch.Tensor,
+        queries: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        cache: BatchCache,
+        logits: bool = True,
+    ):
         """The model over `ids` at logical positions `queries` ([rows, n]), each query seeing the keys
         `visible` marks ([rows, n, cache capacity]; `positions`: each key's logical position),
         written at cache.index."""
@@ -190,8 +202,14 @@ class Decoder:
             masks = {"full_attention": self.as_mask(visible), "sliding_attention": self.as_mask(windowed)}
         else:  # a 4D mask is used as given
             masks = self.as_mask(windowed if self.window_everywhere else visible)
-        arguments = dict(input_ids=ids, position_ids=queries.clamp(min=0), attention_mask=masks, use_cache=True,
-                         cache_position=cache.index, **{self.cache_argument: cache})
+        arguments = dict(
+            input_ids=ids,
+            position_ids=queries.clamp(min=0),
+            attention_mask=masks,
+            use_cache=True,
+            cache_position=cache.index,
+            **{self.cache_argument: cache},
+        )
         if not logits:  # the prefix: its keys and values only, no vocabulary-sized work
             self.model.base_model(**arguments)
             return None
@@ -203,8 +221,9 @@ class Decoder:
         if not self.eager:
             return visible
         dtype = self.model.dtype
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible,
-                                                                                          torch.finfo(dtype).min)
+        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+            ~visible, torch.finfo(dtype).min
+        )
 
 
 class Step:
@@ -212,8 +231,9 @@ class Step:
     live as long as the batch (the token, each row's next position, the cache index, the cache),
     so that the same work can be captured once as a CUDA graph and replayed for every token."""
 
-    def __init__(self, decoder: Decoder, cache: BatchCache, positions: torch.Tensor, next_position: torch.Tensor,
-                 write_at: int):
+    def __init__(
+        self, decoder: Decoder, cache: BatchCache, positions: torch.Tensor, next_position: torch.Tensor, write_at: int
+    ):
         self.decoder, self.cache, self.positions = decoder, cache, positions
         self.token = torch.zeros(cache.rows, dtype=torch.long, device=positions.device)
         self.next_position = next_position.clone()  # each row's logical position of the token going in
@@ -253,7 +273,7 @@ def captured(step: Step):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # one eager run first, off the default stream, as capture needs;
-            step.compute()             # its writes are the ones the first replay makes again
+            step.compute()  # its writes are the ones the first replay makes again
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -263,8 +283,11 @@ def captured(step: Step):
     except Exception as error:  # noqa: BLE001 (any failure to capture means: decode eagerly)
         torch.cuda.synchronize()
         if decoder.graphs:
-            print(f"spds generate: the decode step could not be captured as a CUDA graph ({type(error).__name__}: "
-                  f"{str(error)[:160]}); decoding eagerly", file=sys.stderr)
+            print(
+                f"spds generate: the decode step could not be captured as a CUDA graph ({type(error).__name__}: "
+                f"{str(error)[:160]}); decoding eagerly",
+                file=sys.stderr,
+            )
         decoder.graphs = False
         return None
 
@@ -292,13 +315,15 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     batch, heads, queries, dim = query.shape
     groups = heads // key.shape[1]
     if attention_mask is None:  # a plain causal forward of the same model (generate's top-k pass)
-        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=queries > 1,
-                                                                  scale=scaling, enable_gqa=groups > 1)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=queries > 1, scale=scaling, enable_gqa=groups > 1
+        )
         return output.transpose(1, 2).contiguous(), None
     folded = query.reshape(batch, key.shape[1], groups * queries, dim)
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * queries, -1)
-    call = functools.partial(torch.nn.functional.scaled_dot_product_attention, folded, key, value, attn_mask=mask,
-                             scale=scaling)
+    call = functools.partial(
+        torch.nn.functional.scaled_dot_product_attention, folded, key, value, attn_mask=mask, scale=scaling
+    )
     if query.is_cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -17,6 +17,7 @@ SPDS_DIGEST_CACHE names the directory (default $XDG_CACHE_HOME/spds/digests, els
 skipped, never an error: it only saves time. Whoever can write to it can also write to the
 student, so it lowers no guard the pins had.
 """
+
 from __future__ import annotations
 
 import hashlib

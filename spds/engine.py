@@ -15,6 +15,7 @@ What DeepSpeed is asked to do, and why (each verified on deepspeed 0.19.8, CPU/g
     clipping. After initialize, `check_engine_numerics` asks the engine what it will do and
     refuses to train if any answer differs, so a future default cannot change the update silently.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -68,8 +69,12 @@ def load_cpu_comm_op() -> None:
     with exclusive_lock(build_directory.parent / f".{builder.name}.spds-build.lock", wait=True):
         baton = build_directory / "lock"
         if baton.exists():
-            print(f"spds: removing {baton}, left by an interrupted build of DeepSpeed's {builder.name} op "
-                  "(it would make every later start wait forever)", file=sys.stderr, flush=True)
+            print(
+                f"spds: removing {baton}, left by an interrupted build of DeepSpeed's {builder.name} op "
+                "(it would make every later start wait forever)",
+                file=sys.stderr,
+                flush=True,
+            )
             baton.unlink(missing_ok=True)
         builder.load(verbose=False)
 
@@ -94,8 +99,9 @@ def init_distributed(settings: DistributedSettings) -> tuple[int, int, torch.dev
     backend = settings.communication
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(minutes=settings.timeout_minutes))
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, timeout=datetime.timedelta(minutes=settings.timeout_minutes)
+    )
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
@@ -138,8 +144,13 @@ def shard_student(config: Config, model, world: int) -> None:
 # The keys of a DeepSpeed config that change the update, as spds sets them (the ds_config schema
 # forbids them in the user's file). Clipping is optim.max_grad_norm, applied by spds after the
 # exact SUM; DeepSpeed must not clip again.
-NUMERIC_KEYS = dict(gradient_accumulation_steps=1, gradient_clipping=0.0, prescale_gradients=False,
-                    gradient_predivide_factor=1.0, communication_data_type="fp32")
+NUMERIC_KEYS = dict(
+    gradient_accumulation_steps=1,
+    gradient_clipping=0.0,
+    prescale_gradients=False,
+    gradient_predivide_factor=1.0,
+    communication_data_type="fp32",
+)
 
 
 def deepspeed_config(config: Config, world: int) -> dict:
@@ -155,21 +166,29 @@ def deepspeed_config(config: Config, world: int) -> dict:
 
 def check_engine_numerics(engine) -> None:
     """Ask the built engine what it will do to the prompt gradient; refuse anything but the exact SUM."""
-    answers = {"gradient_clipping()": (engine.gradient_clipping(), 0.0),
-               "gradient_accumulation_steps()": (engine.gradient_accumulation_steps(), 1),
-               "gradient_average": (engine.gradient_average, False),
-               "postscale_gradients()": (engine.postscale_gradients(), True),
-               "gradient_predivide_factor()": (engine.gradient_predivide_factor(), 1.0),
-               "communication_data_type": (engine.communication_data_type, torch.float32),
-               "bfloat16_enabled()": (engine.bfloat16_enabled(), False),
-               "fp16_enabled()": (engine.fp16_enabled(), False)}
-    wrong = [f"engine.{name} is {actual!r}, spds needs {expected!r}" for name, (actual, expected) in answers.items()
-             if actual != expected]
+    answers = {
+        "gradient_clipping()": (engine.gradient_clipping(), 0.0),
+        "gradient_accumulation_steps()": (engine.gradient_accumulation_steps(), 1),
+        "gradient_average": (engine.gradient_average, False),
+        "postscale_gradients()": (engine.postscale_gradients(), True),
+        "gradient_predivide_factor()": (engine.gradient_predivide_factor(), 1.0),
+        "communication_data_type": (engine.communication_data_type, torch.float32),
+        "bfloat16_enabled()": (engine.bfloat16_enabled(), False),
+        "fp16_enabled()": (engine.fp16_enabled(), False),
+    }
+    wrong = [
+        f"engine.{name} is {actual!r}, spds needs {expected!r}"
+        for name, (actual, expected) in answers.items()
+        if actual != expected
+    ]
     if wrong:
         import deepspeed
 
-        raise SpdsError("DeepSpeed would not apply the exact update spds defines (a changed default in "
-                        f"deepspeed {deepspeed.__version__}?)", wrong)
+        raise SpdsError(
+            "DeepSpeed would not apply the exact update spds defines (a changed default in "
+            f"deepspeed {deepspeed.__version__}?)",
+            wrong,
+        )
 
 
 def build_engine(config: Config, model: torch.nn.Module, world: int) -> Engine:
@@ -179,14 +198,25 @@ def build_engine(config: Config, model: torch.nn.Module, world: int) -> Engine:
 
     optim = config.optim
     optimizer_class = torch.optim.AdamW if optim.optimizer == "adamw" else torch.optim.Adam
-    optimizer = optimizer_class([model.prompt], lr=optim.learning_rate, betas=tuple(optim.betas),
-                                eps=optim.eps, weight_decay=optim.weight_decay, foreach=False)
+    optimizer = optimizer_class(
+        [model.prompt],
+        lr=optim.learning_rate,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        foreach=False,
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
     if config.shards_student:
         shard_student(config, model, world)
         return ShardedEngine(model, optimizer, scheduler)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(config, world), dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(config, world),
+        dist_init_required=False,
+    )
     check_engine_numerics(engine)
     return engine
 
@@ -195,8 +225,9 @@ def check_precision(engine, student: bool = True) -> None:
     """Asserted every update: FP32 prompt, gradient and Adam moments; a gradient-free student."""
     prompt = engine.module.prompt
     if prompt.dtype != torch.float32 or (prompt.grad is not None and prompt.grad.dtype != torch.float32):
-        raise SpdsError(f"soft prompt precision changed: parameter {prompt.dtype}, "
-                        f"gradient {getattr(prompt.grad, 'dtype', None)}")
+        raise SpdsError(
+            f"soft prompt precision changed: parameter {prompt.dtype}, gradient {getattr(prompt.grad, 'dtype', None)}"
+        )
     for name, moment in engine.optimizer.state.get(prompt, {}).items():
         if torch.is_tensor(moment) and moment.is_floating_point() and moment.dtype != torch.float32:
             raise SpdsError(f"optimizer state {name} is {moment.dtype}, not float32")

@@ -1,4 +1,5 @@
 """The one exception spds raises for what a user can act on."""
+
 from __future__ import annotations
 
 

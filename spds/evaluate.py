@@ -9,6 +9,7 @@ the mean NLL per teacher response token under the student
 and gap recovered = (floor - soft) / (floor - ceiling): 0 is no better than no context, 1 is as
 good as the context itself.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -105,20 +106,35 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     gap = None
     if nll["ceiling"] is not None and nll["floor"] != nll["ceiling"]:
         gap = (nll["floor"] - nll["soft"]) / (nll["floor"] - nll["ceiling"])
-    result = dict(checkpoint=str(directory), update=commit["update"], records=len(held_out), supervised_tokens=tokens,
-                  context_tokens=len(blocks["ceiling"]) if "ceiling" in blocks else 0, nll=nll, gap_recovered=gap,
-                  kl_to_teacher=float(sums[-1]) / tokens if kl else None,
-                  teacher=teacher_kind(config, store) if kl else None, world_size=world,
-                  seconds=seconds, tokens_per_second=positions * world / seconds if seconds else None,
-                  spds_version=__version__, plot=None)
+    result = dict(
+        checkpoint=str(directory),
+        update=commit["update"],
+        records=len(held_out),
+        supervised_tokens=tokens,
+        context_tokens=len(blocks["ceiling"]) if "ceiling" in blocks else 0,
+        nll=nll,
+        gap_recovered=gap,
+        kl_to_teacher=float(sums[-1]) / tokens if kl else None,
+        teacher=teacher_kind(config, store) if kl else None,
+        world_size=world,
+        seconds=seconds,
+        tokens_per_second=positions * world / seconds if seconds else None,
+        spds_version=__version__,
+        plot=None,
+    )
     out = config.output_dir
     if rank != 0:
         return result
     if config.eval.samples and not sharded:  # a few answers beside the figures, by the student already loaded
         from .sample import answers  # spds.sample imports this module's neighbours, not this one's callers
 
-        result["samples"] = answers(config, config.eval.samples, checkpoint=str(directory),
-                                    max_new_tokens=config.eval.max_new_tokens, student=student)
+        result["samples"] = answers(
+            config,
+            config.eval.samples,
+            checkpoint=str(directory),
+            max_new_tokens=config.eval.max_new_tokens,
+            student=student,
+        )
     result["plot"] = plot(out / "metrics.jsonl", nll, out / "eval.png")
     require_valid(result, "eval", "eval.json")
     atomic_write_json(out / "eval.json", result)
@@ -141,7 +157,7 @@ def plot(metrics_path: Path, nll: dict, target: Path) -> str | None:
     curve.set(title="training loss (loss.objective per supervised token)", xlabel="update", ylabel="loss")
     names = [n for n in ("floor", "soft", "ceiling") if nll.get(n) is not None]
     values = [nll[n] for n in names]
-    bars.bar(names, values, color=["#999999", "#3366cc", "#33aa55"][:len(names)])
+    bars.bar(names, values, color=["#999999", "#3366cc", "#33aa55"][: len(names)])
     spread = max(values) - min(values) or 1.0
     bars.set_ylim(min(values) - spread, max(values) + spread / 2)  # the differences are the point
     for x, value in enumerate(values):

@@ -11,6 +11,7 @@
 did; `generate` decodes with it. A prompt trained for `system` placement has no PEFT equivalent
 (PEFT prepends virtual tokens to everything), hence no adapter for it.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,12 +42,19 @@ def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
     directory = checkpoint_to_read(config.output_dir, checkpoint_path)
     prompt, commit = prompt_of(directory)
     manifest = read_json(config.packed_dir / "manifest.json")
-    metadata = {"format": "spds-soft-prompt-v1", "spds_version": __version__, "placement": manifest["placement"],
-                "prompt_length": str(prompt.shape[0]), "hidden_size": str(prompt.shape[1]),
-                "scaffold": json.dumps(manifest["scaffold"]),
-                "chat_template_kwargs": json.dumps(manifest["inputs"]["chat_template_kwargs"]),
-                "student_identity": student_identity(config),
-                "student_path": str(config.model_path), "checkpoint": str(directory), "update": str(commit["update"])}
+    metadata = {
+        "format": "spds-soft-prompt-v1",
+        "spds_version": __version__,
+        "placement": manifest["placement"],
+        "prompt_length": str(prompt.shape[0]),
+        "hidden_size": str(prompt.shape[1]),
+        "scaffold": json.dumps(manifest["scaffold"]),
+        "chat_template_kwargs": json.dumps(manifest["inputs"]["chat_template_kwargs"]),
+        "student_identity": student_identity(config),
+        "student_path": str(config.model_path),
+        "checkpoint": str(directory),
+        "update": str(commit["update"]),
+    }
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / FILE) as temporary:
         save_file({"prompt": prompt}, str(temporary), metadata=metadata)
@@ -61,9 +69,14 @@ def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
     from peft import PromptTuningConfig, TaskType, get_peft_model
 
     student = load_student(config.model_path, "float32", config.student.attn_implementation, torch.device("cpu"))
-    peft_model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM,
-                                                            num_virtual_tokens=prompt.shape[0],
-                                                            base_model_name_or_path=str(config.model_path)))
+    peft_model = get_peft_model(
+        student,
+        PromptTuningConfig(
+            task_type=TaskType.CAUSAL_LM,
+            num_virtual_tokens=prompt.shape[0],
+            base_model_name_or_path=str(config.model_path),
+        ),
+    )
     with torch.no_grad():
         peft_model.prompt_encoder["default"].embedding.weight.copy_(prompt)
     peft_model.save_pretrained(str(out))
@@ -85,8 +98,15 @@ def insertion_point(ids: list[int], metadata: dict) -> tuple[list[int], int]:
     """Apply the training-time insertion rule (spds.data.rows.place) to rendered conversation ids."""
     import numpy as np
 
-    rules = RowRules(scaffold=Scaffold(**metadata["scaffold"]), placement=metadata["placement"], end_ids=frozenset(),
-                     vocab_size=0, prompt_length=0, context_limit=0, template_kwargs={})
+    rules = RowRules(
+        scaffold=Scaffold(**metadata["scaffold"]),
+        placement=metadata["placement"],
+        end_ids=frozenset(),
+        vocab_size=0,
+        prompt_length=0,
+        context_limit=0,
+        template_kwargs={},
+    )
     try:
         placed, _, insert_at, _ = place(np.asarray(ids, dtype=np.int64), len(ids), rules)  # all of it is prompt
     except ValueError as error:
@@ -111,8 +131,13 @@ def prompt_embeds(student, tokenizer, prompt: torch.Tensor, metadata: dict, mess
 
         LLM(model=path, enable_prompt_embeds=True).generate({"prompt_embeds": prompt_embeds(...)})
     """
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False,
-                                        **metadata.get("chat_template_kwargs", {}))
+    ids = tokenizer.apply_chat_template(
+        messages,
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+        **metadata.get("chat_template_kwargs", {}),
+    )
     ids, insert_at = insertion_point([int(i) for i in ids], metadata)
     return splice(student, prompt, ids, insert_at)[0]
 

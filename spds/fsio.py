@@ -12,6 +12,7 @@ every JSON document through `parse_json` (strict RFC 8259, nesting at most MAX_D
 Both halves stay in one module (over 300 lines): they are the one place where spds meets the
 file system, and a reviewer of its crash and hostile-input guarantees reads them here alone.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -163,8 +164,10 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError(f"rule 'UTF-8 text': {('key' if text is key else 'the value of ' + repr(key))} "
-                                 "holds a lone surrogate escape (\\ud800-\\udfff), which is no character") from None
+                raise ValueError(
+                    f"rule 'UTF-8 text': {('key' if text is key else 'the value of ' + repr(key))} "
+                    "holds a lone surrogate escape (\\ud800-\\udfff), which is no character"
+                ) from None
         seen[key] = value
     return seen
 
@@ -182,8 +185,13 @@ def parse_json(data: str | bytes) -> Any:
             hint = " (UTF-16? save it as UTF-8)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
             raise ValueError(f"rule 'UTF-8 text': byte {error.start} is not UTF-8{hint}") from None
     try:
-        return json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int,
-                          object_pairs_hook=_unique_keys)
+        return json.loads(
+            data,
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float,
+            parse_int=_bounded_int,
+            object_pairs_hook=_unique_keys,
+        )
     except RecursionError:
         raise ValueError("rule 'nesting depth': arrays and objects nest deeper than the parser can follow") from None
 
@@ -201,8 +209,12 @@ def value_depth(value: Any) -> int:
     return deepest
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def open_regular(path: str | os.PathLike):

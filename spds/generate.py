@@ -12,6 +12,7 @@ keys and values computed once for every batch), so a run is deterministic, and r
 (request_ids already in the output are skipped; a half-written last line is cut) regenerates
 only what is missing, with the same result.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,8 +42,9 @@ def read_questions(path: Path) -> list[dict]:
                 messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
                 questions.append(dict(question_id=str(row["question_id"]), messages=messages))
             except (ValueError, KeyError, TypeError, AttributeError) as error:
-                raise SpdsError(f"{path}:{number}: a question needs question_id and messages or question "
-                                f"({error})") from None
+                raise SpdsError(
+                    f"{path}:{number}: a question needs question_id and messages or question ({error})"
+                ) from None
     return questions
 
 
@@ -57,15 +59,19 @@ def repair_and_read(output: Path) -> set[str]:
         for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
             if not line.endswith(b"\n"):
                 if len(line) > MAX_LINE_BYTES:
-                    raise SpdsError(f"{output}:{number}: longer than {MAX_LINE_BYTES >> 20} MiB: not a row spds "
-                                    "wrote; nothing was changed")
+                    raise SpdsError(
+                        f"{output}:{number}: longer than {MAX_LINE_BYTES >> 20} MiB: not a row spds "
+                        "wrote; nothing was changed"
+                    )
                 break  # the torn last line
             try:
                 row = parse_json(line)
                 done.add(row["request_id"])
             except (ValueError, KeyError, TypeError) as error:
-                raise SpdsError(f"{output}:{number}: not a row spds generate wrote ({error or 'blank line'}); "
-                                "nothing was changed: fix or remove that line, then run generate again") from None
+                raise SpdsError(
+                    f"{output}:{number}: not a row spds generate wrote ({error or 'blank line'}); "
+                    "nothing was changed: fix or remove that line, then run generate again"
+                ) from None
             complete += len(line)
     if complete != output.stat().st_size:
         with open(output, "r+b") as stream:
@@ -81,8 +87,13 @@ def load_teacher(path: Path, dtype: str, device: torch.device):
 
     shape = AutoConfig.from_pretrained(str(path), local_files_only=True)
     attention = "eager" if getattr(shape, "attn_logit_softcapping", None) else "sdpa"
-    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=getattr(torch, dtype),
-                                                attn_implementation=attention).to(device).eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(
+            str(path), local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attention
+        )
+        .to(device)
+        .eval()
+    )
 
 
 def generate(config: Config, log=print) -> dict:
@@ -102,30 +113,38 @@ def generate(config: Config, log=print) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     decoder = Decoder(teacher, end_ids, pad)
     questions = read_questions(config.resolve(settings.questions))
-    requests = [dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
-                for q in questions for s in range(settings.samples_per_question)]
+    requests = [
+        dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
+        for q in questions
+        for s in range(settings.samples_per_question)
+    ]
     output = config.resolve(settings.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = repair_and_read(output)
     written, size = 0, settings.batch_size
-    batches = [requests[i:i + size] for i in range(0, len(requests), size)]
+    batches = [requests[i : i + size] for i in range(0, len(requests), size)]
     from tqdm import tqdm
 
     with open(output, "a") as stream:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
                 continue
-            turns = answer_turns(decoder, tokenizer, batch, context, context_in_user_turn, settings, kwargs,
-                                 seed=settings.seed + number)
+            turns = answer_turns(
+                decoder, tokenizer, batch, context, context_in_user_turn, settings, kwargs, seed=settings.seed + number
+            )
             for request, asked in zip(batch, turns):
                 if request["request_id"] in done:
                     continue
                 responses = [response for _, response in asked]
-                row = (candidate_row(tokenizer, request, responses[0], end_ids, kwargs) if len(asked) == 1 else
-                       multi_turn_row(tokenizer, request, responses, end_ids, kwargs))
+                row = (
+                    candidate_row(tokenizer, request, responses[0], end_ids, kwargs)
+                    if len(asked) == 1
+                    else multi_turn_row(tokenizer, request, responses, end_ids, kwargs)
+                )
                 if settings.top_k_logprobs:
-                    tops = [teacher_top_k(teacher, prompt, response, settings.top_k_logprobs)
-                            for prompt, response in asked]
+                    tops = [
+                        teacher_top_k(teacher, prompt, response, settings.top_k_logprobs) for prompt, response in asked
+                    ]
                     row["top_logprobs"] = {key: [v for top in tops for v in top[key]] for key in ("ids", "logprobs")}
                 stream.write(json.dumps(row) + "\n")
                 written += 1
@@ -136,12 +155,21 @@ def generate(config: Config, log=print) -> dict:
     return dict(written=written, skipped=len(done), output=str(output))
 
 
-def answer(decoder: Decoder, tokenizer, batch: list[dict], context: str, context_in_user_turn: bool, settings,
-           kwargs: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+def answer(
+    decoder: Decoder,
+    tokenizer,
+    batch: list[dict],
+    context: str,
+    context_in_user_turn: bool,
+    settings,
+    kwargs: dict,
+    seed: int,
+) -> tuple[list[list[int]], list[list[int]]]:
     """(the teacher's prompt ids, its response ids) for each request; a response ends at the first
     end token, which is kept (spds/decode.py)."""
-    prompts = [render(tokenizer, with_context(r["messages"], context, context_in_user_turn), True, kwargs)
-               for r in batch]
+    prompts = [
+        render(tokenizer, with_context(r["messages"], context, context_in_user_turn), True, kwargs) for r in batch
+    ]
     responses = decoder.answer(prompts, settings.max_new_tokens, settings.temperature, settings.top_p, seed)
     return prompts, responses
 
@@ -153,8 +181,16 @@ def user_turns(messages: list[dict]) -> list[int]:
     return [i for i, message in enumerate(messages) if message["role"] == "user"]
 
 
-def answer_turns(decoder: Decoder, tokenizer, batch: list[dict], context: str, context_in_user_turn: bool, settings,
-                 kwargs: dict, seed: int) -> list[list[tuple[list[int], list[int]]]]:
+def answer_turns(
+    decoder: Decoder,
+    tokenizer,
+    batch: list[dict],
+    context: str,
+    context_in_user_turn: bool,
+    settings,
+    kwargs: dict,
+    seed: int,
+) -> list[list[tuple[list[int], list[int]]]]:
     """For each request, (the teacher's prompt ids, its answer ids) for each of its user turns, in
     order: a question of several user turns is answered turn by turn, each turn asked with the
     teacher's earlier answers in the conversation (as text)."""
@@ -162,8 +198,16 @@ def answer_turns(decoder: Decoder, tokenizer, batch: list[dict], context: str, c
     for turn in range(max(len(user_turns(r["messages"])) for r in batch)):
         active = [i for i, r in enumerate(batch) if len(user_turns(r["messages"])) > turn]
         conversations = [conversation_through(batch[i]["messages"], turn, asked[i], tokenizer) for i in active]
-        prompts, responses = answer(decoder, tokenizer, [dict(messages=c) for c in conversations], context,
-                                    context_in_user_turn, settings, kwargs, seed=seed + turn * TURN_SEED_STRIDE)
+        prompts, responses = answer(
+            decoder,
+            tokenizer,
+            [dict(messages=c) for c in conversations],
+            context,
+            context_in_user_turn,
+            settings,
+            kwargs,
+            seed=seed + turn * TURN_SEED_STRIDE,
+        )
         for i, prompt, response in zip(active, prompts, responses):
             asked[i].append((prompt, response))
     return asked
@@ -174,7 +218,7 @@ def conversation_through(messages: list[dict], turn: int, asked: list, tokenizer
     by the teacher's answer to it."""
     through = user_turns(messages)[turn]
     conversation, answered = [], 0
-    for index, message in enumerate(messages[:through + 1]):
+    for index, message in enumerate(messages[: through + 1]):
         conversation.append(message)
         if message["role"] == "user" and index < through:
             conversation.append({"role": "assistant", "content": tokenizer.decode(asked[answered][1][:-1])})
@@ -191,26 +235,36 @@ def multi_turn_row(tokenizer, request: dict, responses: list[list[int]], end_ids
     for turn, response in enumerate(responses):
         conversation = conversation_through(request["messages"], turn, [(None, r) for r in responses], tokenizer)
         opening = render(tokenizer, conversation, True, kwargs)
-        if opening[:len(before)] != before:
-            raise SpdsError(f"request {request['request_id']}: the chat template renders the conversation's earlier "
-                            f"turns differently once turn {turn + 1} follows them; ask these questions one turn each")
-        new = opening[len(before):]
+        if opening[: len(before)] != before:
+            raise SpdsError(
+                f"request {request['request_id']}: the chat template renders the conversation's earlier "
+                f"turns differently once turn {turn + 1} follows them; ask these questions one turn each"
+            )
+        new = opening[len(before) :]
         if turn:  # the template's tokens of the previous answer, up to its end token, are the teacher's instead
             end = next((i for i, t in enumerate(new) if t in ends), None)
             if end is None:
-                raise SpdsError(f"request {request['request_id']}: the chat template renders the teacher's answer to "
-                                f"turn {turn} with no end-of-turn token")
-            new = new[end + 1:]
+                raise SpdsError(
+                    f"request {request['request_id']}: the chat template renders the teacher's answer to "
+                    f"turn {turn} with no end-of-turn token"
+                )
+            new = new[end + 1 :]
         if not turn:
             prefix = len(opening)
         ids += new + response
         labels += [-100] * len(new) + response
         before = opening
     text = tokenizer.decode(responses[-1][:-1])
-    return dict(request_id=request["request_id"], question_id=request["question_id"],
-                sample_index=request["sample_index"], input_ids=ids, prefix_tokens=prefix, labels=labels,
-                supervised_tokens=sum(len(r) for r in responses),
-                response_sha256=hashlib.sha256(text.encode()).hexdigest())
+    return dict(
+        request_id=request["request_id"],
+        question_id=request["question_id"],
+        sample_index=request["sample_index"],
+        input_ids=ids,
+        prefix_tokens=prefix,
+        labels=labels,
+        supervised_tokens=sum(len(r) for r in responses),
+        response_sha256=hashlib.sha256(text.encode()).hexdigest(),
+    )
 
 
 def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list[dict]:
@@ -221,8 +275,11 @@ def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list
     first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first is None:
         raise SpdsError("a question's messages hold no user turn for the context to precede")
-    return [*messages[:first], dict(messages[first], content=f"{context}\n\n{messages[first]['content']}"),
-            *messages[first + 1:]]
+    return [
+        *messages[:first],
+        dict(messages[first], content=f"{context}\n\n{messages[first]['content']}"),
+        *messages[first + 1 :],
+    ]
 
 
 @torch.no_grad()
@@ -231,7 +288,7 @@ def teacher_top_k(teacher, prompt: list[int], response: list[int], k: int) -> di
     every response token, from one forward pass over the finished sequence: every token has its
     entry, the end token that closes a cut response included."""
     ids = torch.tensor([prompt + response], device=teacher.device)
-    logits = teacher(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) + len(response) - 1]
+    logits = teacher(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) + len(response) - 1]
     top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return dict(ids=top.indices.tolist(), logprobs=top.values.tolist())
 
@@ -240,7 +297,13 @@ def candidate_row(tokenizer, request: dict, response: list[int], end_ids: list[i
     """A token-form row: the student's view of the question (no context) + the teacher's response."""
     prompt = render(tokenizer, request["messages"], True, kwargs)
     text = tokenizer.decode(response[:-1])
-    return dict(request_id=request["request_id"], question_id=request["question_id"],
-                sample_index=request["sample_index"],
-                input_ids=prompt + response, prefix_tokens=len(prompt), labels=[-100] * len(prompt) + response,
-                supervised_tokens=len(response), response_sha256=hashlib.sha256(text.encode()).hexdigest())
+    return dict(
+        request_id=request["request_id"],
+        question_id=request["question_id"],
+        sample_index=request["sample_index"],
+        input_ids=prompt + response,
+        prefix_tokens=len(prompt),
+        labels=[-100] * len(prompt) + response,
+        supervised_tokens=len(response),
+        response_sha256=hashlib.sha256(text.encode()).hexdigest(),
+    )

@@ -8,6 +8,7 @@ refs, snapshots) with local files only. An id that is not in the cache is refuse
 command that fetches it. `spds pin` then pins the snapshot's content like any directory, so a
 cache that changed under a pinned id is refused.
 """
+
 from __future__ import annotations
 
 import re
@@ -41,6 +42,8 @@ def snapshot(value: str, key: str) -> Path:
         return Path(snapshot_download(repo, revision=revision, local_files_only=True))
     except LocalEntryNotFoundError:
         fetch = f"huggingface-cli download {repo}" + (f" --revision {revision}" if revision else "")
-        raise SpdsError(f"{key}: {value} is neither a directory nor a model in the local Hugging Face cache "
-                        f"(HF_HOME / HF_HUB_CACHE); spds never downloads: run `{fetch}` first, or name a "
-                        "directory") from None
+        raise SpdsError(
+            f"{key}: {value} is neither a directory nor a model in the local Hugging Face cache "
+            f"(HF_HOME / HF_HUB_CACHE); spds never downloads: run `{fetch}` first, or name a "
+            "directory"
+        ) from None

@@ -7,6 +7,7 @@ student; `spds train` starts only after a smoke passed under the same config, da
 Other code (spds upgraded between a preemption and its resume) is accepted, announced and
 recorded, unless train.require_same_code: bit-exactness is promised for identical code only.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -33,8 +34,11 @@ def code_digest() -> str:
 def refusing_keys(saved: dict, current: dict, require_same_code: bool) -> list[str]:
     """The identities that refuse a resume (or smoke evidence): every one that differs, the code
     only under require_same_code."""
-    return [key for key in sorted(set(saved) | set(current))
-            if saved.get(key) != current.get(key) and (key != "code" or require_same_code)]
+    return [
+        key
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key) and (key != "code" or require_same_code)
+    ]
 
 
 def code_change(what: str, path, saved_identities: dict, saved_versions: dict, identities: dict) -> dict | None:
@@ -42,20 +46,33 @@ def code_change(what: str, path, saved_identities: dict, saved_versions: dict, i
     code, announced on stderr; None when the code is the same."""
     if saved_identities.get("code") == identities["code"]:
         return None
-    change = dict(what=what, path=str(path), saved_code=saved_identities.get("code"), code=identities["code"],
-                  saved_spds=(saved_versions or {}).get("spds"), spds=__version__)
+    change = dict(
+        what=what,
+        path=str(path),
+        saved_code=saved_identities.get("code"),
+        code=identities["code"],
+        saved_spds=(saved_versions or {}).get("spds"),
+        spds=__version__,
+    )
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
-        print(f"spds: continuing from {what} {path}, written by other spds code (spds {change['saved_spds']}, code "
-              f"{str(change['saved_code'])[:12]}; now spds {__version__}, code {identities['code'][:12]}): the run "
-              "goes on, but is bit-exact only under identical code (train.require_same_code: true refuses this)",
-              file=sys.stderr)
+        print(
+            f"spds: continuing from {what} {path}, written by other spds code (spds {change['saved_spds']}, code "
+            f"{str(change['saved_code'])[:12]}; now spds {__version__}, code {identities['code'][:12]}): the run "
+            "goes on, but is bit-exact only under identical code (train.require_same_code: true refuses this)",
+            file=sys.stderr,
+        )
     return change
 
 
 def run_identities(config: Config, store: PackedStore, world: int) -> dict:
     optim = config.optim
-    topology = dict(world_size=world, micro_batch=optim.micro_batch, micro_batch_tokens=optim.micro_batch_tokens,
-                    micro_batch_layout=optim.micro_batch_layout, reduction="sum")
+    topology = dict(
+        world_size=world,
+        micro_batch=optim.micro_batch,
+        micro_batch_tokens=optim.micro_batch_tokens,
+        micro_batch_layout=optim.micro_batch_layout,
+        reduction="sum",
+    )
     # The student's content, pinned or not: weights changed under an unpinned path must not resume a
     # run trained on others. A pin was verified when the config was loaded; without one, rank 0
     # hashes the files (gigabytes: once per run, not once per rank) and tells the others.
@@ -64,8 +81,9 @@ def run_identities(config: Config, store: PackedStore, world: int) -> dict:
         shared = [sha256_path(config.model_path) if torch.distributed.get_rank() == 0 else None]
         torch.distributed.broadcast_object_list(shared, src=0)
         student = shared[0]
-    return dict(code=code_digest(), config=config.identity(), data=store.digest, topology=sha256_json(topology),
-                student=student)
+    return dict(
+        code=code_digest(), config=config.identity(), data=store.digest, topology=sha256_json(topology), student=student
+    )
 
 
 def library_versions() -> dict:
@@ -86,8 +104,10 @@ def check_smoke_evidence(config: Config, identities: dict) -> tuple[bool, dict |
         return True, None
     path = config.output_dir / "smoke" / "evidence.json"
     if not path.exists():
-        raise SpdsError(f"no smoke evidence at {path}: run `spds smoke {config.path}` first "
-                        "(or set train.require_smoke to false; the waiver is recorded in run.json)")
+        raise SpdsError(
+            f"no smoke evidence at {path}: run `spds smoke {config.path}` first "
+            "(or set train.require_smoke to false; the waiver is recorded in run.json)"
+        )
     evidence = read_json(path)
     if describe_errors(evidence, "smoke"):
         raise SpdsError(f"{path}: not smoke evidence spds wrote (schemas/smoke.schema.json): run `spds smoke` again")

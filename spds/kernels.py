@@ -9,6 +9,7 @@ runs a forward is spds/attention.py's decision (AttentionPlan); this module only
   flex_causal          torch's flex_attention on a causal block mask built from block indices
   windowed_attention   a layer's sliding window and/or soft cap (Gemma 2 and 3, Mistral v0.1)
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,12 @@ import os
 
 import torch
 
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "math": "MATH"}
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
 
 
 def import_fa4():
@@ -48,8 +53,15 @@ def repeated_heads(query, key, value):
 def sdpa_causal(kernel: str, query, key, value, scaling):
     if kernel == "efficient":  # the memory-efficient kernel takes no grouped-query heads
         key, value = repeated_heads(query, key, value)
-    call = functools.partial(torch.nn.functional.scaled_dot_product_attention, query, key, value, is_causal=True,
-                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    call = functools.partial(
+        torch.nn.functional.scaled_dot_product_attention,
+        query,
+        key,
+        value,
+        is_causal=True,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
     if kernel == "auto":
         return call()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -66,11 +78,11 @@ def lower_right_causal(query, key, value, scaling):
         # FlashAttention-2 aligns a causal mask to the lower right when keys outnumber queries and
         # takes grouped-query keys as they are: the kernel torch's lower-right bias calls, without
         # repeating the keys to the query heads first (bench/check_cached_attention.py).
-        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
-                                                                  scale=scaling)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scaling)[0]
     key, value = repeated_heads(query, key, value)  # the bias path takes equal head counts
     return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling)
+        query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling
+    )
 
 
 def packed_causal(query, key, value, scaling, starts, longest: int):
@@ -84,8 +96,9 @@ def packed_causal(query, key, value, scaling, starts, longest: int):
     block-diagonal causal mask, O(positions^2) memory: the tests' tiny lengths."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0:
         rows = [t[0].transpose(0, 1) for t in (query, key, value)]  # [positions, heads, D], last dim contiguous
-        return torch.ops.aten._flash_attention_forward(*rows, starts, starts, longest, longest, 0.0, True, False,
-                                                       scale=scaling)[0]
+        return torch.ops.aten._flash_attention_forward(
+            *rows, starts, starts, longest, longest, 0.0, True, False, scale=scaling
+        )[0]
     positions = query.shape[2]
     record = torch.repeat_interleave(torch.arange(len(starts) - 1, device=query.device), starts.diff().long())
     index = torch.arange(positions, device=query.device)
@@ -106,16 +119,33 @@ def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = No
     if starts is None:
         output = flash_attn_func(*rows, softmax_scale=scaling, causal=True, deterministic=deterministic)
     else:
-        output = flash_attn_varlen_func(*(t[0] for t in rows), cu_seqlens_q=starts, cu_seqlens_k=starts,
-                                        max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=scaling,
-                                        causal=True, deterministic=deterministic)
+        output = flash_attn_varlen_func(
+            *(t[0] for t in rows),
+            cu_seqlens_q=starts,
+            cu_seqlens_k=starts,
+            max_seqlen_q=longest,
+            max_seqlen_k=longest,
+            softmax_scale=scaling,
+            causal=True,
+            deterministic=deterministic,
+        )
     return output[0] if isinstance(output, tuple) else output  # (output, lse) in some versions
 
 
 # ---------------------------------------------------------------- sliding windows and soft caps
 
-def windowed_attention(kernel: str, query, key, value, scaling, window: int | None, softcap: float | None,
-                       starts=None, longest: int | None = None):
+
+def windowed_attention(
+    kernel: str,
+    query,
+    key,
+    value,
+    scaling,
+    window: int | None,
+    softcap: float | None,
+    starts=None,
+    longest: int | None = None,
+):
     """A layer with a sliding window (each query sees the `window` keys up to its own, as
     transformers' masks have it: key > query - window) and/or a soft cap on the scores
     (c * tanh(s / c) before the softmax). Returns [B, Lq, Hq, D], or [1, positions, Hq, D] for
@@ -133,9 +163,19 @@ def windowed_attention(kernel: str, query, key, value, scaling, window: int | No
         if flash_dtype and not softcap:
             rows = [t[0].transpose(0, 1) for t in (query, key, value)]
             left = window - 1 if window else -1  # -1: no window
-            return torch.ops.aten._flash_attention_forward(*rows, starts, starts, longest, longest, 0.0, True, False,
-                                                           scale=scaling, window_size_left=left,
-                                                           window_size_right=0)[0][None]
+            return torch.ops.aten._flash_attention_forward(
+                *rows,
+                starts,
+                starts,
+                longest,
+                longest,
+                0.0,
+                True,
+                False,
+                scale=scaling,
+                window_size_left=left,
+                window_size_right=0,
+            )[0][None]
         record = torch.repeat_interleave(torch.arange(len(starts) - 1, device=query.device), starts.diff().long())
         allowed = windowed_mask(query.shape[2], key.shape[2], window, query.device) & (record[:, None] == record[None])
         return explicit_attention(query, key, value, scaling, allowed, softcap)[0].transpose(0, 1)[None]
@@ -186,8 +226,11 @@ def windowed_block_mask(queries: int, keys: int, window: int | None, device: tor
         first, last = tile * BLOCK + offset, min(queries, (tile + 1) * BLOCK) - 1 + offset  # the tile's positions
         seen_lo, seen_hi = max(0, first - window + 1), last  # keys some query of the tile sees
         full_lo, full_hi = max(0, last - window + 1), first  # keys every query of the tile sees
-        own_full = [j for j in range(key_blocks) if j * BLOCK >= full_lo and min((j + 1) * BLOCK, keys) - 1 <= full_hi
-                    and (j + 1) * BLOCK <= keys]
+        own_full = [
+            j
+            for j in range(key_blocks)
+            if j * BLOCK >= full_lo and min((j + 1) * BLOCK, keys) - 1 <= full_hi and (j + 1) * BLOCK <= keys
+        ]
         own_partial = [j for j in range(seen_lo // BLOCK, min(key_blocks, seen_hi // BLOCK + 1)) if j not in own_full]
         partial.append(own_partial)
         full.append(own_full)
@@ -201,8 +244,9 @@ def windowed_block_mask(queries: int, keys: int, window: int | None, device: tor
     def windowed(batch, head, q, k):
         return (k <= q + offset) & (k > q + offset - window)
 
-    return BlockMask.from_kv_blocks(*padded(partial), *padded(full), BLOCK_SIZE=BLOCK, mask_mod=windowed,
-                                    seq_lengths=(queries, keys))
+    return BlockMask.from_kv_blocks(
+        *padded(partial), *padded(full), BLOCK_SIZE=BLOCK, mask_mod=windowed, seq_lengths=(queries, keys)
+    )
 
 
 # ---------------------------------------------------------------- flex
@@ -221,8 +265,7 @@ def compiled_flex():
 
 def flex_causal(query, key, value, scaling):
     mask = causal_block_mask(query.shape[2], key.shape[2], query.device)
-    return compiled_flex()(query, key, value, block_mask=mask, scale=scaling,
-                           enable_gqa=query.shape[1] != key.shape[1])
+    return compiled_flex()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
 
 
 @functools.lru_cache(maxsize=256)
@@ -254,5 +297,12 @@ def causal_block_mask(queries: int, keys: int, device: torch.device):
     def shaped(t):
         return t.to(device=device, dtype=torch.int32)[None, None].contiguous()
 
-    return BlockMask.from_kv_blocks(shaped(partial_count), shaped(partial_indices), shaped(full), shaped(full_indices),
-                                    BLOCK_SIZE=BLOCK, mask_mod=causal, seq_lengths=(queries, keys))
+    return BlockMask.from_kv_blocks(
+        shaped(partial_count),
+        shaped(partial_indices),
+        shaped(full),
+        shaped(full_indices),
+        BLOCK_SIZE=BLOCK,
+        mask_mod=causal,
+        seq_lengths=(queries, keys),
+    )

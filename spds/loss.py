@@ -15,6 +15,7 @@ kl   (and mix) `_ChunkedLinearLoss`, the same scheme with a teacher: its logits 
 The lm_head weight is frozen: no gradient for it is ever computed. Every backward spds runs is
 of the plain sum (grad_output 1); any other scale is applied in fp32 and rounded once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,9 @@ import torch
 from .errors import SpdsError
 
 
-def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                 chunk: int = 4096, softcap: float | None = None) -> torch.Tensor:
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096, softcap: float | None = None
+) -> torch.Tensor:
     """sum_i CE(hidden_i @ weight.T, targets_i), fp32 scalar; hidden [N, H], weight [V, H]: the
     chunked kernel below with cross entropy alone (one vocabulary-wide block per row besides the
     logits, as a CE-only kernel would keep). `softcap`: the student's final logit soft cap."""
@@ -75,6 +77,7 @@ def chunked_cross_entropy(chunk: int, softcap: float | None = None):
 
 # ---------------------------------------------------------------- distillation (kl, mix)
 
+
 @dataclass
 class TeacherTargets:
     """The teacher's next-token distribution at each supervised token, in one of two forms:
@@ -82,6 +85,7 @@ class TeacherTargets:
     its logits are hidden @ weight.T, chunk by chunk, never all at once), or `top_ids` and
     `top_logprobs` [N, K] (offline: the K most likely tokens a teacher wrote, the rest of its
     mass one bucket)."""
+
     hidden: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
@@ -92,6 +96,7 @@ class Divergence:
     """weight_ce * CE(targets) + weight_kl * D(teacher, student) summed over tokens. D at
     `temperature` (both sides' logits divided by it; no T^2 factor): forward KL(p||q), reverse
     KL(q||p), or the generalised JSD beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q."""
+
     ce_weight: float
     kl_weight: float
     direction: str = "forward"
@@ -121,8 +126,14 @@ def bucket_divergence(log_p: torch.Tensor, log_q: torch.Tensor, spec: Divergence
 CROSS_ENTROPY = Divergence(ce_weight=1.0, kl_weight=0.0)
 
 
-def distillation_rows(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor | None,
-                      top_ids: torch.Tensor | None, top_logprobs: torch.Tensor | None, spec: Divergence):
+def distillation_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    top_ids: torch.Tensor | None,
+    top_logprobs: torch.Tensor | None,
+    spec: Divergence,
+):
     """fp32 logits [n, V] of the student -> (summed loss, d loss / d logits [n, V])."""
     total = logits.new_zeros(())
     grad = None
@@ -172,9 +183,14 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                 squashed = torch.tanh(logits / spec.softcap)
                 logits = squashed * spec.softcap
                 teacher = torch.tanh(teacher / spec.softcap) * spec.softcap if teacher is not None else None
-            part, grad = distillation_rows(logits, targets[rows], teacher,
-                                           top_ids[rows] if top_ids is not None else None,
-                                           top_logprobs[rows] if top_logprobs is not None else None, spec)
+            part, grad = distillation_rows(
+                logits,
+                targets[rows],
+                teacher,
+                top_ids[rows] if top_ids is not None else None,
+                top_logprobs[rows] if top_logprobs is not None else None,
+                spec,
+            )
             total += part
             if spec.softcap is not None:
                 grad.mul_(1.0 - squashed.square_())  # d(c tanh(z / c)) / dz
@@ -200,19 +216,27 @@ def chunked_distillation(spec: Divergence, chunk: int):
     def summed(hidden, weight, targets, teacher: TeacherTargets | None = None):
         if teacher is None:
             raise ValueError("a distillation objective needs the teacher's targets")
-        return _ChunkedLinearLoss.apply(hidden, weight, targets, teacher.hidden, teacher.top_ids, teacher.top_logprobs,
-                                        spec, rows)
+        return _ChunkedLinearLoss.apply(
+            hidden, weight, targets, teacher.hidden, teacher.top_ids, teacher.top_logprobs, spec, rows
+        )
 
     return summed
 
 
 # ---------------------------------------------------------------- the seam
 
+
 def divergence_of(settings, softcap: float | None = None) -> Divergence:
     """loss.* -> what the distillation kernel computes."""
     ce, kl = {"ce": (1.0, 0.0), "kl": (0.0, 1.0), "mix": (settings.ce_weight, settings.kl_weight)}[settings.objective]
-    return Divergence(ce_weight=ce, kl_weight=kl, direction=settings.kl.direction,
-                      temperature=settings.kl.temperature, beta=settings.kl.jsd_beta, softcap=softcap)
+    return Divergence(
+        ce_weight=ce,
+        kl_weight=kl,
+        direction=settings.kl.direction,
+        temperature=settings.kl.temperature,
+        beta=settings.kl.jsd_beta,
+        softcap=softcap,
+    )
 
 
 def make_loss(settings, softcap: float | None = None):
@@ -225,8 +249,10 @@ def make_loss(settings, softcap: float | None = None):
     f.kernel names the choice; f.needs_teacher says whether the model must supply targets."""
     kernel, chunk = settings.kernel, settings.chunk_tokens
     if kernel == "liger" and not liger_available():
-        raise SpdsError("loss.kernel is 'liger' but liger-kernel is not importable or there is no CUDA device "
-                        "(pip install 'spds[gpu]', or set loss.kernel to 'auto')")
+        raise SpdsError(
+            "loss.kernel is 'liger' but liger-kernel is not importable or there is no CUDA device "
+            "(pip install 'spds[gpu]', or set loss.kernel to 'auto')"
+        )
     if settings.objective == "ce":
         chosen = "liger" if kernel == "liger" or (kernel == "auto" and liger_available()) else "chunked"
         loss_fn = liger_cross_entropy(softcap) if chosen == "liger" else chunked_cross_entropy(chunk, softcap)

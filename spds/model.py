@@ -13,6 +13,7 @@ The prompt is the only trainable parameter of this module, so it is the only ten
 reduces; it stays FP32 (the student runs in bf16; the prompt is cast on the way in, and its
 gradient accumulates in FP32).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -32,6 +33,7 @@ from .sharded import Replicated
 @dataclass
 class Segment:
     """One record as the model needs it."""
+
     ids: torch.Tensor  # int64 [L], on the model's device
     prefix_tokens: int
     insert_at: int
@@ -52,7 +54,7 @@ class Segment:
 
     def supervised_rows(self, states: torch.Tensor, offset: int) -> torch.Tensor:
         """The rows of `states` that predict the supervised tokens: row r + offset predicts ids[r + 1]."""
-        runs = [states[start + offset - 1:end + offset - 1] for start, end in self.runs]
+        runs = [states[start + offset - 1 : end + offset - 1] for start, end in self.runs]
         return runs[0] if len(runs) == 1 else torch.cat(runs)
 
     def supervised_ids(self) -> torch.Tensor:
@@ -71,8 +73,16 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
         return list(whole.split([len(a) for a in arrays]))
 
     ids = to_device([store.ids(i) for i in records])
-    segments = {i: Segment(ids=own, prefix_tokens=int(store.prefix_tokens[i]), insert_at=int(store.insert_at[i]),
-                           index=int(i), spans=store.spans.get(int(i))) for i, own in zip(records, ids)}
+    segments = {
+        i: Segment(
+            ids=own,
+            prefix_tokens=int(store.prefix_tokens[i]),
+            insert_at=int(store.insert_at[i]),
+            index=int(i),
+            spans=store.spans.get(int(i)),
+        )
+        for i, own in zip(records, ids)
+    }
     if store.top_k:  # an offline teacher's top-k: [supervised tokens, K] per record, likewise in one copy each
         tops = [store.top_k_of(i) for i in records]
         for i, top_ids, top_logprobs in zip(records, to_device([t[0] for t in tops]), to_device([t[1] for t in tops])):
@@ -81,11 +91,20 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
 
 
 class SoftPromptModel(nn.Module):
-    def __init__(self, student: nn.Module, prompt: torch.Tensor, loss_fn, activation_checkpointing=False,
-                 attention_kernel="auto", activation_memory_gib: float | None = None,
-                 pad_to_multiple_of: int | None = None,
-                 device: torch.device | None = None, deterministic: bool = False, liger_kernels: bool = False,
-                 packed: bool = False):
+    def __init__(
+        self,
+        student: nn.Module,
+        prompt: torch.Tensor,
+        loss_fn,
+        activation_checkpointing=False,
+        attention_kernel="auto",
+        activation_memory_gib: float | None = None,
+        pad_to_multiple_of: int | None = None,
+        device: torch.device | None = None,
+        deterministic: bool = False,
+        liger_kernels: bool = False,
+        packed: bool = False,
+    ):
         super().__init__()
         device = device or student.device  # a student still on the host waits to be sharded onto `device`
         if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
@@ -99,8 +118,9 @@ class SoftPromptModel(nn.Module):
         self.kernel_choice = install_attention(student)  # None: the student's own attention (eager, ...)
         if packed and self.kernel_choice is None:  # the config check says so first; a library caller learns here
             raise SpdsError("packed micro-batches need spds's attention: load the student with sdpa attention")
-        self.recompute = RecomputePolicy(activation_checkpointing, student, activation_memory_gib, device,
-                                         self.attention, liger_kernels)
+        self.recompute = RecomputePolicy(
+            activation_checkpointing, student, activation_memory_gib, device, self.attention, liger_kernels
+        )
         self.layout = Replicated()  # a sharded layout replaces it (spds/sharded.py)
         if activation_checkpointing is not False:
             enable_recompute(student)
@@ -120,8 +140,9 @@ class SoftPromptModel(nn.Module):
             joined.append(torch.cat([own[:a], block.to(own.dtype), own[a:]], dim=0))
         return joined
 
-    def hidden_states(self, segments: list[Segment], block: torch.Tensor,
-                      recompute_positions: int | None = None) -> list[torch.Tensor]:
+    def hidden_states(
+        self, segments: list[Segment], block: torch.Tensor, recompute_positions: int | None = None
+    ) -> list[torch.Tensor]:
         """Final hidden states [L+P, H] of each segment, in one forward pass.
 
         Several segments are right-padded into one batch, with no attention mask: under causal
@@ -148,7 +169,7 @@ class SoftPromptModel(nn.Module):
         recompute_first(self.student, count)
         self.use_kernel(longest)
         output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
-        return [output.last_hidden_state[i, :len(j)] for i, j in enumerate(joined)]
+        return [output.last_hidden_state[i, : len(j)] for i, j in enumerate(joined)]
 
     def packed_hidden_states(self, joined: list[torch.Tensor], recompute_positions: int | None) -> list[torch.Tensor]:
         """The joined sequences end to end in one row (optim.micro_batch_layout packed): each one's
@@ -162,13 +183,20 @@ class SoftPromptModel(nn.Module):
         positions = torch.cat([torch.arange(n, device=self.prompt.device) for n in lengths])[None]
         self.use_kernel(longest, packed=True)
         recompute_first(self.student, self.recompute(recompute_positions or sum(lengths), longest, packed=True))
-        output = self.student.base_model(inputs_embeds=torch.cat(joined)[None], position_ids=positions, use_cache=False,
-                                         cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=longest,
-                                         max_length_k=longest)
+        output = self.student.base_model(
+            inputs_embeds=torch.cat(joined)[None],
+            position_ids=positions,
+            use_cache=False,
+            cu_seq_lens_q=starts,
+            cu_seq_lens_k=starts,
+            max_length_q=longest,
+            max_length_k=longest,
+        )
         return list(output.last_hidden_state[0].split(lengths))
 
-    def response_states(self, segments: list[Segment], inserted: torch.Tensor | None = None,
-                        recompute_positions: int | None = None):
+    def response_states(
+        self, segments: list[Segment], inserted: torch.Tensor | None = None, recompute_positions: int | None = None
+    ):
         """(hidden rows that predict the response tokens, those tokens), over all `segments`.
 
         `inserted` replaces the prompt by another block of embeddings at the same place (spds eval:
@@ -181,24 +209,39 @@ class SoftPromptModel(nn.Module):
             targets.append(segment.supervised_ids())
         return torch.cat(rows), torch.cat(targets)
 
-    def forward(self, segments: list[Segment], teacher: TeacherTargets | None = None,
-                inserted: torch.Tensor | None = None, recompute_positions: int | None = None,
-                loss_fn=None) -> torch.Tensor:
+    def forward(
+        self,
+        segments: list[Segment],
+        teacher: TeacherTargets | None = None,
+        inserted: torch.Tensor | None = None,
+        recompute_positions: int | None = None,
+        loss_fn=None,
+    ) -> torch.Tensor:
         """The summed loss (fp32 scalar) over the supervised tokens of `segments`: the model's own
         loss (loss.objective), or `loss_fn`; `teacher`: the teacher's targets for the same
         segments, for a loss that needs them (spds/teacher.py computes them; the step hands them in)."""
         return self.losses(segments, [loss_fn or self.loss_fn], teacher, inserted, recompute_positions)[0]
 
-    def losses(self, segments: list[Segment], loss_fns: list, teacher: TeacherTargets | None = None,
-               inserted: torch.Tensor | None = None, recompute_positions: int | None = None) -> list[torch.Tensor]:
+    def losses(
+        self,
+        segments: list[Segment],
+        loss_fns: list,
+        teacher: TeacherTargets | None = None,
+        inserted: torch.Tensor | None = None,
+        recompute_positions: int | None = None,
+    ) -> list[torch.Tensor]:
         """Each of `loss_fns` over one forward of the student (eval: the NLL and the KL together)."""
         cap = final_logit_softcap(self.student)
         if any(getattr(f, "softcap", None) != cap for f in loss_fns):  # never train on other logits than the head's
-            raise SpdsError(f"{type(self.student).__name__} soft-caps its logits at {cap}, and a loss was built for "
-                            f"another cap: build it with make_loss(settings, final_logit_softcap(student))")
+            raise SpdsError(
+                f"{type(self.student).__name__} soft-caps its logits at {cap}, and a loss was built for "
+                f"another cap: build it with make_loss(settings, final_logit_softcap(student))"
+            )
         if teacher is None and any(f.needs_teacher for f in loss_fns):
-            raise SpdsError("this loss matches a teacher, and no teacher targets were given: compute them with "
-                            "spds.teacher.build_teacher(...).targets(segments) and pass them as teacher=")
+            raise SpdsError(
+                "this loss matches a teacher, and no teacher targets were given: compute them with "
+                "spds.teacher.build_teacher(...).targets(segments) and pass them as teacher="
+            )
         rows, targets = self.response_states(segments, inserted, recompute_positions)
         weight = self.student.get_output_embeddings().weight
         with self.layout.gathered([weight]):  # the loss computes d(loss)/d(rows) now: backward needs no weight

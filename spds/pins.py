@@ -1,6 +1,7 @@
 """Pins: the sha256 of every input a config names (the model, the tokenizer, each candidate
 file), kept in a pins file beside the config (`spds pin` writes it; the user's config is never
 rewritten) or written in the config itself, and checked before any work."""
+
 from __future__ import annotations
 
 import re
@@ -45,8 +46,9 @@ def merge_pins(path: Path, raw: dict) -> list[str]:
     problems = []
     for key, digest in pins["pins"].items():
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-            problems.append(f"{lock}: pin {key}: {digest!r} is not a sha256 (64 lower-case hex digits); "
-                            "run spds pin again")
+            problems.append(
+                f"{lock}: pin {key}: {digest!r} is not a sha256 (64 lower-case hex digits); run spds pin again"
+            )
             continue
         slot = _pin_slot(raw, key)
         if slot is None:

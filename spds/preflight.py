@@ -7,6 +7,7 @@ holds for every row is checked here: the chat template's scaffold for the placem
 renders one conversation the same way on any day), the end tokens, that the tokenizer's ids fit
 the student's embedding, and that the soft prompt and the template's own tokens fit the context.
 """
+
 from __future__ import annotations
 
 from .config import Config
@@ -36,14 +37,19 @@ def preflight_problems(config: Config, tokenizer=None) -> tuple[list[str], objec
         scaffold = None
     rows = model_vocabulary_rows(config)
     if rows is not None and end_ids and max(end_ids) >= rows:
-        problems.append(f"data.end_tokens: end token id {max(end_ids)} is beyond the student's {rows} embedding rows "
-                        "(config.json vocab_size): the tokenizer does not belong to this student")
+        problems.append(
+            f"data.end_tokens: end token id {max(end_ids)} is beyond the student's {rows} embedding rows "
+            "(config.json vocab_size): the tokenizer does not belong to this student"
+        )
     if scaffold is not None:
-        fixed = len(scaffold.lead) + len(scaffold.system_header) + len(scaffold.system_close) + len(
-            scaffold.user_header)
+        fixed = (
+            len(scaffold.lead) + len(scaffold.system_header) + len(scaffold.system_close) + len(scaffold.user_header)
+        )
         if fixed + config.soft_prompt.length + 1 >= config.data.context_limit:
-            problems.append(f"data.context_limit: {config.data.context_limit} positions cannot hold the soft prompt "
-                            f"({config.soft_prompt.length}) and the template's own {fixed} tokens with any answer")
+            problems.append(
+                f"data.context_limit: {config.data.context_limit} positions cannot hold the soft prompt "
+                f"({config.soft_prompt.length}) and the template's own {fixed} tokens with any answer"
+            )
     return problems, scaffold
 
 

@@ -1,6 +1,7 @@
 """Activation recomputation (activation checkpointing, in transformers' and DeepSpeed's words):
 how many decoder layers recompute their activations in backward for a micro-batch, from the
 memory its activations and its attention kernel need."""
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,15 @@ class RecomputePolicy:
     rather than run out of memory mid-update (the smoke meets the longest micro-batch first).
     True and False: all layers, none."""
 
-    def __init__(self, setting, student: nn.Module, budget_gib: float | None, device: torch.device,
-                 attention: AttentionPlan | None = None, liger_kernels: bool = False):
+    def __init__(
+        self,
+        setting,
+        student: nn.Module,
+        budget_gib: float | None,
+        device: torch.device,
+        attention: AttentionPlan | None = None,
+        liger_kernels: bool = False,
+    ):
         self.setting = setting
         self.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["liger" if liger_kernels else "own"]
         config = student.config
@@ -75,7 +83,8 @@ class RecomputePolicy:
                 f"attention kernel {self.attention.kernel(longest or positions, packed)!r}"
                 f"{' (memory quadratic in length)' if attention_kept else ''}: shorten the longest records, lower "
                 "optim.micro_batch or optim.micro_batch_tokens, or choose an O(L) kernel (student.attention_kernel "
-                "flex, flash)")
+                "flex, flash)"
+            )
         # need(k) falls linearly in k from k = 1: the fewest layers that fit
         needed = math.ceil((self.layers * per_plain_layer + running - self.budget) / (per_plain_layer - per_kept_layer))
         return int(min(self.layers, max(1, needed)))

@@ -11,6 +11,7 @@ against its schema first):
 RunRecords tracks the last completed update and checkpoint as the run goes, so terminal.json
 tells the truth whatever ends the run.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,19 @@ class RunRecords:
     def resume_point(self, update: int, checkpoint: Path | None) -> None:
         self.completed, self.checkpoint = update, checkpoint
 
-    def begin(self, config: Config, smoke: bool, start: int, world: int, identities: dict, smoke_waived: bool,
-              code_changes: list[dict], model, startup_seconds: dict, hosts: list[str]) -> None:
+    def begin(
+        self,
+        config: Config,
+        smoke: bool,
+        start: int,
+        world: int,
+        identities: dict,
+        smoke_waived: bool,
+        code_changes: list[dict],
+        model,
+        startup_seconds: dict,
+        hosts: list[str],
+    ) -> None:
         """run.json, and metrics.jsonl cut back to the updates before `start` (after a crash the
         updates after the checkpoint are redone, and each must appear once)."""
         if not self.writes:
@@ -68,14 +80,28 @@ class RunRecords:
         keep_metrics_before(self.out / "metrics.jsonl", start)
         if model is None:  # stopped during start-up: nothing was built, nothing runs
             return
-        write_validated(self.out / "run.json", dict(
-            mode="smoke" if smoke else "train", started_at=time.time(), start_update=start, updates=self.last,
-            world_size=world, identities=identities, versions=library_versions(), config=config.raw,
-            config_path=str(config.path), launch=dict(launch_environment(), hosts=hosts), smoke_waived=smoke_waived,
-            code_changes=code_changes,
-            resumed_from=str(self.checkpoint) if self.checkpoint else None,
-            trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
-            loss_kernel=model.loss_fn.kernel, startup_seconds=startup_seconds), "run")
+        write_validated(
+            self.out / "run.json",
+            dict(
+                mode="smoke" if smoke else "train",
+                started_at=time.time(),
+                start_update=start,
+                updates=self.last,
+                world_size=world,
+                identities=identities,
+                versions=library_versions(),
+                config=config.raw,
+                config_path=str(config.path),
+                launch=dict(launch_environment(), hosts=hosts),
+                smoke_waived=smoke_waived,
+                code_changes=code_changes,
+                resumed_from=str(self.checkpoint) if self.checkpoint else None,
+                trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                loss_kernel=model.loss_fn.kernel,
+                startup_seconds=startup_seconds,
+            ),
+            "run",
+        )
         if self.show_bar:
             from tqdm import tqdm
 
@@ -102,19 +128,41 @@ class RunRecords:
         return status
 
     def write_terminal(self, status: str, reason: str | None) -> None:
-        write_validated(self.out / "terminal.json", dict(
-            status=status, update=max(0, self.completed), finished_at=time.time(),
-            checkpoint=str(self.checkpoint) if self.checkpoint else None, reason=reason), "terminal")
+        write_validated(
+            self.out / "terminal.json",
+            dict(
+                status=status,
+                update=max(0, self.completed),
+                finished_at=time.time(),
+                checkpoint=str(self.checkpoint) if self.checkpoint else None,
+                reason=reason,
+            ),
+            "terminal",
+        )
 
     def smoke_passed(self, identities: dict, world: int, longest_record_tokens: int, metric: dict) -> None:
         if self.writes:
-            write_validated(self.out / "evidence.json", dict(
-                status="passed", identities=identities, world_size=world, longest_record_tokens=longest_record_tokens,
-                metric=metric, checkpoint=str(self.checkpoint), versions=library_versions()), "smoke")
+            write_validated(
+                self.out / "evidence.json",
+                dict(
+                    status="passed",
+                    identities=identities,
+                    world_size=world,
+                    longest_record_tokens=longest_record_tokens,
+                    metric=metric,
+                    checkpoint=str(self.checkpoint),
+                    versions=library_versions(),
+                ),
+                "smoke",
+            )
 
     def result(self, status: str) -> dict:
-        return dict(status=status, update=self.completed, output=str(self.out),
-                    checkpoint=str(self.checkpoint) if self.checkpoint else None)
+        return dict(
+            status=status,
+            update=self.completed,
+            output=str(self.out),
+            checkpoint=str(self.checkpoint) if self.checkpoint else None,
+        )
 
 
 def write_validated(path: Path, value: dict, schema: str) -> None:
@@ -144,11 +192,18 @@ def record_launch_end(out: Path, exit_status: int, launch_started: float) -> Pat
             how = signal.Signals(exit_status - 128).name
         except ValueError:
             pass
-    write_validated(path, dict(
-        status="failed", update=update, finished_at=time.time(),
-        checkpoint=str(checkpoints[-1][1]) if checkpoints else None,
-        reason=f"the launch ended by {how} before rank 0 recorded how the run ended (a rank was killed or "
-               "died early: see the launcher's output); the checkpoint named here is the resume point"), "terminal")
+    write_validated(
+        path,
+        dict(
+            status="failed",
+            update=update,
+            finished_at=time.time(),
+            checkpoint=str(checkpoints[-1][1]) if checkpoints else None,
+            reason=f"the launch ended by {how} before rank 0 recorded how the run ended (a rank was killed or "
+            "died early: see the launcher's output); the checkpoint named here is the resume point",
+        ),
+        "terminal",
+    )
     return path
 
 
@@ -162,11 +217,21 @@ def rank_hosts() -> list[str]:
 
 
 def launch_environment() -> dict:
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "TORCHELASTIC_RUN_ID")
+    keys = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES",
+        "DS_ACCELERATOR",
+        "TORCHELASTIC_RUN_ID",
+    )
     environment = {k: os.environ[k] for k in keys if k in os.environ}
-    environment.update({k: v for k, v in os.environ.items()
-                        if k.startswith(("SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "NCCL_"))})
+    environment.update(
+        {k: v for k, v in os.environ.items() if k.startswith(("SLURM_JOB", "SLURM_NODE", "SLURM_PROCID", "NCCL_"))}
+    )
     by_deepspeed = any(a.startswith("--local") for a in sys.argv)
     launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "deepspeed" if by_deepspeed else "none"
     return dict(hostname=socket.gethostname(), launcher=launcher, argv=sys.argv, environment=environment)
@@ -208,16 +273,28 @@ def record_metric(out: Path, metric: dict, last: int, saved, bar, engine) -> Non
     require_valid(metric, "metrics", "a metrics line")
     append_line_durably(out / "metrics.jsonl", canonical_json(metric))
     done = metric["update"]
-    atomic_write_json(out / "progress.json", dict(status="running", update=done, updates=last, loss=metric["loss"],
-                                                  elapsed_seconds=metric["elapsed_seconds"],
-                                                  eta_seconds=metric["seconds"] * (last - done),
-                                                  last_checkpoint=str(saved) if saved else None))
+    atomic_write_json(
+        out / "progress.json",
+        dict(
+            status="running",
+            update=done,
+            updates=last,
+            loss=metric["loss"],
+            elapsed_seconds=metric["elapsed_seconds"],
+            eta_seconds=metric["seconds"] * (last - done),
+            last_checkpoint=str(saved) if saved else None,
+        ),
+    )
     if engine.monitor.enabled:  # TensorBoard / CSV through DeepSpeed's monitor settings
-        engine.monitor.write_events([(f"spds/{k}", metric[k], done)
-                                     for k in ("loss", "grad_norm", "learning_rate", "tokens_per_second")])
+        engine.monitor.write_events(
+            [(f"spds/{k}", metric[k], done) for k in ("loss", "grad_norm", "learning_rate", "tokens_per_second")]
+        )
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{metric['loss']:.4f}", tok_s=f"{metric['tokens_per_second']:.0f}")
     else:
-        print(f"update {done}/{last}  loss {metric['loss']:.4f}  grad_norm {metric['grad_norm']:.3g}  "
-              f"lr {metric['learning_rate']:.3g}  {metric['tokens_per_second']:.0f} tok/s", flush=True)
+        print(
+            f"update {done}/{last}  loss {metric['loss']:.4f}  grad_norm {metric['grad_norm']:.3g}  "
+            f"lr {metric['learning_rate']:.3g}  {metric['tokens_per_second']:.0f} tok/s",
+            flush=True,
+        )

@@ -7,6 +7,7 @@ trained soft prompt, for held-out records (their prompts as packed) or the quest
 Greedy decoding, so a rerun gives the same answers. Written to OUTPUT_DIR/samples.jsonl and
 samples.md beside eval.json, and printed; `spds eval` includes a few (eval.samples).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,18 +36,21 @@ def prompts_to_answer(config: Config, store: PackedStore, tokenizer, count: int,
         metadata = {"placement": store.manifest["placement"], "scaffold": store.manifest["scaffold"]}
         kwargs = config.data.chat_template_kwargs
         for question in read_questions(questions)[:count]:
-            ids = tokenizer.apply_chat_template(question["messages"], tokenize=True, add_generation_prompt=True,
-                                                return_dict=False, **kwargs)
+            ids = tokenizer.apply_chat_template(
+                question["messages"], tokenize=True, add_generation_prompt=True, return_dict=False, **kwargs
+            )
             ids, at = insertion_point([int(i) for i in ids], metadata)
             yield question["messages"][-1]["content"], ids, at
         return
     held_out = np.flatnonzero(~store.is_train)
     if not len(held_out):
-        raise SpdsError("no held-out records to answer: set data.eval_fraction > 0 (and prepare a fresh packed_dir) "
-                        "or pass --questions FILE")
+        raise SpdsError(
+            "no held-out records to answer: set data.eval_fraction > 0 (and prepare a fresh packed_dir) "
+            "or pass --questions FILE"
+        )
     seen = set()  # a question's samples share its prompt: answer each prompt once
     for i in held_out:
-        ids = store.ids(int(i))[:int(store.prefix_tokens[i])].tolist()
+        ids = store.ids(int(i))[: int(store.prefix_tokens[i])].tolist()
         if tuple(ids) in seen:
             continue
         seen.add(tuple(ids))
@@ -57,8 +61,14 @@ def prompts_to_answer(config: Config, store: PackedStore, tokenizer, count: int,
 
 
 @torch.no_grad()
-def answers(config: Config, count: int, questions: Path | None = None, checkpoint: str | None = None,
-            max_new_tokens: int = 64, student=None) -> list[dict]:
+def answers(
+    config: Config,
+    count: int,
+    questions: Path | None = None,
+    checkpoint: str | None = None,
+    max_new_tokens: int = 64,
+    student=None,
+) -> list[dict]:
     directory = checkpoint_to_read(config.output_dir, checkpoint)
     prompt, commit = prompt_of(directory)
     store = PackedStore.open(config.packed_dir)
@@ -69,8 +79,9 @@ def answers(config: Config, count: int, questions: Path | None = None, checkpoin
     context = config.context_text
     blocks = {"bare": prompt[:0], "soft": prompt}
     if context:
-        blocks["context"] = embed(torch.tensor(tokenizer.encode(context, add_special_tokens=False),
-                                               device=embed.weight.device))
+        blocks["context"] = embed(
+            torch.tensor(tokenizer.encode(context, add_special_tokens=False), device=embed.weight.device)
+        )
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     rows = []
@@ -84,8 +95,14 @@ def answers(config: Config, count: int, questions: Path | None = None, checkpoin
             block = blocks[view].to(device=tokens.device, dtype=tokens.dtype)
             inputs = torch.cat([tokens[:at], block, tokens[at:]])[None]
             mask = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
-            output = student.generate(inputs_embeds=inputs, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      do_sample=False, eos_token_id=end_ids, pad_token_id=pad)
+            output = student.generate(
+                inputs_embeds=inputs,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=end_ids,
+                pad_token_id=pad,
+            )
             row[view] = tokenizer.decode(output[0], skip_special_tokens=True).strip()
         rows.append(row)
     return rows
@@ -112,7 +129,7 @@ def one_line(text: str, width: int) -> str:
     student answers in arbitrary bytes), cut to `width`."""
     text = " ".join(text.split())
     text = "".join(c if c.isprintable() and c != "\ufffd" else "·" for c in text)
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def show(rows: list[dict], width: int = 100) -> str:

@@ -16,6 +16,7 @@ boundary could hold one record twice, counting it double), and once per epoch at
 size, resume or rank count enters, so a run on 1 GPU and on 64 GPUs sees the same batches, and
 a resumed run continues where it stopped.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -41,10 +42,11 @@ def epoch_permutation(seed: int, epoch: int, size: int) -> np.ndarray:
 def global_batch(seed: int, update: int, size: int, batch: int) -> np.ndarray:
     """Positions (0..size-1 into the training records) of update `update` (1-based)."""
     if batch > size:
-        raise SpdsError(f"optim.effective_batch {batch} exceeds the {size} training records: "
-                        "an update would repeat records")
+        raise SpdsError(
+            f"optim.effective_batch {batch} exceeds the {size} training records: an update would repeat records"
+        )
     epoch, index = divmod(update - 1, size // batch)
-    return epoch_permutation(seed, epoch, size)[index * batch:(index + 1) * batch].astype(np.int64)
+    return epoch_permutation(seed, epoch, size)[index * batch : (index + 1) * batch].astype(np.int64)
 
 
 def batch_digest(indices) -> str:
@@ -104,6 +106,7 @@ def lr_factor(step: int, optim: OptimSettings) -> float:
 @dataclass(frozen=True)
 class Step:
     """One update, planned once: its records, their deal to ranks, and its normaliser."""
+
     update: int
     batch: np.ndarray  # indices into the packed store
     dealt: list  # per rank: record indices, longest first
@@ -116,8 +119,9 @@ class Step:
         return batch_digest(self.batch)
 
 
-def lockstep_passes(every: list[list[list[int]]], rank: int, footprint, filler: list[int]
-                    ) -> list[tuple[list[int], int, bool]]:
+def lockstep_passes(
+    every: list[list[list[int]]], rank: int, footprint, filler: list[int]
+) -> list[tuple[list[int], int, bool]]:
     """`rank`'s passes when every rank must run as many as the busiest (a sharded student gathers
     its weights collectively in each): `every[r]` is rank r's groups of records; pass j is rank
     `rank`'s group j, or `filler` not counted once it has none left, with the largest footprint
@@ -133,8 +137,9 @@ def lockstep_passes(every: list[list[list[int]]], rank: int, footprint, filler: 
 class Plan:
     """Which records are trained, in which update, on which rank, in which micro-batches."""
 
-    def __init__(self, store, optim: OptimSettings, prompt_length: int, world: int,
-                 quadratic_length: float | None = None):
+    def __init__(
+        self, store, optim: OptimSettings, prompt_length: int, world: int, quadratic_length: float | None = None
+    ):
         self.store, self.world = store, world
         self.seed, self.batch, self.micro_batch = optim.seed, optim.effective_batch, optim.micro_batch
         self.micro_batch_tokens = optim.micro_batch_tokens
@@ -163,10 +168,14 @@ class Plan:
         return int(self.store.length[self.longest_record])
 
     def step_of(self, update: int, batch: np.ndarray) -> Step:
-        return Step(update=update, batch=batch, dealt=deal_to_ranks(batch, self.costs, self.world),
-                    supervised_tokens=int(self.store.supervised_tokens[batch].sum()),
-                    positions=int(self.positions[batch].sum()),
-                    longest_record_positions=int(self.positions[batch].max()))
+        return Step(
+            update=update,
+            batch=batch,
+            dealt=deal_to_ranks(batch, self.costs, self.world),
+            supervised_tokens=int(self.store.supervised_tokens[batch].sum()),
+            positions=int(self.positions[batch].sum()),
+            longest_record_positions=int(self.positions[batch].max()),
+        )
 
     def footprint(self, group: list[int]) -> int:
         """Positions a forward pass over `group` (longest first) computes: every record padded to
@@ -206,6 +215,13 @@ class Plan:
 
     def cursor(self, step: Step, rank: int) -> dict:
         """Where the data stream stands after `step`: saved with every checkpoint, per rank."""
-        return dict(completed_update=step.update, next_update=step.update + 1, recipe=RECIPE, seed=self.seed,
-                    training_records=len(self.train_records), effective_batch=self.batch,
-                    global_batch_sha256=step.digest, rank_records=[int(i) for i in step.dealt[rank]])
+        return dict(
+            completed_update=step.update,
+            next_update=step.update + 1,
+            recipe=RECIPE,
+            seed=self.seed,
+            training_records=len(self.train_records),
+            effective_batch=self.batch,
+            global_batch_sha256=step.digest,
+            rank_records=[int(i) for i in step.dealt[rank]],
+        )

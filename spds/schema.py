@@ -1,6 +1,7 @@
 """The JSON Schemas (spds/schemas/, package data): loading them, a strict 2020-12 validator,
 their defaults applied to a document, and every violation described as 'location: message'.
 The field names, types and defaults themselves live in the schema files alone."""
+
 from __future__ import annotations
 
 import copy
@@ -40,7 +41,8 @@ def _is_integer(checker, instance) -> bool:
 # Draft 2020-12 with one change: "integer" means a number written without a fraction or exponent.
 StrictValidator = jsonschema.validators.extend(
     jsonschema.Draft202012Validator,
-    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer),
+)
 
 
 @lru_cache(maxsize=None)
@@ -51,6 +53,7 @@ def validator(name: str) -> jsonschema.protocols.Validator:
 
 
 # ---------------------------------------------------------------- defaults and errors
+
 
 def _resolve_ref(node: dict, root: dict) -> dict:
     while isinstance(node, dict) and "$ref" in node and node["$ref"].startswith("#/"):
@@ -118,8 +121,11 @@ def _branch_of_its_shape(error) -> list:
     branches: dict = {}
     for sub in error.context:
         branches.setdefault(sub.relative_schema_path[0], []).append(sub)
-    shaped = [subs for subs in branches.values()
-              if not any(not sub.relative_path and sub.validator in ("type", "enum", "const") for sub in subs)]
+    shaped = [
+        subs
+        for subs in branches.values()
+        if not any(not sub.relative_path and sub.validator in ("type", "enum", "const") for sub in subs)
+    ]
     return shaped[0] if len(shaped) == 1 else [jsonschema.exceptions.best_match(error.context)]
 
 

@@ -6,6 +6,7 @@ them from the validated, defaulted dict, so a field the schema has and a class l
 reverse) fails the first config ever loaded, and tests/test_settings.py compares the two.
 Modules receive their section (`Plan(store, config.optim, ...)`), never the whole config.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -168,10 +169,19 @@ class EvalSettings:
 
 
 # The config's sections, by key, in schema order.
-SECTIONS = dict(student=StudentSettings, soft_prompt=SoftPromptSettings, data=DataSettings, optim=OptimSettings,
-                loss=LossSettings, checkpoint=CheckpointSettings, train=TrainSettings,
-                distributed=DistributedSettings, context=ContextSettings, generate=GenerateSettings,
-                eval=EvalSettings)
+SECTIONS = dict(
+    student=StudentSettings,
+    soft_prompt=SoftPromptSettings,
+    data=DataSettings,
+    optim=OptimSettings,
+    loss=LossSettings,
+    checkpoint=CheckpointSettings,
+    train=TrainSettings,
+    distributed=DistributedSettings,
+    context=ContextSettings,
+    generate=GenerateSettings,
+    eval=EvalSettings,
+)
 
 
 def build(cls: type, values: dict) -> Any:

@@ -27,6 +27,7 @@ so train.py and checkpoint.py run unchanged. Checkpoints use DeepSpeed's ZeRO-0 
 (module.prompt, optimizer, lr_scheduler), so a checkpoint of any layout continues under any
 other with the same world size.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -133,8 +134,12 @@ class ShardedEngine:
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
         layout = model.layout
         if dist.get_rank() == 0 and model.prompt.is_cuda:
-            print(f"spds: student sharded ({layout.name}): {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
-                  f"on {model.prompt.device} after sharding", file=sys.stderr, flush=True)
+            print(
+                f"spds: student sharded ({layout.name}): {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+                f"on {model.prompt.device} after sharding",
+                file=sys.stderr,
+                flush=True,
+            )
         self.monitor = _NoMonitor()
         with torch.no_grad():  # every rank starts from rank 0's prompt, as DeepSpeed's engine does
             dist.broadcast(model.prompt.data, src=0)
@@ -162,7 +167,11 @@ class ShardedEngine:
 
     def save_checkpoint(self, save_dir: str, tag: str, **_) -> None:
         if dist.get_rank() == 0:
-            state = {"module": {"prompt": self.module.prompt.detach().cpu()}, "optimizer": self.optimizer.state_dict(),
-                     "lr_scheduler": self.lr_scheduler.state_dict(), "backend": self.module.layout.name}
+            state = {
+                "module": {"prompt": self.module.prompt.detach().cpu()},
+                "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "backend": self.module.layout.name,
+            }
             with atomic_writer(Path(save_dir) / tag / STATE_FILE, "wb") as stream:
                 torch.save(state, stream)

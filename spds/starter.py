@@ -6,6 +6,7 @@ student's chat template allows (`system` where it has a system message, `first_u
 folds or refuses one, `prefix` without a template) and the date a dated template needs pinned,
 written atomically as YAML and checked with the contract and the checks prepare makes.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,18 +26,34 @@ from .schema import apply_defaults, load_schema
 
 # (section, field) in the order a user reads them; the values come from the schema's defaults.
 FIELDS = [
-    ("student", "model_path"), ("student", "dtype"), ("student", "liger_kernels"),
-    ("soft_prompt", "length"), ("soft_prompt", "placement"),
-    ("data", "candidates"), ("data", "packed_dir"), ("data", "context_limit"), ("data", "eval_fraction"),
+    ("student", "model_path"),
+    ("student", "dtype"),
+    ("student", "liger_kernels"),
+    ("soft_prompt", "length"),
+    ("soft_prompt", "placement"),
+    ("data", "candidates"),
+    ("data", "packed_dir"),
+    ("data", "context_limit"),
+    ("data", "eval_fraction"),
     ("data", "chat_template_kwargs"),
     ("context", "file"),
-    ("optim", "updates"), ("optim", "effective_batch"), ("optim", "micro_batch"), ("optim", "micro_batch_tokens"),
-    ("optim", "micro_batch_layout"), ("optim", "learning_rate"), ("optim", "warmup_updates"), ("optim", "schedule"),
-    ("optim", "max_grad_norm"), ("optim", "seed"),
-    ("loss", "objective"), ("loss", "teacher_memo_gib"),
-    ("checkpoint", "every"), ("checkpoint", "keep_last"),
+    ("optim", "updates"),
+    ("optim", "effective_batch"),
+    ("optim", "micro_batch"),
+    ("optim", "micro_batch_tokens"),
+    ("optim", "micro_batch_layout"),
+    ("optim", "learning_rate"),
+    ("optim", "warmup_updates"),
+    ("optim", "schedule"),
+    ("optim", "max_grad_norm"),
+    ("optim", "seed"),
+    ("loss", "objective"),
+    ("loss", "teacher_memo_gib"),
+    ("checkpoint", "every"),
+    ("checkpoint", "keep_last"),
     ("train", "deterministic"),
-    (None, "deepspeed_config"), (None, "output_dir"),
+    (None, "deepspeed_config"),
+    (None, "output_dir"),
 ]
 
 
@@ -72,15 +89,19 @@ def comment(schema_field: dict) -> str:
 
 
 def render(values: dict, schema: dict) -> str:
-    lines = ["# spds config written by `spds init`: every field, type and default is in schemas/config.schema.json.",
-             "# Relative paths resolve against this file's directory. Check it with `spds validate`."]
+    lines = [
+        "# spds config written by `spds init`: every field, type and default is in schemas/config.schema.json.",
+        "# Relative paths resolve against this file's directory. Check it with `spds validate`.",
+    ]
     current = None
     for section, name in FIELDS:
         node = schema["properties"][section]["properties"][name] if section else schema["properties"][name]
         value = values[section][name] if section else values[name]
         if section == "context":  # nothing to set unless there is one: a commented example
-            lines += ["# context:  # the system prompt being distilled (the kl objective's teacher, eval's ceiling)",
-                      "#   file: system_prompt.txt"]
+            lines += [
+                "# context:  # the system prompt being distilled (the kl objective's teacher, eval's ceiling)",
+                "#   file: system_prompt.txt",
+            ]
             continue
         if section != current and section is not None:
             lines.append(f"{section}:")
@@ -135,9 +156,11 @@ def chat_rows_need_a_template(path: Path) -> None:
         return
     for number, row in json_lines(path):
         if isinstance(row, dict) and "messages" in row:
-            raise SpdsError(f"{path}:{number}: rule 'chat template': a chat-form row (messages), and MODEL's "
-                            "tokenizer has no chat template to render it: give rows in token form (input_ids, "
-                            "labels), or a model whose tokenizer has one")
+            raise SpdsError(
+                f"{path}:{number}: rule 'chat template': a chat-form row (messages), and MODEL's "
+                "tokenizer has no chat template to render it: give rows in token form (input_ids, "
+                "labels), or a model whose tokenizer has one"
+            )
 
 
 def render_json(values: dict) -> str:

@@ -14,6 +14,7 @@ A stop is asked for in one of two ways:
 Either way the ranks agree by summing their votes in the collective they already make at each
 boundary, so all stop after the same update, with a committed checkpoint.
 """
+
 from __future__ import annotations
 
 import math
@@ -91,8 +92,11 @@ def launch_started() -> float:
     except ValueError:
         started = None
     if value and (started is None or not math.isfinite(started)):
-        print(f"spds: SPDS_LAUNCH_STARTED={value!r} is not a time (seconds since the epoch); this process's "
-              "start is taken instead", file=sys.stderr)
+        print(
+            f"spds: SPDS_LAUNCH_STARTED={value!r} is not a time (seconds since the epoch); this process's "
+            "start is taken instead",
+            file=sys.stderr,
+        )
         started = None
     return started if started is not None else time.time()
 

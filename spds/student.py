@@ -1,6 +1,7 @@
 """The frozen student: its tokenizer, its weights (with Liger's kernels when asked), what its
 config.json says (and the cost model's attention/weights crossover drawn from it), its decoder
 layers, and the soft prompt's starting value."""
+
 from __future__ import annotations
 
 import functools
@@ -28,8 +29,9 @@ def load_student(model_path, dtype: str, attn_implementation: str, device: torch
     loaded with its eager attention and then given spds's."""
     from transformers import AutoModelForCausalLM
 
-    load = functools.partial(AutoModelForCausalLM.from_pretrained, str(model_path), local_files_only=True,
-                             dtype=getattr(torch, dtype))
+    load = functools.partial(
+        AutoModelForCausalLM.from_pretrained, str(model_path), local_files_only=True, dtype=getattr(torch, dtype)
+    )
     try:
         student = load(attn_implementation=attn_implementation)
     except ValueError as error:
@@ -45,8 +47,10 @@ def load_student(model_path, dtype: str, attn_implementation: str, device: torch
 def apply_liger_kernels(student: nn.Module) -> None:
     """Liger's RMSNorm, SwiGLU and RoPE kernels in place of the student's own (its loss is spds's)."""
     if not liger_available():
-        raise SpdsError("student.liger_kernels is true but liger-kernel is not importable or there is no CUDA device "
-                        "(pip install 'spds[gpu]', or set student.liger_kernels to false)")
+        raise SpdsError(
+            "student.liger_kernels is true but liger-kernel is not importable or there is no CUDA device "
+            "(pip install 'spds[gpu]', or set student.liger_kernels to false)"
+        )
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
@@ -59,8 +63,9 @@ def apply_liger_kernels(student: nn.Module) -> None:
     # (bench/RESULTS.md). This is Liger's per-op switch, read at each call; a user's own setting
     # stands.
     os.environ.setdefault("LIGER_KERNEL_IMPL_ROPE", "nvidia-triton")
-    _apply_liger_kernel_to_instance(model=student, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    _apply_liger_kernel_to_instance(
+        model=student, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
 
 
 def initial_prompt(student: nn.Module, length: int, init: dict, seed: int, tokenizer=None) -> torch.Tensor:
@@ -93,8 +98,9 @@ def quadratic_length(model_path) -> float | None:
         hidden, layers, heads = value["hidden_size"], value["num_hidden_layers"], value["num_attention_heads"]
         head_dim = value.get("head_dim") or hidden // heads
         kv_heads = value.get("num_key_value_heads", heads)
-        per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * value[
-            "intermediate_size"]
+        per_layer = (
+            2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * value["intermediate_size"]
+        )
         matmul_parameters = layers * per_layer + value["vocab_size"] * hidden
     except (KeyError, TypeError, ZeroDivisionError):
         return None

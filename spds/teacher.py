@@ -35,6 +35,7 @@ A student sharded over the ranks (ZeRO-3, fsdp) gathers its weights collectively
 forward, and its ranks must make the same calls: there the teacher always runs batched, and
 keeps no memo (the config check refuses one).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -58,8 +59,14 @@ class Teacher(Protocol):
 
 
 class ContextTeacher:
-    def __init__(self, model: SoftPromptModel, context_ids: torch.Tensor, max_prefixes: int = 4,
-                 reuse_context: bool = True, memo_gib: float = 0.0):
+    def __init__(
+        self,
+        model: SoftPromptModel,
+        context_ids: torch.Tensor,
+        max_prefixes: int = 4,
+        reuse_context: bool = True,
+        memo_gib: float = 0.0,
+    ):
         if len(context_ids) < 1:
             raise SpdsError("loss.teacher 'context' needs a non-empty context (context.text or context.file)")
         self.model, self.context_ids = model, context_ids
@@ -143,8 +150,9 @@ class ContextTeacher:
         # (spds/attention.py) needs none: its queries are causal from the lower right. A forward
         # alone is deterministic on any kernel (no backward, no atomics).
         self.model.use_kernel(start + len(embeddings))
-        output = base(inputs_embeds=embeddings[None], position_ids=positions, use_cache=True,
-                      **{self.cache_argument: cache})
+        output = base(
+            inputs_embeds=embeddings[None], position_ids=positions, use_cache=True, **{self.cache_argument: cache}
+        )
         returned = getattr(output, "cache", None)
         return output.last_hidden_state[0], returned if returned is not None else output.past_key_values
 
@@ -153,8 +161,9 @@ class TopKTeacher:
     """The packed top-k log-probabilities of each segment's supervised tokens."""
 
     def targets(self, segments: list[Segment]) -> TeacherTargets:
-        return TeacherTargets(top_ids=torch.cat([s.top_ids for s in segments]),
-                              top_logprobs=torch.cat([s.top_logprobs for s in segments]))
+        return TeacherTargets(
+            top_ids=torch.cat([s.top_ids for s in segments]), top_logprobs=torch.cat([s.top_logprobs for s in segments])
+        )
 
 
 def teacher_kind(config: Config, store: PackedStore) -> str:
@@ -162,11 +171,15 @@ def teacher_kind(config: Config, store: PackedStore) -> str:
     loss_settings, has_top_k = config.loss, store.top_k > 0
     kind = loss_settings.teacher_for_store(has_top_k)
     if kind == "top_k" and not has_top_k:
-        raise SpdsError(f"loss.teacher is 'top_k' but {store.directory} holds no top-k log-probabilities (the "
-                        "candidate rows carry none: spds generate writes them with generate.top_k_logprobs > 0)")
+        raise SpdsError(
+            f"loss.teacher is 'top_k' but {store.directory} holds no top-k log-probabilities (the "
+            "candidate rows carry none: spds generate writes them with generate.top_k_logprobs > 0)"
+        )
     if kind == "top_k" and loss_settings.kl.temperature != 1.0:
-        raise SpdsError("loss.kl.temperature must be 1 with a top_k teacher: its log-probabilities were written at "
-                        "the teacher's own temperature, and the mass outside the top k cannot be re-tempered")
+        raise SpdsError(
+            "loss.kl.temperature must be 1 with a top_k teacher: its log-probabilities were written at "
+            "the teacher's own temperature, and the mass outside the top k cannot be re-tempered"
+        )
     return kind
 
 
@@ -179,9 +192,14 @@ def build_teacher(config: Config, model: SoftPromptModel, store: PackedStore, me
         return TopKTeacher()
     text = config.context_text
     if not text:
-        raise SpdsError("loss.teacher 'context' needs the context: set context.text or context.file "
-                        "(or give the candidate rows top-k log-probabilities for an offline teacher)")
+        raise SpdsError(
+            "loss.teacher 'context' needs the context: set context.text or context.file "
+            "(or give the candidate rows top-k log-probabilities for an offline teacher)"
+        )
     ids = load_tokenizer(config).encode(text, add_special_tokens=False)
-    return ContextTeacher(model, torch.tensor(ids, device=model.prompt.device),
-                          reuse_context=config.loss.reuse_context_kv,
-                          memo_gib=config.loss.teacher_memo_gib if memo else 0.0)
+    return ContextTeacher(
+        model,
+        torch.tensor(ids, device=model.prompt.device),
+        reuse_context=config.loss.reuse_context_kv,
+        memo_gib=config.loss.teacher_memo_gib if memo else 0.0,
+    )

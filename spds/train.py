@@ -9,6 +9,7 @@
 Every rank runs this file. What the run writes (rank 0) is records.RunRecords's; what it is
 bound to, identity's; when it saves and where it resumes, checkpoint.Checkpointer's.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,7 @@ from .data.packed import PackedStore
 from .engine import Engine, all_reduce_sum, build_engine, check_precision, init_distributed
 from .errors import SpdsError
 from .fsio import exclusive_lock
-from .identity import check_smoke_evidence, library_versions, run_identities
+from .identity import check_smoke_evidence, run_identities
 from .model import load_segments
 from .records import RunRecords, StartupClock, rank_hosts
 from .schedule import Plan, Step
@@ -38,6 +39,7 @@ from .student import quadratic_length
 from .teacher import Teacher, build_teacher
 
 # ---------------------------------------------------------------- the loop
+
 
 def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
     stop = StopRequest.install()  # spds.cli installed it first thing; a library caller gets it here
@@ -48,16 +50,17 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
     clock.mark("process_group")
     out = config.output_dir / "smoke" if smoke else config.output_dir
     with rank_zero_lock(out, rank):  # before anything touches the run directory
-        run_files = RunRecords(out, rank, last=1 if smoke else config.optim.updates,
-                               progress_bar=config.train.progress_bar)
+        run_files = RunRecords(
+            out, rank, last=1 if smoke else config.optim.updates, progress_bar=config.train.progress_bar
+        )
         if rank == 0:
             stop.watch(config.output_dir)  # rank 0 reads stop requests for everyone
         try:
             validate_run_world(config, world)
             stopping = stop_agreed(stop, device)  # asked during start-up: load nothing
             store = open_store(config)
-            plan = Plan(store, config.optim, config.soft_prompt.length, world,
-                        config.optim.quadratic_length or quadratic_length(config.model_path))
+            quadratic = config.optim.quadratic_length or quadratic_length(config.model_path)
+            plan = Plan(store, config.optim, config.soft_prompt.length, world, quadratic)
             clock.mark("data")
             identities = run_identities(config, store, world)
             smoke_waived, smoke_code_change = (False, None) if smoke else check_smoke_evidence(config, identities)
@@ -68,15 +71,15 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
             clock.mark("student")
             engine = None if stopping else build_engine(config, model, world)
             clock.mark("engine")
-            saver = Checkpointer(config.checkpoint, out / "checkpoints", config.resolve(config.checkpoint.backup_dir),
-                                 smoke, identities, library_versions(), rank, world, config.train.require_same_code)
+            saver = Checkpointer(config, out, smoke, identities, rank, world)
             run_files.resume_point(*saver.newest())  # what terminal.json names, should the restore be refused
             start = saver.restore(engine, run_files.checkpoint)
             run_files.resume_point(start - 1, run_files.checkpoint)
             clock.mark("resume")
             code_changes = [c for c in (smoke_code_change, saver.code_change) if c]
-            run_files.begin(config, smoke, start, world, identities, smoke_waived, code_changes, model, clock.seconds,
-                            rank_hosts())
+            run_files.begin(
+                config, smoke, start, world, identities, smoke_waived, code_changes, model, clock.seconds, rank_hosts()
+            )
             stopping = stopping or stop_agreed(stop, device)
             began, metric = time.monotonic(), None
             for update in range(start, run_files.last + 1):
@@ -85,8 +88,9 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                 step = plan.step(update, force_longest=smoke)
                 fault_point(f"sigterm-before-update-rank{rank}", update)
                 pace_point()
-                metric, stopping = train_step(engine, teacher, store, plan, step, rank, device, stop,
-                                              config.optim.max_grad_norm)
+                metric, stopping = train_step(
+                    engine, teacher, store, plan, step, rank, device, stop, config.optim.max_grad_norm
+                )
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
                 run_files.update_done(metric, engine)
                 reason = saver.reason(update, run_files.last, stopping)
@@ -108,13 +112,24 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
 def open_store(config: Config) -> PackedStore:
     store = PackedStore.open(config.packed_dir)
     if store.manifest["prompt_length"] != config.soft_prompt.length:  # its context_limit check used it
-        raise SpdsError(f"soft_prompt.length is {config.soft_prompt.length} but {config.packed_dir} was packed for "
-                        f"{store.manifest['prompt_length']}: run spds prepare into another packed_dir")
+        raise SpdsError(
+            f"soft_prompt.length is {config.soft_prompt.length} but {config.packed_dir} was packed for "
+            f"{store.manifest['prompt_length']}: run spds prepare into another packed_dir"
+        )
     return store
 
 
-def train_step(engine: Engine, teacher: Teacher | None, store: PackedStore, plan: Plan, step: Step, rank: int,
-               device: torch.device, stop: StopRequest, max_grad_norm: float | None) -> tuple[dict, bool]:
+def train_step(
+    engine: Engine,
+    teacher: Teacher | None,
+    store: PackedStore,
+    plan: Plan,
+    step: Step,
+    rank: int,
+    device: torch.device,
+    stop: StopRequest,
+    max_grad_norm: float | None,
+) -> tuple[dict, bool]:
     """One update: d/dprompt of (the loss summed over the global batch's supervised tokens: CE,
     a divergence to the teacher, or both) / (their count).
 
@@ -146,21 +161,30 @@ def train_step(engine: Engine, teacher: Teacher | None, store: PackedStore, plan
     prompt.grad.div_(denominator)  # fp32, once, identical on every rank
     grad_norm = float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm or float("inf")))
     if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-        raise SpdsError(f"update {step.update}: the loss ({loss_sum / denominator}) or the prompt gradient norm "
-                        f"({grad_norm}) is not finite; nothing was applied, and the last committed checkpoint is "
-                        "the resume point (lower optim.learning_rate or set optim.max_grad_norm)")
+        raise SpdsError(
+            f"update {step.update}: the loss ({loss_sum / denominator}) or the prompt gradient norm "
+            f"({grad_norm}) is not finite; nothing was applied, and the last committed checkpoint is "
+            "the resume point (lower optim.learning_rate or set optim.max_grad_norm)"
+        )
     check_precision(engine)
     learning_rate = engine.get_lr()[0]
     engine.step()
     check_precision(engine, student=False)  # the moments the step just wrote
     seconds = time.monotonic() - started
-    metric = dict(loss=loss_sum / denominator, supervised_tokens=denominator, tokens=step.positions,
-                  records=len(step.batch), longest_record_positions=step.longest_record_positions,
-                  grad_norm=grad_norm, learning_rate=learning_rate, seconds=seconds,
-                  tokens_per_second=step.positions / seconds,
-                  rank_busy_seconds=[round(b, 4) for b in busy],  # each rank's compute before the reduce
-                  peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0,
-                  global_batch_sha256=step.digest)
+    metric = dict(
+        loss=loss_sum / denominator,
+        supervised_tokens=denominator,
+        tokens=step.positions,
+        records=len(step.batch),
+        longest_record_positions=step.longest_record_positions,
+        grad_norm=grad_norm,
+        learning_rate=learning_rate,
+        seconds=seconds,
+        tokens_per_second=step.positions / seconds,
+        rank_busy_seconds=[round(b, 4) for b in busy],  # each rank's compute before the reduce
+        peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0,
+        global_batch_sha256=step.digest,
+    )
     return metric, stop_votes > 0
 
 
@@ -201,8 +225,9 @@ def main(config_path: str, smoke: bool = False, started: float | None = None) ->
     clock.mark("config")
     result = run(config, smoke, clock)
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"spds {'smoke' if smoke else 'train'}: {result['status']} at update {result['update']}; "
-              f"outputs in {result['output']}"
-              + (f", checkpoint {result['checkpoint']}" if result["checkpoint"] else ""))
+        print(
+            f"spds {'smoke' if smoke else 'train'}: {result['status']} at update {result['update']}; "
+            f"outputs in {result['output']}" + (f", checkpoint {result['checkpoint']}" if result["checkpoint"] else "")
+        )
     torch.distributed.destroy_process_group()
     return 0

@@ -13,6 +13,7 @@ A release outside the range below may have moved one of them. The ranges are tho
 requirements/cpu.txt (what CI tests) and requirements/gpu.txt (what bench/RESULTS.md measured);
 tests/test_packaging.py keeps the three in agreement.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -45,9 +46,11 @@ def untested() -> list[str]:
             version = None
         # A local build tag (torch's +cpu, +cu130) is the same release.
         if version is None or not tested.contains(Version(version.public), prereleases=True):
-            lines.append(f"spds: {package} {installed} is outside the versions spds is tested with ({tested}); "
-                         f"spds uses its private API (spds/versions.py), so check a smoke run before trusting a "
-                         f"result, or install the tested set (requirements/)")
+            lines.append(
+                f"spds: {package} {installed} is outside the versions spds is tested with ({tested}); "
+                f"spds uses its private API (spds/versions.py), so check a smoke run before trusting a "
+                f"result, or install the tested set (requirements/)"
+            )
     return lines
 
 

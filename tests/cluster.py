@@ -12,6 +12,7 @@ a file in the cluster's directory.
 hostname to accept `SlurmctldHost=h1`. Everything started is stopped, and every namespace, mount
 and directory made is removed, when the cluster closes, also after a failure.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,9 @@ class Host:
         return ["nsenter", "-t", str(self.keeper.pid), "-n", "-m", "-u", f"--wd={cwd or os.getcwd()}", "--", *argv]
 
     def run(self, argv: list[str], cwd=None, env=None, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(argv, cwd), cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout, **kwargs)
+        return subprocess.run(
+            self.command(argv, cwd), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **kwargs
+        )
 
     def popen(self, argv: list[str], cwd=None, env=None, **kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(argv, cwd), cwd=cwd, env=env, **kwargs)
@@ -106,8 +108,21 @@ class Cluster:
         for name in ns:
             _sh("ip", "netns", "add", name)
             self.namespaces.append(name)
-        _sh("ip", "link", "add", f"{self.tag}a", "netns", ns[0], "type", "veth", "peer", "name", f"{self.tag}b",
-            "netns", ns[1])
+        _sh(
+            "ip",
+            "link",
+            "add",
+            f"{self.tag}a",
+            "netns",
+            ns[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            f"{self.tag}b",
+            "netns",
+            ns[1],
+        )
         hosts = self.dir / "hosts"
         hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i + 1} {n}\n" for i, n in enumerate(NAMES)))
         home = Path(pwd.getpwuid(os.getuid()).pw_dir)
@@ -122,10 +137,16 @@ class Cluster:
             _sh("ip", "-n", namespace, "link", "set", device, "up")
             _sh("ip", "-n", namespace, "link", "set", "lo", "up")
             # The keeper holds the host's mount and UTS namespaces open (unshare's mounts are private).
-            setup = (f"mount --bind {hosts} /etc/hosts && mount --bind {self.ssh_dir} {home / '.ssh'} && "
-                     f"hostname {name} && echo ready && exec sleep infinity")
-            keeper = subprocess.Popen(["nsenter", f"--net=/run/netns/{namespace}", "unshare", "-m", "--uts", "sh",
-                                       "-c", setup], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            setup = (
+                f"mount --bind {hosts} /etc/hosts && mount --bind {self.ssh_dir} {home / '.ssh'} && "
+                f"hostname {name} && echo ready && exec sleep infinity"
+            )
+            keeper = subprocess.Popen(
+                ["nsenter", f"--net=/run/netns/{namespace}", "unshare", "-m", "--uts", "sh", "-c", setup],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             self.daemons.append(keeper)
             if keeper.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"host {name} did not start: {keeper.stderr.read()}")
@@ -148,18 +169,26 @@ class Cluster:
             config.write_text(
                 f"ListenAddress {host.address}\nHostKey {key}\nPidFile none\nPermitRootLogin prohibit-password\n"
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
-                "X11Forwarding no\nPrintMotd no\nAuthorizedKeysFile .ssh/authorized_keys\n")
-            self.daemons.append(host.popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
-                                           stdout=subprocess.DEVNULL,
-                                           stderr=open(self.dir / f"sshd-{host.name}.log", "w")))
+                "X11Forwarding no\nPrintMotd no\nAuthorizedKeysFile .ssh/authorized_keys\n"
+            )
+            self.daemons.append(
+                host.popen(
+                    ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(self.dir / f"sshd-{host.name}.log", "w"),
+                )
+            )
         (self.ssh_dir / "known_hosts").write_text("".join(known))
         (self.ssh_dir / "config").write_text(
             "Host *\n  IdentityFile ~/.ssh/id_ed25519\n  UserKnownHostsFile ~/.ssh/known_hosts\n"
-            "  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n")
+            "  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n"
+        )
         for host in self.hosts:
             for other in self.hosts:
-                _wait(lambda: host.run(["ssh", other.name, "true"], timeout=20).returncode == 0,
-                      f"ssh from {host.name} to {other.name} (see {self.dir}/sshd-*.log)")
+                _wait(
+                    lambda: host.run(["ssh", other.name, "true"], timeout=20).returncode == 0,
+                    f"ssh from {host.name} to {other.name} (see {self.dir}/sshd-*.log)",
+                )
 
     # -- SLURM -----------------------------------------------------------------------------------
 
@@ -171,18 +200,32 @@ class Cluster:
         (munge / "munge.key").write_bytes(os.urandom(1024))
         (munge / "munge.key").chmod(0o400)
         socket = munge / "munge.socket"
-        self.daemons.append(subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--key-file={munge / 'munge.key'}", f"--socket={socket}",
-             f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
-             f"--seed-file={munge / 'munge.seed'}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.daemons.append(
+            subprocess.Popen(
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--key-file={munge / 'munge.key'}",
+                    f"--socket={socket}",
+                    f"--pid-file={munge / 'munged.pid'}",
+                    f"--log-file={munge / 'munged.log'}",
+                    f"--seed-file={munge / 'munge.seed'}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         _wait(socket.exists, "munged's socket")
         gpus = self.dir / "dev"
         gpus.mkdir()
         for index in range(2):  # SLURM's GRES only stats these: character devices, as /dev/nvidiaN are
             os.mknod(gpus / f"nvidia{index}", 0o600 | 0o020000, os.makedev(195, index))
         (state / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={gpus}/nvidia[0-1]\n")
-        nodes = "".join(f"NodeName={h.name} NodeAddr={h.address} CPUs=2 RealMemory=1000 Gres=gpu:2 State=UNKNOWN\n"
-                        for h in self.hosts)
+        nodes = "".join(
+            f"NodeName={h.name} NodeAddr={h.address} CPUs=2 RealMemory=1000 Gres=gpu:2 State=UNKNOWN\n"
+            for h in self.hosts
+        )
         self.slurm_conf.write_text(
             f"ClusterName=spds\nSlurmctldHost=h1({self.h1.address})\nSlurmUser=root\nSlurmdUser=root\n"
             f"AuthType=auth/munge\nCredType=cred/munge\nAuthInfo=socket={socket}\n"
@@ -194,14 +237,19 @@ class Cluster:
             "JobAcctGatherType=jobacct_gather/none\nAccountingStorageType=accounting_storage/none\n"
             "JobCompType=jobcomp/none\nReturnToService=2\nGresTypes=gpu\nMinJobAge=300\n"
             f"KillWait={self.kill_wait}\nPlugStackConfig={state}/plugstack.conf\n{nodes}"
-            "PartitionName=main Nodes=h1,h2 Default=YES MaxTime=INFINITE State=UP\n")
+            "PartitionName=main Nodes=h1,h2 Default=YES MaxTime=INFINITE State=UP\n"
+        )
         (state / "plugstack.conf").write_text("")
         env = self.slurm_env(dict(os.environ))
-        self.daemons.append(self.h1.popen(["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
+        self.daemons.append(
+            self.h1.popen(["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
         for host in self.hosts:
-            self.daemons.append(host.popen(["slurmd", "-D", "-N", host.name], env=env, stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.DEVNULL))
+            self.daemons.append(
+                host.popen(
+                    ["slurmd", "-D", "-N", host.name], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
 
         def idle() -> bool:
             out = self.h1.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env).stdout.split()

@@ -1,4 +1,5 @@
 """Shared fixtures: the tiny example built once per session, copied per test."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """Run spds as a user would (a subprocess, optionally under a launcher) and read what it left."""
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,29 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # A small, quick run of the tiny example: 6 updates of 6 records, checkpoint every 2.
-FAST = dict(soft_prompt={"length": 4, "placement": "system", "init": {"method": "random_normal", "std": 0.3}},
-            optim={"updates": 6, "effective_batch": 6, "micro_batch": 1, "learning_rate": 0.05, "warmup_updates": 1,
-                   "schedule": "cosine", "min_lr_ratio": 0.2, "seed": 5},
-            checkpoint={"every": 2, "keep_last": 10}, train={"require_smoke": False})
+FAST = dict(
+    soft_prompt={"length": 4, "placement": "system", "init": {"method": "random_normal", "std": 0.3}},
+    optim={
+        "updates": 6,
+        "effective_batch": 6,
+        "micro_batch": 1,
+        "learning_rate": 0.05,
+        "warmup_updates": 1,
+        "schedule": "cosine",
+        "min_lr_ratio": 0.2,
+        "seed": 5,
+    },
+    checkpoint={"every": 2, "keep_last": 10},
+    train={"require_smoke": False},
+)
 
 
 def environment(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update({k: str(v) for k, v in extra.items()})
@@ -36,24 +51,39 @@ def launch_command(args: list[str], world: int = 1, launcher: str = "plain") -> 
         assert world == 1
         return [sys.executable, "-m", "spds.cli", *args]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                f"--master_port={free_port()}",
-                "-m", "spds.cli", *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={world}",
+            f"--master_port={free_port()}",
+            "-m",
+            "spds.cli",
+            *args,
+        ]
     if launcher == "deepspeed":
         deepspeed = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
         return [deepspeed, f"--num_gpus={world}", f"--master_port={free_port()}", "--module", "spds.cli", *args]
     raise ValueError(launcher)
 
 
-def spds(args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", timeout: int = 600,
-         **env) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_command(args, world, launcher), cwd=cwd, env=environment(**env), capture_output=True,
-                          text=True, timeout=timeout)
+def spds(
+    args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", timeout: int = 600, **env
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        launch_command(args, world, launcher),
+        cwd=cwd,
+        env=environment(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, (f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
-                                    f"stderr:\n{result.stderr[-6000:]}")
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-6000:]}"
+    )
     return result
 
 
@@ -67,8 +97,13 @@ def final_state(run_dir: Path) -> dict:
     """Prompt and Adam moments of the newest committed checkpoint."""
     state = torch.load(newest_checkpoint(run_dir) / "mp_rank_00_model_states.pt", weights_only=True)
     adam = state["optimizer"]["state"][0]
-    return dict(prompt=state["module"]["prompt"], exp_avg=adam["exp_avg"], exp_avg_sq=adam["exp_avg_sq"],
-                step=adam["step"], lr=state["lr_scheduler"]["_last_lr"][0])
+    return dict(
+        prompt=state["module"]["prompt"],
+        exp_avg=adam["exp_avg"],
+        exp_avg_sq=adam["exp_avg_sq"],
+        step=adam["step"],
+        lr=state["lr_scheduler"]["_last_lr"][0],
+    )
 
 
 # ---------------------------------------------------------------- floating-point comparisons
@@ -96,12 +131,15 @@ def assert_rounding_close(actual, expected, bound: float = ROUNDING, what: str =
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     scale = float(expected.abs().max()) if expected.numel() else 0.0
     error = float((actual - expected).abs().max()) if expected.numel() else 0.0
-    assert error <= bound * scale, (f"{what}: max |difference| {error:.3g} exceeds {bound:.3g} of the largest "
-                                    f"magnitude {scale:.3g} (allowed {bound * scale:.3g})")
+    assert error <= bound * scale, (
+        f"{what}: max |difference| {error:.3g} exceeds {bound:.3g} of the largest "
+        f"magnitude {scale:.3g} (allowed {bound * scale:.3g})"
+    )
 
 
-def assert_same_adam_path(actual, expected, learning_rates: list[float], bound: float = ROUNDING,
-                          what: str = "") -> None:
+def assert_same_adam_path(
+    actual, expected, learning_rates: list[float], bound: float = ROUNDING, what: str = ""
+) -> None:
     """Two prompts after the same Adam updates from the same start, their gradients equal up to
     `bound` relative rounding. Adam's step lr * m/(sqrt(v) + eps) is invariant to the gradients'
     scale, and a relative perturbation d of them moves m/sqrt(v) by at most about 2d per element:
@@ -135,8 +173,8 @@ def spliced_reference_loss(student, prompt, segment) -> torch.Tensor:
     a, length = segment.insert_at, prompt.shape[0]
     joined = torch.cat([embeddings[:a], prompt.to(embeddings.dtype), embeddings[a:]])[None]
     logits = student(inputs_embeds=joined).logits[0].float()
-    rows = logits[segment.prefix_tokens + length - 1:len(segment.ids) + length - 1]
-    return torch.nn.functional.cross_entropy(rows, segment.ids[segment.prefix_tokens:], reduction="sum")
+    rows = logits[segment.prefix_tokens + length - 1 : len(segment.ids) + length - 1]
+    return torch.nn.functional.cross_entropy(rows, segment.ids[segment.prefix_tokens :], reduction="sum")
 
 
 def read_json(path: Path) -> dict:
@@ -147,11 +185,18 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def start(args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", command: list[str] | None = None,
-          **env) -> subprocess.Popen:
+def start(
+    args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", command: list[str] | None = None, **env
+) -> subprocess.Popen:
     """A run in the background, output kept (stderr merged into stdout), for signals and faults."""
-    return subprocess.Popen(command or launch_command(args, world, launcher), cwd=cwd, env=environment(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        command or launch_command(args, world, launcher),
+        cwd=cwd,
+        env=environment(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for_lines(path: Path, count: int, process: subprocess.Popen, timeout: float = 180) -> None:
@@ -172,8 +217,11 @@ def start_endless(run_dir: Path, output_dir: str = "run", every: int = 1000) -> 
 
     path = run_dir / "config.json"
     config = json.loads(path.read_text())
-    config.update(output_dir=output_dir, checkpoint={"every": every, "keep_last": 2},
-                  optim={**FAST["optim"], "updates": 400, "schedule": "constant", "warmup_updates": 0})
+    config.update(
+        output_dir=output_dir,
+        checkpoint={"every": every, "keep_last": 2},
+        optim={**FAST["optim"], "updates": 400, "schedule": "constant", "warmup_updates": 0},
+    )
     path.write_text(json.dumps(config, indent=2))
     process = start(["train", "config.json"], run_dir)
     wait_for_lines(run_dir / output_dir / "metrics.jsonl", 2, process)

@@ -10,6 +10,7 @@ spds sample's three views of two held-out questions, through
 spds's library functions (the CLI's own verbs are tested elsewhere; one process keeps dozens of
 runs to seconds each). Writes OUT/results.json: per case, what each step reported.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,9 +50,16 @@ def rows_for(name: str, tokenizer, kwargs: dict, count: int = 16) -> list[dict]:
             continue
         prompt = render(tokenizer, messages, True, kwargs)
         response = tokenizer.encode(answer, add_special_tokens=False) + [end_token(tokenizer, name)]
-        rows.append(dict(request, input_ids=prompt + response, prefix_tokens=len(prompt),
-                         labels=[-100] * len(prompt) + response, supervised_tokens=len(response),
-                         response_sha256=hashlib.sha256(answer.encode()).hexdigest()))
+        rows.append(
+            dict(
+                request,
+                input_ids=prompt + response,
+                prefix_tokens=len(prompt),
+                labels=[-100] * len(prompt) + response,
+                supervised_tokens=len(response),
+                response_sha256=hashlib.sha256(answer.encode()).hexdigest(),
+            )
+        )
     return rows
 
 
@@ -78,13 +86,25 @@ def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     config = {
         "student": {"model_path": "student", "dtype": "float32", "attn_implementation": attention},
         "soft_prompt": {"length": 3, "placement": placement, "init": {"method": "random_normal", "std": 0.1}},
-        "data": {"candidates": [{"path": "rows.jsonl"}], "packed_dir": "packed", "context_limit": 2048,
-                 "eval_fraction": 0.3, "chat_template_kwargs": kwargs},
+        "data": {
+            "candidates": [{"path": "rows.jsonl"}],
+            "packed_dir": "packed",
+            "context_limit": 2048,
+            "eval_fraction": 0.3,
+            "chat_template_kwargs": kwargs,
+        },
         "context": {"text": CONTEXT},
-        "optim": {"updates": 2, "effective_batch": 4, "micro_batch": 2, "learning_rate": 0.01, "seed": 1,
-                  # records end to end in one forward wherever spds computes the attention
-                  "micro_batch_layout": "packed" if attention == "sdpa" else "padded"},
-        "checkpoint": {"every": 2, "keep_last": 1}, "train": {"progress_bar": False},
+        "optim": {
+            "updates": 2,
+            "effective_batch": 4,
+            "micro_batch": 2,
+            "learning_rate": 0.01,
+            "seed": 1,
+            # records end to end in one forward wherever spds computes the attention
+            "micro_batch_layout": "packed" if attention == "sdpa" else "padded",
+        },
+        "checkpoint": {"every": 2, "keep_last": 1},
+        "train": {"progress_bar": False},
         "output_dir": "run",
     }
     (directory / "config.json").write_text(json.dumps(config))
@@ -94,7 +114,7 @@ def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     store = PackedStore.open(loaded.packed_dir)
     # q001: a token row without a system message, rendered by the template as a teacher would
     row = next(i for i, entry in enumerate(store.entries()) if entry["request_id"] == "q001-s0")
-    result["placed_prefix"] = tokenizer.decode(store.ids(row)[:int(store.insert_at[row])].tolist())
+    result["placed_prefix"] = tokenizer.decode(store.ids(row)[: int(store.insert_at[row])].tolist())
     result["counts"] = manifest["counts"]
     result["smoke"] = run(loaded, smoke=True)["status"]
     result["train"] = run(loaded, smoke=False)["status"]
@@ -103,8 +123,15 @@ def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     exported = export(loaded, None, loaded.output_dir / "export")
     prompt, metadata = load_soft_prompt(exported["soft_prompt"])
     student = load_student(loaded.model_path, "float32", attention, torch.device("cpu"))
-    result["answer"] = generate(student, tokenizer, prompt, metadata, [{"role": "user", "content": "Tell me more."}],
-                                max_new_tokens=3, do_sample=False)
+    result["answer"] = generate(
+        student,
+        tokenizer,
+        prompt,
+        metadata,
+        [{"role": "user", "content": "Tell me more."}],
+        max_new_tokens=3,
+        do_sample=False,
+    )
     result["samples"] = answers(loaded, 2, max_new_tokens=3, student=student)  # spds sample's three views
     return result
 

@@ -1,6 +1,7 @@
 """spds's attention function: the flex kernel's block mask, its numbers, and the kernel a
 checkpointed layer recomputes with. References are plain transformers forwards and masks
 computed element by element with numpy."""
+
 from __future__ import annotations
 
 import sys
@@ -23,6 +24,7 @@ BLOCK = kernels.BLOCK
 
 def block_sets(mask) -> tuple[set, set]:
     """(partial, full) as sets of (query tile, key block) from a BlockMask's indices."""
+
     def read(counts, indices):
         counts, indices = counts[0, 0].tolist(), indices[0, 0].tolist()
         return {(row, indices[row][i]) for row in range(len(counts)) for i in range(counts[row])}
@@ -30,8 +32,21 @@ def block_sets(mask) -> tuple[set, set]:
     return read(mask.kv_num_blocks, mask.kv_indices), read(mask.full_kv_num_blocks, mask.full_kv_indices)
 
 
-@pytest.mark.parametrize("queries,keys", [(1, 1), (5, 5), (128, 128), (130, 130), (300, 300), (100, 400),
-                                          (257, 1000), (128, 256), (1000, 1000), (129, 4000)])
+@pytest.mark.parametrize(
+    "queries,keys",
+    [
+        (1, 1),
+        (5, 5),
+        (128, 128),
+        (130, 130),
+        (300, 300),
+        (100, 400),
+        (257, 1000),
+        (128, 256),
+        (1000, 1000),
+        (129, 4000),
+    ],
+)
 def test_causal_block_mask_covers_exactly_the_allowed_pairs(queries, keys):
     allowed = np.arange(keys)[None] <= np.arange(queries)[:, None] + (keys - queries)  # element by element
     assert_visits_exactly(kernels.causal_block_mask(queries, keys, torch.device("cpu")), allowed)
@@ -44,7 +59,7 @@ def assert_visits_exactly(mask, allowed: np.ndarray) -> None:
     queries, keys = allowed.shape
     for row in range(-(-queries // BLOCK)):
         for column in range(-(-keys // BLOCK)):
-            tile = allowed[row * BLOCK:(row + 1) * BLOCK, column * BLOCK:(column + 1) * BLOCK]
+            tile = allowed[row * BLOCK : (row + 1) * BLOCK, column * BLOCK : (column + 1) * BLOCK]
             assert ((row, column) in partial | full) == bool(tile.any()), (row, column)
             if (row, column) in full:
                 assert tile.shape[1] == BLOCK and tile.all(), (row, column)
@@ -61,8 +76,9 @@ def test_each_kernel_gives_the_plain_forwards_loss_and_gradient(tiny_assets, ker
     rows = [r for r in make_tiny.synthetic_rows(make_tiny.chatml_tokenizer(), 4) if "input_ids" in r]
     segment = Segment(ids=torch.tensor(rows[0]["input_ids"]), prefix_tokens=rows[0]["prefix_tokens"], insert_at=3)
     prompt = initial_prompt(student, 4, section("soft_prompt", init={"method": "random_normal", "std": 0.5}).init, 1)
-    model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked", chunk_tokens=16)),
-                            attention_kernel=kernel)
+    model = SoftPromptModel(
+        student, prompt, make_loss(section("loss", kernel="chunked", chunk_tokens=16)), attention_kernel=kernel
+    )
     reference_prompt = prompt.clone().requires_grad_()
     expected = reference_loss(plain, reference_prompt, segment)
     if "flex" in attention.kernels_in(kernel):  # torch has no flex backward on the CPU: the loss only
@@ -83,15 +99,25 @@ def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypa
 
     used = []  # (kernel, during backward) per attention call
     original = attention.sdpa_causal
-    monkeypatch.setattr(attention, "sdpa_causal", lambda kernel, *args: used.append(
-        (kernel, torch.is_grad_enabled() and backward_started[0])) or original(kernel, *args))
+    monkeypatch.setattr(
+        attention,
+        "sdpa_causal",
+        lambda kernel, *args: (
+            used.append((kernel, torch.is_grad_enabled() and backward_started[0])) or original(kernel, *args)
+        ),
+    )
     backward_started = [False]
     student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
     rows = [r for r in make_tiny.synthetic_rows(make_tiny.chatml_tokenizer(), 4) if "input_ids" in r]
     segment = Segment(ids=torch.tensor(rows[0]["input_ids"]), prefix_tokens=rows[0]["prefix_tokens"], insert_at=3)
     prompt = initial_prompt(student, 4, section("soft_prompt").init, 1)
-    model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked")),
-                            activation_checkpointing=True, attention_kernel="math")
+    model = SoftPromptModel(
+        student,
+        prompt,
+        make_loss(section("loss", kernel="chunked")),
+        activation_checkpointing=True,
+        attention_kernel="math",
+    )
     loss = model([segment])
     backward_started[0] = True
     loss.backward()
@@ -100,8 +126,10 @@ def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypa
     assert [k for k, during in used if during] == ["math"] * layers  # every layer recomputed, on math
 
 
-@pytest.mark.parametrize("queries,keys,window", [(1, 1, 4), (130, 130, 8), (300, 300, 128), (300, 300, 129),
-                                                 (100, 400, 50), (257, 1000, 300), (1000, 1000, 1000)])
+@pytest.mark.parametrize(
+    "queries,keys,window",
+    [(1, 1, 4), (130, 130, 8), (300, 300, 128), (300, 300, 129), (100, 400, 50), (257, 1000, 300), (1000, 1000, 1000)],
+)
 def test_windowed_block_mask_covers_exactly_the_allowed_pairs(queries, keys, window):
     """flex's block mask for a sliding-window layer: the window's pairs, element by element."""
     position = np.arange(queries)[:, None] + (keys - queries)
@@ -115,20 +143,32 @@ def test_a_sliding_window_layer_attends_within_its_window(tiny_assets):
     loss and prompt gradient of transformers' own eager forward, whose mask holds the window."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, sliding_window=5, max_window_layers=0, initializer_range=0.3)
+    shape = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        max_window_layers=0,
+        initializer_range=0.3,
+    )
     config = Qwen3Config(use_sliding_window=True, **shape)
     torch.manual_seed(0)
     student = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").requires_grad_(False)
     plain = AutoModelForCausalLM.from_config(config, attn_implementation="eager").requires_grad_(False)
     plain.load_state_dict(student.state_dict())
-    segment = Segment(ids=torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(1)), prefix_tokens=6,
-                      insert_at=2)
+    segment = Segment(
+        ids=torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(1)), prefix_tokens=6, insert_at=2
+    )
     prompt = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
     model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked")), attention_kernel="math")
     expected = assert_matches_reference(model, [segment], lambda p: reference_loss(plain, p, segment), prompt)
-    unwindowed = AutoModelForCausalLM.from_config(Qwen3Config(use_sliding_window=False, **shape),
-                                                  attn_implementation="eager").requires_grad_(False)
+    unwindowed = AutoModelForCausalLM.from_config(
+        Qwen3Config(use_sliding_window=False, **shape), attn_implementation="eager"
+    ).requires_grad_(False)
     unwindowed.load_state_dict(student.state_dict())
     assert abs(float(reference_loss(unwindowed, prompt, segment)) - float(expected)) > 1e-2  # the window binds
 
@@ -140,9 +180,18 @@ def test_deterministic_auto_takes_fa4_only_where_it_runs_and_a_named_fa4_elsewhe
 
     from spds.errors import SpdsError
 
-    student = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                           attn_implementation="sdpa"))
+    student = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            attn_implementation="sdpa",
+        )
+    )
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the device's type is read
     seen = []
     monkeypatch.setattr(attention, "fa4_unavailable", lambda head_dim: seen.append(head_dim) or "not installed")

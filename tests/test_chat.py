@@ -1,4 +1,5 @@
 """The system scaffold is derived from the chat template, never hard-coded."""
+
 from __future__ import annotations
 
 from conftest import make_tiny
@@ -24,7 +25,7 @@ def test_llama3_scaffold_keeps_the_begin_of_text_lead():
     conversation = [{"role": "user", "content": "hi"}]
     plain = render(tokenizer, conversation, True, {})
     with_empty = render(tokenizer, [{"role": "system", "content": ""}, *conversation], True, {})
-    assert with_empty == scaffold.lead + scaffold.system_header + scaffold.system_close + plain[len(scaffold.lead):]
+    assert with_empty == scaffold.lead + scaffold.system_header + scaffold.system_close + plain[len(scaffold.lead) :]
 
 
 def test_a_template_with_a_default_system_prompt_keeps_it_for_the_soft_prompt_to_precede():

@@ -1,4 +1,5 @@
 """The run contract: schemas, defaults, unknown keys, every problem at once, pins."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,10 @@ def test_defaults_come_from_the_schema(tiny):
     assert config.student.attn_implementation == "sdpa"
     assert config.data_parallel_size == "any"
     assert config.data.candidates[0].sha256 is None
-    assert config.soft_prompt.init.std == schema["properties"]["soft_prompt"]["properties"]["init"]["properties"][
-        "std"]["default"]
+    assert (
+        config.soft_prompt.init.std
+        == schema["properties"]["soft_prompt"]["properties"]["init"]["properties"]["std"]["default"]
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.optim.learning_rate = 1.0  # a run's settings do not change under it
 
@@ -215,9 +218,12 @@ def test_renamed_settings_are_refused_naming_their_new_names(tiny):
     with pytest.raises(SpdsError) as caught:
         load_config(tiny / "config.json")
     text = str(caught.value)
-    for old, new in [("backend", "'sharding'"), ("loss.backend", "'loss.kernel'"),
-                     ("distributed.backend", "'distributed.communication'"),
-                     ("student.sdpa_backend", "'student.attention_kernel'")]:
+    for old, new in [
+        ("backend", "'sharding'"),
+        ("loss.backend", "'loss.kernel'"),
+        ("distributed.backend", "'distributed.communication'"),
+        ("student.sdpa_backend", "'student.attention_kernel'"),
+    ]:
         assert f"{old}: renamed to {new}" in text, text
 
 
@@ -232,8 +238,9 @@ def test_deterministic_training_refuses_attention_without_a_deterministic_backwa
     edit_config(tiny, train={"deterministic": True}, student={"attn_implementation": "flex_attention"})
     with pytest.raises(SpdsError, match="student.attn_implementation: 'flex_attention' has no deterministic"):
         load_config(tiny / "config.json")
-    edit_config(tiny, train={"deterministic": True},
-                student={"attention_kernel": "auto", "attn_implementation": "sdpa"})
+    edit_config(
+        tiny, train={"deterministic": True}, student={"attention_kernel": "auto", "attn_implementation": "sdpa"}
+    )
     load_config(tiny / "config.json")  # auto resolves to a deterministic kernel
     edit_config(tiny, train={"deterministic": False}, student={"attention_kernel": by_length})
     load_config(tiny / "config.json")  # without the promise, cuDNN is the fast choice
@@ -252,8 +259,9 @@ def test_a_teacher_memo_is_refused_for_a_sharded_student(tiny):
 def test_packed_micro_batches_are_refused_for_a_student_spds_cannot_attend_for(tiny):
     """Packed records rely on spds's attention keeping each record to itself; an eager student's
     own attention would read the boundaries as one long sequence and mix the records."""
-    edit_config(tiny, optim={"micro_batch": 4, "micro_batch_layout": "packed"},
-                student={"attn_implementation": "eager"})
+    edit_config(
+        tiny, optim={"micro_batch": 4, "micro_batch_layout": "packed"}, student={"attn_implementation": "eager"}
+    )
     with pytest.raises(SpdsError, match="optim.micro_batch_layout: packed records need spds's attention"):
         load_config(tiny / "config.json")
     edit_config(tiny, student={"attn_implementation": "sdpa"})

@@ -3,6 +3,7 @@ replaced: for greedy decoding the answers are the same ids, for every decoder fa
 (tests/fixtures/models/families.json), with prompts that share a long prefix and questions of
 different lengths; the shared prefix is computed once for every batch that shares it; and a
 sampled batch is the same on a second run with the same seed."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,10 +26,16 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
     """transformers' generate, one prompt at a time (no padding at all): the answer up to and
     including its first end token, or closed with one when cut."""
     ids = torch.tensor([prompt])
-    output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                            do_sample=False, eos_token_id=[END], pad_token_id=0)[0, len(prompt):].tolist()
+    output = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=[END],
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     end = next((i for i, t in enumerate(output) if t == END), None)
-    return output[:end + 1] if end is not None else output + [END]
+    return output[: end + 1] if end is not None else output + [END]
 
 
 @pytest.fixture(scope="module")

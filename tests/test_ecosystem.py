@@ -1,4 +1,5 @@
 """Meeting users where they are: hub model ids from the local cache, a starter config."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,7 @@ def hub_cache(root, student, repo="tiny-org/tiny-student", revision="0123456789a
     return revision
 
 
-def test_a_hub_id_loads_from_the_local_cache_and_is_pinned_like_a_directory(tiny, tiny_assets, tmp_path,
-                                                                            monkeypatch):
+def test_a_hub_id_loads_from_the_local_cache_and_is_pinned_like_a_directory(tiny, tiny_assets, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
@@ -46,8 +46,11 @@ def test_a_hub_id_loads_from_the_local_cache_and_is_pinned_like_a_directory(tiny
     weights = next((cache / "models--tiny-org--tiny-student" / "snapshots" / revision).glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
     result = spds(["validate", "config.json"], tiny, **env)
-    assert result.returncode != 0 and "student.model_sha256" in result.stderr and "changed since it was pinned" in (
-        result.stderr)
+    assert (
+        result.returncode != 0
+        and "student.model_sha256" in result.stderr
+        and "changed since it was pinned" in (result.stderr)
+    )
 
 
 def test_an_id_not_in_the_cache_says_how_to_fetch_it(tiny, tmp_path, monkeypatch):
@@ -65,7 +68,7 @@ def test_init_writes_a_commented_config_that_validates(tiny, tiny_assets):
     result = check(spds(["init", str(tiny_assets / "student"), "candidates.jsonl", "--out", "run.yaml"], tiny))
     text = (tiny / "run.yaml").read_text()
     assert "  # Number of virtual tokens" in text and "learning_rate: 0.001" in text
-    assert "placement: \"system\"" in text  # the tiny ChatML template has a system turn
+    assert 'placement: "system"' in text  # the tiny ChatML template has a system turn
     assert "run.yaml" in result.stdout
     check(spds(["validate", "run.yaml"], tiny))
     check(spds(["prepare", "run.yaml"], tiny))
@@ -122,13 +125,16 @@ def test_a_model_id_and_a_parquet_of_rows_are_enough_to_train(tiny, tiny_assets,
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     rows = [json.loads(line) for line in (tiny / "candidates.jsonl").read_text().splitlines()]
     columns = sorted({key for row in rows for key in row})
-    parquet.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]),
-                        tiny / "teacher.parquet")
+    parquet.write_table(
+        pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]), tiny / "teacher.parquet"
+    )
     check(spds(["init", "tiny-org/tiny-student", "teacher.parquet", "--out", "run.yaml"], tiny, **env))
     text = (tiny / "run.yaml").read_text()
     for field, value in (("length", 4), ("updates", 2), ("effective_batch", 4)):  # CPU-sized, nothing else
-        text = "\n".join(f"  {field}: {value}" if line.startswith(f"  {field}:") else line
-                         for line in text.splitlines()) + "\n"
+        text = (
+            "\n".join(f"  {field}: {value}" if line.startswith(f"  {field}:") else line for line in text.splitlines())
+            + "\n"
+        )
     (tiny / "run.yaml").write_text(text)
     for verb in ("pin", "prepare", "smoke", "train"):
         check(spds([verb, "run.yaml"], tiny, **env))

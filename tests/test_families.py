@@ -1,6 +1,7 @@
 """Decoder families (tests/fixtures/models/families.json: the published configs' architecture at a
 tiny size): spds's loss and prompt gradient equal a plain transformers forward of the same weights,
 padded and packed, for each. The references import nothing from spds's model, loss or engine."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,11 @@ from spds.loss import final_logit_softcap, make_loss
 from spds.model import Segment, SoftPromptModel
 from spds.student import load_student
 
-FAMILIES = {k: v for k, v in json.loads((Path(__file__).parent / "fixtures" / "models" / "families.json").read_text())
-            .items() if not k.startswith("_")}
+FAMILIES = {
+    k: v
+    for k, v in json.loads((Path(__file__).parent / "fixtures" / "models" / "families.json").read_text()).items()
+    if not k.startswith("_")
+}
 VOCAB = 300
 
 
@@ -26,8 +30,15 @@ def save_family(directory: Path, family: str, vocab_size: int = VOCAB, eos: int 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(FAMILIES[family]["config"])
-    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=vocab_size, eos_token_id=eos, pad_token_id=pad,
-                                  bos_token_id=None, initializer_range=0.2, **fields)
+    config = AutoConfig.for_model(
+        fields.pop("model_type"),
+        vocab_size=vocab_size,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        initializer_range=0.2,
+        **fields,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
@@ -46,18 +57,26 @@ def test_loss_and_prompt_gradient_equal_the_familys_own_forward(saved, family):
 
     implementation = FAMILIES[family]["attn_implementation"]
     student = load_student(saved[family], "float32", implementation, torch.device("cpu"))
-    plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32,
-                                                 attn_implementation="eager").requires_grad_(False)
+    plain = AutoModelForCausalLM.from_pretrained(
+        saved[family], dtype=torch.float32, attn_implementation="eager"
+    ).requires_grad_(False)
     generator = torch.Generator().manual_seed(1)
-    segments = [Segment(ids=torch.randint(2, VOCAB, (n,), generator=generator), prefix_tokens=p, insert_at=a)
-                for n, p, a in ((23, 9, 2), (14, 5, 0), (31, 20, 3))]
+    segments = [
+        Segment(ids=torch.randint(2, VOCAB, (n,), generator=generator), prefix_tokens=p, insert_at=a)
+        for n, p, a in ((23, 9, 2), (14, 5, 0), (31, 20, 3))
+    ]
     prompt = torch.randn(3, student.config.hidden_size, generator=generator) * 0.3
     layouts = [False, True] if implementation == "sdpa" else [False]  # packed records need spds's attention
     for packed in layouts:
         loss_fn = make_loss(section("loss", kernel="chunked", chunk_tokens=16), final_logit_softcap(student))
         model = SoftPromptModel(student, prompt.clone(), loss_fn, attention_kernel="math", packed=packed)
-        assert_matches_reference(model, segments, lambda p: sum(plain_loss(plain, p, s) for s in segments), prompt,
-                                 what=f"{family} {'packed' if packed else 'padded'}")
+        assert_matches_reference(
+            model,
+            segments,
+            lambda p: sum(plain_loss(plain, p, s) for s in segments),
+            prompt,
+            what=f"{family} {'packed' if packed else 'padded'}",
+        )
 
 
 def test_a_loss_built_without_the_students_logit_soft_cap_is_refused(saved):

@@ -1,5 +1,6 @@
 """Hostile and careless input: nothing runs code from data, nothing gives a traceback, nothing is
 accepted silently. Each case is what a careless or hostile colleague can put in a shared file."""
+
 from __future__ import annotations
 
 import hashlib
@@ -56,6 +57,7 @@ def test_a_planted_checkpoint_file_runs_no_code(prepared, tmp_path, planted):
 
 # ---------------------------------------------------------------- configs
 
+
 def _validate(directory, capsys, name="config.json") -> tuple[int, str]:
     from spds.cli import main
 
@@ -67,13 +69,16 @@ def _config_text(tiny) -> str:
     return (tiny / "config.json").read_text()
 
 
-@pytest.mark.parametrize("edit,expected", [
-    (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": NaN'), "NaN is not a JSON number"),
-    (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": Infinity'), "Infinity is not a JSON number"),
-    (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": 1e999'), "1e999 overflows"),
-    (lambda t: t.replace('"updates": 30', '"updates": 30, "updates": 3'), "key 'updates' appears twice"),
-    (lambda t: t.replace('"updates": 30', '"updates": 30.0'), "optim.updates: 30.0 is not of type 'integer'"),
-])
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": NaN'), "NaN is not a JSON number"),
+        (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": Infinity'), "Infinity is not a JSON number"),
+        (lambda t: t.replace('"learning_rate": 0.03', '"learning_rate": 1e999'), "1e999 overflows"),
+        (lambda t: t.replace('"updates": 30', '"updates": 30, "updates": 3'), "key 'updates' appears twice"),
+        (lambda t: t.replace('"updates": 30', '"updates": 30.0'), "optim.updates: 30.0 is not of type 'integer'"),
+    ],
+)
 def test_a_config_value_json_would_bend_is_refused_by_key_and_rule(tiny, capsys, edit, expected):
     (tiny / "config.json").write_text(edit(_config_text(tiny)))
     code, err = _validate(tiny, capsys)
@@ -97,8 +102,11 @@ def test_unreadable_config_files_get_a_message_not_a_traceback(tiny, capsys):
     (tiny / "dir.json").mkdir()
     (tiny / "latin1.json").write_bytes(_config_text(tiny).replace("run", "r\xe9n").encode("latin-1"))
     (tiny / "utf16.json").write_bytes(_config_text(tiny).encode("utf-16"))
-    for name, expected in [("dir.json", "is a directory, not a file"), ("latin1.json", "is not UTF-8"),
-                           ("utf16.json", "UTF-16? save it as UTF-8")]:
+    for name, expected in [
+        ("dir.json", "is a directory, not a file"),
+        ("latin1.json", "is not UTF-8"),
+        ("utf16.json", "UTF-16? save it as UTF-8"),
+    ]:
         code, err = _validate(tiny, capsys, name)
         assert code == 1 and expected in err and "Traceback" not in err, (name, err)
     config = json.loads(_config_text(tiny))
@@ -128,6 +136,7 @@ def test_inputs_that_are_not_there_and_outputs_that_overlap_inputs_are_refused(t
 
 # ---------------------------------------------------------------- candidate rows
 
+
 def _rows(tiny) -> list[str]:
     return (tiny / "candidates.jsonl").read_text().splitlines()
 
@@ -143,17 +152,30 @@ def _token_row(tiny, index=0) -> dict:
     return next(row for row in map(json.loads, _rows(tiny)) if "input_ids" in row)
 
 
-@pytest.mark.parametrize("make,rule", [
-    (lambda row: json.dumps(row).replace('"q000-s0"', '"q000-\\u00e9"').encode().replace(b"\\u00e9", b"\xe9"),
-     "rule 'UTF-8 text'"),
-    (lambda row: json.dumps({**row, "input_ids": row["input_ids"][:1] + [True] + row["input_ids"][2:]}).encode(),
-     "input_ids[1]: True is not of type 'integer'"),
-    (lambda row: json.dumps(row).replace('"sample_index": 0', '"sample_index": 0, "sample_index": 1').encode(),
-     "rule 'unique keys'"),
-    (lambda row: json.dumps({**row, "input_ids": row["input_ids"][:3] + [2**70] + row["input_ids"][4:]}).encode(),
-     "input_ids[3]: 1180591620717411303424 is far beyond any vocabulary"),
-    (lambda row: json.dumps(row).replace('"q000-s0"', '"q000-\\ud800"').encode(), "lone surrogate"),
-])
+@pytest.mark.parametrize(
+    "make,rule",
+    [
+        (
+            lambda row: json.dumps(row).replace('"q000-s0"', '"q000-\\u00e9"').encode().replace(b"\\u00e9", b"\xe9"),
+            "rule 'UTF-8 text'",
+        ),
+        (
+            lambda row: json.dumps({**row, "input_ids": row["input_ids"][:1] + [True] + row["input_ids"][2:]}).encode(),
+            "input_ids[1]: True is not of type 'integer'",
+        ),
+        (
+            lambda row: json.dumps(row).replace('"sample_index": 0', '"sample_index": 0, "sample_index": 1').encode(),
+            "rule 'unique keys'",
+        ),
+        (
+            lambda row: json.dumps(
+                {**row, "input_ids": row["input_ids"][:3] + [2**70] + row["input_ids"][4:]}
+            ).encode(),
+            "input_ids[3]: 1180591620717411303424 is far beyond any vocabulary",
+        ),
+        (lambda row: json.dumps(row).replace('"q000-s0"', '"q000-\\ud800"').encode(), "lone surrogate"),
+    ],
+)
 def test_a_bad_row_names_file_line_and_rule(tiny, capsys, make, rule):
     lines = _rows(tiny)
     row = json.loads(lines[0])
@@ -201,6 +223,7 @@ def test_ids_beyond_the_models_embedding_rows_are_refused_at_prepare(tiny, tiny_
 
 # ---------------------------------------------------------------- during a run
 
+
 def _student_copy(prepared, tiny_assets, change=None):
     import shutil
 
@@ -220,6 +243,7 @@ def _student_copy(prepared, tiny_assets, change=None):
 def test_a_non_finite_update_fails_the_run_and_applies_nothing(prepared, tiny_assets):
     """One NaN in the student's lm_head (a damaged download): before, the run trained NaN losses to
     "complete" and wrote bare NaN, which is not JSON, into metrics.jsonl."""
+
     def poison(tensors):
         tensors["lm_head.weight"][7, 3] = float("nan")
 
@@ -264,8 +288,12 @@ def test_a_full_or_read_only_output_file_system_gets_a_clear_message(prepared, t
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        edit_config(prepared, output_dir=str(mount / "run"), checkpoint={"every": 1, "keep_last": 100},
-                    optim={**FAST["optim"], "updates": 30, "schedule": "constant", "warmup_updates": 0})
+        edit_config(
+            prepared,
+            output_dir=str(mount / "run"),
+            checkpoint={"every": 1, "keep_last": 100},
+            optim={**FAST["optim"], "updates": 30, "schedule": "constant", "warmup_updates": 0},
+        )
         result = spds(["train", "config.json"], prepared)
         assert result.returncode == 1 and "No space left on device" in result.stderr and "MiB free" in result.stderr
         assert f"cannot write {mount / 'run'}" in result.stderr, result.stderr[-2000:]
@@ -282,9 +310,11 @@ def test_a_questions_file_is_read_as_strictly_as_every_other(tmp_path):
     from spds.errors import SpdsError
     from spds.generate import read_questions
 
-    for text, rule in [(b'{"question_id": "a", "question": "x", "question": "y"}\n', "rule 'unique keys'"),
-                       (b'{"question_id": "a", "question": "caf\xe9"}\n', "rule 'UTF-8 text'"),
-                       (b'["not", "an", "object"]\n', "a question needs question_id")]:
+    for text, rule in [
+        (b'{"question_id": "a", "question": "x", "question": "y"}\n', "rule 'unique keys'"),
+        (b'{"question_id": "a", "question": "caf\xe9"}\n', "rule 'UTF-8 text'"),
+        (b'["not", "an", "object"]\n', "a question needs question_id"),
+    ]:
         path = tmp_path / "questions.jsonl"
         path.write_bytes(text)
         with pytest.raises(SpdsError, match=rf"questions.jsonl:1: .*{rule}"):

@@ -2,6 +2,7 @@
 them, paths compared as the file system resolves them, DeepSpeed sections checked or refused,
 and no command that fails changes a file the user had. Each case ends in a message naming the
 file and the rule, a non-zero exit, within seconds."""
+
 from __future__ import annotations
 
 import datetime
@@ -36,16 +37,22 @@ def _prepare(directory, capsys) -> tuple[int, str]:
 
 # ---------------------------------------------------------------- bounded reading
 
+
 def test_a_file_that_is_not_a_regular_file_is_refused_at_once(tiny):
     """A FIFO nobody writes once made `spds validate` wait forever."""
     os.mkfifo(tiny / "fifo.json")
     os.mkfifo(tiny / "fifo.txt")
     edit_config(tiny, context={"file": "fifo.txt"})
-    for config, expected in [("fifo.json", "fifo.json: is a FIFO (named pipe), not a regular file"),
-                             ("config.json", "fifo.txt is not a file")]:
+    for config, expected in [
+        ("fifo.json", "fifo.json: is a FIFO (named pipe), not a regular file"),
+        ("config.json", "fifo.txt is not a file"),
+    ]:
         started = time.monotonic()
-        result = spds(["validate", config], tiny, timeout=60) if config == "fifo.json" else \
-            spds(["generate", config], tiny, timeout=60)
+        result = (
+            spds(["validate", config], tiny, timeout=60)
+            if config == "fifo.json"
+            else spds(["generate", config], tiny, timeout=60)
+        )
         assert result.returncode == 1 and expected in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr and time.monotonic() - started < 30
 
@@ -58,15 +65,21 @@ def _laughs() -> str:
     return text
 
 
-@pytest.mark.parametrize("name,text,expected", [
-    ("laughs.yaml", _laughs(), "laughs.yaml:2: rule 'no aliases'"),
-    ("deep.yaml", "x: " + "[" * 5000 + "]" * 5000 + "\n", "deep.yaml: rule 'nesting depth'"),
-    ("keys.yaml", "1: x\n", "keys.yaml:1: rule 'string keys': key 1 is not a string but int"),
-    ("on.yaml", "optim:\n  on: 1\n", "on.yaml:2: rule 'string keys': key True is not a string but bool (YAML 1.1"),
-    ("deep.json", '{"x": ' + "[" * 100000 + "]" * 100000 + "}", "deep.json: rule 'nesting depth'"),
-    ("deep64.json", '{"x": ' + "[" * 70 + "]" * 70 + "}", "deep64.json: rule 'nesting depth': arrays and objects "
-                                                           "nest deeper than 64 levels"),
-])
+@pytest.mark.parametrize(
+    "name,text,expected",
+    [
+        ("laughs.yaml", _laughs(), "laughs.yaml:2: rule 'no aliases'"),
+        ("deep.yaml", "x: " + "[" * 5000 + "]" * 5000 + "\n", "deep.yaml: rule 'nesting depth'"),
+        ("keys.yaml", "1: x\n", "keys.yaml:1: rule 'string keys': key 1 is not a string but int"),
+        ("on.yaml", "optim:\n  on: 1\n", "on.yaml:2: rule 'string keys': key True is not a string but bool (YAML 1.1"),
+        ("deep.json", '{"x": ' + "[" * 100000 + "]" * 100000 + "}", "deep.json: rule 'nesting depth'"),
+        (
+            "deep64.json",
+            '{"x": ' + "[" * 70 + "]" * 70 + "}",
+            "deep64.json: rule 'nesting depth': arrays and objects nest deeper than 64 levels",
+        ),
+    ],
+)
 def test_yaml_and_json_bombs_are_refused_by_rule_in_moments(tiny, capsys, name, text, expected):
     (tiny / name).write_text(text)
     started = time.monotonic()
@@ -103,11 +116,13 @@ def test_rows_the_readers_cannot_take_are_named_by_file_and_rule(tiny, capsys):
     datasets.Dataset.from_list(rows[:2]).save_to_disk(str(tiny / "bad-state"))
     (tiny / "bad-state" / "state.json").write_text("{not json")
     datasets.Dataset.from_list(rows[:1]).select([]).save_to_disk(str(tiny / "no-rows"))
-    cases = [("deep.jsonl", "deep.jsonl:1: request_id ? : rule 'nesting depth'"),
-             ("truncated.parquet", "truncated.parquet: rule 'readable table': not readable as a parquet file"),
-             ("jsonl.parquet", "jsonl.parquet: rule 'readable table'"),
-             ("bad-state", "bad-state: rule 'readable table': not readable as a datasets save_to_disk directory"),
-             ("no-rows", "no-rows: rule 'rows present'")]
+    cases = [
+        ("deep.jsonl", "deep.jsonl:1: request_id ? : rule 'nesting depth'"),
+        ("truncated.parquet", "truncated.parquet: rule 'readable table': not readable as a parquet file"),
+        ("jsonl.parquet", "jsonl.parquet: rule 'readable table'"),
+        ("bad-state", "bad-state: rule 'readable table': not readable as a datasets save_to_disk directory"),
+        ("no-rows", "no-rows: rule 'rows present'"),
+    ]
     for name, expected in cases:
         config = json.loads((tiny / "config.json").read_text())
         config["data"]["candidates"] = [{"path": name}]
@@ -120,8 +135,10 @@ def test_rows_the_readers_cannot_take_are_named_by_file_and_rule(tiny, capsys):
 
 # ---------------------------------------------------------------- numbers bounded by their consumer
 
+
 def _numeric_fields(schema: dict):
     """(dotted name, field schema) of every integer or number field of the config schema."""
+
     def walk(node, path):
         node = {**schema["$defs"][node["$ref"].split("/")[-1]], **node} if "$ref" in node else node
         kinds = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
@@ -133,6 +150,7 @@ def _numeric_fields(schema: dict):
             yield from walk(node["items"], f"{path}[]")
         for option in node.get("oneOf", []) + node.get("anyOf", []):
             yield from walk(option, path)
+
     yield from walk(schema, "")
 
 
@@ -164,9 +182,14 @@ def _consume_grad_norm(value):
     assert torch.isfinite(prompt.grad).all() and prompt.grad.abs().max() > 0
 
 
-CONSUMERS = {"optim.seed": _consume_seed, "generate.seed": _consume_seed,
-             "distributed.timeout_minutes": _consume_timeout, "soft_prompt.init.std": _consume_std,
-             "loss.kl.temperature": _consume_temperature, "optim.max_grad_norm": _consume_grad_norm}
+CONSUMERS = {
+    "optim.seed": _consume_seed,
+    "generate.seed": _consume_seed,
+    "distributed.timeout_minutes": _consume_timeout,
+    "soft_prompt.init.std": _consume_std,
+    "loss.kl.temperature": _consume_temperature,
+    "optim.max_grad_norm": _consume_grad_norm,
+}
 
 
 def test_every_numeric_field_is_bounded_and_its_bounds_are_what_its_consumer_takes(tiny, capsys):
@@ -201,21 +224,26 @@ def test_every_numeric_field_is_bounded_and_its_bounds_are_what_its_consumer_tak
 
 # ---------------------------------------------------------------- paths, as the file system resolves them
 
+
 def test_written_paths_are_compared_with_inputs_after_links_and_dots_are_resolved(tiny, tiny_assets, capsys):
     student = tiny_assets / "student"
     (tiny / "link-to-student").symlink_to(student)
     (tiny / "questions.jsonl").write_text('{"question_id": "q", "question": "hi"}\n')
-    (tiny / "monitor.json").write_text(json.dumps({"zero_optimization": {"stage": 0},
-                                                   "csv_monitor": {"enabled": True,
-                                                                   "output_path": str(student / "csv")}}))
+    (tiny / "monitor.json").write_text(
+        json.dumps(
+            {"zero_optimization": {"stage": 0}, "csv_monitor": {"enabled": True, "output_path": str(student / "csv")}}
+        )
+    )
     cases = [
         (dict(output_dir="link-to-student"), "overlaps student.model_path"),
         (dict(output_dir="run/../link-to-student/x"), "overlaps student.model_path"),
         (dict(checkpoint={"backup_dir": "link-to-student/backup"}), "checkpoint.backup_dir"),
         (dict(data={"backup_dir": str(student / "packed-copy")}), "data.backup_dir"),
         (dict(deepspeed_config="monitor.json"), "deepspeed_config csv_monitor.output_path"),
-        (dict(generate={"questions": "questions.jsonl", "output": "questions.jsonl"}),
-         "generate.output: " + str(tiny / "questions.jsonl") + " would replace generate.questions"),
+        (
+            dict(generate={"questions": "questions.jsonl", "output": "questions.jsonl"}),
+            "generate.output: " + str(tiny / "questions.jsonl") + " would replace generate.questions",
+        ),
         (dict(generate={"output": "link-to-student/config.json"}), "generate.output"),
         (dict(output_dir="."), None),  # the config is config.json, not a file a run writes
     ]
@@ -261,8 +289,9 @@ def test_init_writes_json_under_a_json_name_and_takes_any_file_name(tiny, tiny_a
     from spds.cli import main
 
     os.rename(tiny / "candidates.jsonl", tiny / "données 🙂.jsonl")
-    assert main(["init", str(tiny_assets / "student"), "données 🙂.jsonl", "--out", str(tiny / "run.json")]) == 0, \
+    assert main(["init", str(tiny_assets / "student"), "données 🙂.jsonl", "--out", str(tiny / "run.json")]) == 0, (
         capsys.readouterr().err
+    )
     config = json.loads((tiny / "run.json").read_text(encoding="utf-8"))
     assert [c["path"] for c in config["data"]["candidates"]] == ["données 🙂.jsonl"]
     assert main(["validate", str(tiny / "run.json")]) == 0
@@ -288,15 +317,24 @@ def test_generate_never_drops_a_row_it_wrote(tmp_path):
 
 # ---------------------------------------------------------------- the DeepSpeed config
 
-@pytest.mark.parametrize("ds,expected", [
-    ({"zero_optimization": {"stage": 0, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.offload_param: a ZeRO stage 3 setting, which DeepSpeed ignores at stage 0"),
-    ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage: spds supports ZeRO stage 0"),
-    ({"flops_profiler": {"enabled": False, "profile_stp": 3}}, "flops_profiler.profile_stp: unknown key; did you mean"),
-    ({"comms_logger": {"enabled": "maybe"}}, "comms_logger.enabled: 'maybe' is not of type 'boolean'"),
-    ({"wandb": {"enabled": True, "project": "p"}}, "wandb: enabled, but the wandb package is not installed"),
-    ({"tensorboard": {"enabled": True, "output_path": "tb"}}, None),
-])
+
+@pytest.mark.parametrize(
+    "ds,expected",
+    [
+        (
+            {"zero_optimization": {"stage": 0, "offload_param": {"device": "cpu"}}},
+            "zero_optimization.offload_param: a ZeRO stage 3 setting, which DeepSpeed ignores at stage 0",
+        ),
+        ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage: spds supports ZeRO stage 0"),
+        (
+            {"flops_profiler": {"enabled": False, "profile_stp": 3}},
+            "flops_profiler.profile_stp: unknown key; did you mean",
+        ),
+        ({"comms_logger": {"enabled": "maybe"}}, "comms_logger.enabled: 'maybe' is not of type 'boolean'"),
+        ({"wandb": {"enabled": True, "project": "p"}}, "wandb: enabled, but the wandb package is not installed"),
+        ({"tensorboard": {"enabled": True, "output_path": "tb"}}, None),
+    ],
+)
 def test_deepspeed_sections_are_checked_or_refused_at_validate(tiny, capsys, ds, expected):
     import importlib.util
 
@@ -311,6 +349,7 @@ def test_deepspeed_sections_are_checked_or_refused_at_validate(tiny, capsys, ds,
 
 
 # ---------------------------------------------------------------- locks, stop requests, run files
+
 
 def test_a_refused_process_never_releases_a_lock_it_does_not_hold(tiny, capsys):
     from spds.errors import SpdsError
@@ -375,6 +414,7 @@ def test_run_files_of_the_wrong_shape_are_refused_or_skipped_by_name(prepared):
 
 # ---------------------------------------------------------------- checkpoints and faults during runs
 
+
 @pytest.mark.slow
 def test_a_damaged_checkpoint_is_named_and_the_run_resumes_from_the_newest_intact_one(prepared, tmp_path):
     check(spds(["train", "config.json"], prepared))
@@ -437,9 +477,14 @@ def test_a_rank_killed_mid_run_leaves_a_truthful_terminal_json(prepared):
     it; the launch script does, naming the last update and the resume point (update 2 was never
     committed: none)."""
     edit_config(prepared, data_parallel_size=2, checkpoint={"every": 2, "keep_last": 3})
-    result = subprocess.run(["bash", str(LAUNCH / "single_node.sh"), "config.json", "--gpus", "2"], cwd=prepared,
-                            capture_output=True, text=True, timeout=300,
-                            env=environment(SPDS_FAULT="kill-after-deepspeed-save:4"))
+    result = subprocess.run(
+        ["bash", str(LAUNCH / "single_node.sh"), "config.json", "--gpus", "2"],
+        cwd=prepared,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment(SPDS_FAULT="kill-after-deepspeed-save:4"),
+    )
     assert result.returncode != 0
     terminal = read_json(prepared / "run" / "terminal.json")
     assert terminal["status"] == "failed" and terminal["update"] == 4, terminal

@@ -3,6 +3,7 @@ teacher (the context's keys and values computed once) against a plain forward wi
 
 The references here import nothing from spds's loss: each divergence is written as its textbook
 formula over materialised probabilities and differentiated by autograd."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,9 @@ from spds.contract import section
 from spds.loss import TeacherTargets, make_loss
 
 
-def reference_loss(hidden, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight,
-                   top=None):
+def reference_loss(
+    hidden, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight, top=None
+):
     logits = hidden @ weight.t()
     log_q = torch.log_softmax(logits / temperature, dim=-1)
     if top is None:
@@ -39,9 +41,15 @@ def random_top_k(n: int, vocab: int, k: int, generator) -> tuple[torch.Tensor, t
 
 
 CASES = [  # objective, direction, temperature, teacher
-    ("kl", "forward", 1.0, "context"), ("kl", "reverse", 1.0, "context"), ("kl", "jsd", 1.0, "context"),
-    ("kl", "forward", 2.0, "context"), ("kl", "reverse", 0.5, "context"), ("mix", "jsd", 1.5, "context"),
-    ("kl", "forward", 1.0, "top_k"), ("kl", "reverse", 1.0, "top_k"), ("mix", "jsd", 1.0, "top_k"),
+    ("kl", "forward", 1.0, "context"),
+    ("kl", "reverse", 1.0, "context"),
+    ("kl", "jsd", 1.0, "context"),
+    ("kl", "forward", 2.0, "context"),
+    ("kl", "reverse", 0.5, "context"),
+    ("mix", "jsd", 1.5, "context"),
+    ("kl", "forward", 1.0, "top_k"),
+    ("kl", "reverse", 1.0, "top_k"),
+    ("mix", "jsd", 1.0, "top_k"),
 ]
 
 
@@ -55,20 +63,31 @@ def test_distillation_loss_and_gradient_equal_the_plain_definitions(objective, d
     teacher_hidden = hidden + 0.7 * torch.randn(n, width, generator=generator, dtype=torch.float64)
     targets = torch.randint(0, vocab, (n,), generator=generator)
     top = random_top_k(n, vocab, 8, generator) if teacher == "top_k" else None
-    settings = section("loss", objective=objective, ce_weight=0.25, kl_weight=2.0, kernel="chunked", chunk_tokens=20,
-                       kl={"direction": direction, "temperature": temperature, "jsd_beta": beta})
+    settings = section(
+        "loss",
+        objective=objective,
+        ce_weight=0.25,
+        kl_weight=2.0,
+        kernel="chunked",
+        chunk_tokens=20,
+        kl={"direction": direction, "temperature": temperature, "jsd_beta": beta},
+    )
     loss_fn = make_loss(settings)
     assert loss_fn.needs_teacher
-    targets_of = (TeacherTargets(hidden=teacher_hidden) if top is None
-                  else TeacherTargets(top_ids=top[0], top_logprobs=top[1].float()))
+    targets_of = (
+        TeacherTargets(hidden=teacher_hidden)
+        if top is None
+        else TeacherTargets(top_ids=top[0], top_logprobs=top[1].float())
+    )
     mine = hidden.clone().requires_grad_(True)
     loss = loss_fn(mine, weight, targets, targets_of)  # chunk 20 // 4 = 5 rows at a time: 8 chunks
     loss.backward()
     theirs = hidden.clone().requires_grad_(True)
     ce_weight, kl_weight = (0.25, 2.0) if objective == "mix" else (0.0, 1.0)
     top_exact = None if top is None else (top[0], top[1].float().double())  # what the kernel saw, in float64
-    expected = reference_loss(theirs, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight,
-                              kl_weight, top_exact)
+    expected = reference_loss(
+        theirs, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight, top_exact
+    )
     expected.backward()
     assert float(expected.detach()) > 0
     # The kernel works in fp32 (as on the GPU), the reference in float64: the kernel's rounding.
@@ -99,8 +118,9 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(t
 
     calls = []  # the records' queries attend the cached keys causally from the lower right
     attention = attention_module.lower_right_causal
-    monkeypatch.setattr(attention_module, "lower_right_causal",
-                        lambda *args, **kwargs: calls.append(1) or attention(*args, **kwargs))
+    monkeypatch.setattr(
+        attention_module, "lower_right_causal", lambda *args, **kwargs: calls.append(1) or attention(*args, **kwargs)
+    )
 
     path = tiny_assets / "student"
     student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
@@ -112,8 +132,10 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(t
     teacher = ContextTeacher(model, context)
     generator = torch.Generator().manual_seed(2)
     header = torch.tensor([1, 5, 9])  # the same tokens before the insertion point in every record
-    segments = [Segment(ids=torch.cat([header, torch.randint(10, 60, (n,), generator=generator)]), prefix_tokens=p,
-                        insert_at=3) for n, p in ((12, 7), (20, 3), (6, 4))]
+    segments = [
+        Segment(ids=torch.cat([header, torch.randint(10, 60, (n,), generator=generator)]), prefix_tokens=p, insert_at=3)
+        for n, p in ((12, 7), (20, 3), (6, 4))
+    ]
     rows = teacher.targets(segments).hidden
     assert teacher.prefix_forwards == 1  # three records, one forward over header + context
     assert len(calls) == 3 * student.config.num_hidden_layers
@@ -124,7 +146,7 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(t
         joined = torch.cat([embed(ids[:a]), embed(context), embed(ids[a:])])[None]
         states = plain.model(inputs_embeds=joined).last_hidden_state[0]
         # response token ids[t] sits at t + len(context) and is predicted from the position before
-        expected.append(states[segment.prefix_tokens + len(context) - 1:len(ids) + len(context) - 1])
+        expected.append(states[segment.prefix_tokens + len(context) - 1 : len(ids) + len(context) - 1])
     assert_rounding_close(rows, torch.cat(expected), what="teacher states")
     # Another record after a forward: the cache was cropped back to the prefix, not grown.
     again = teacher.targets(segments[:1]).hidden
@@ -146,8 +168,15 @@ def test_teacher_memo_keeps_each_records_states_and_changes_no_number(tiny_asset
     model = SoftPromptModel(student, torch.zeros(3, student.config.hidden_size), make_loss(section("loss")))
     context = torch.arange(20, 40)
     generator = torch.Generator().manual_seed(3)
-    segments = [Segment(ids=torch.cat([torch.tensor([1, 5, 9]), torch.randint(10, 60, (n,), generator=generator)]),
-                        prefix_tokens=5, insert_at=3, index=i) for i, n in enumerate((12, 20, 6))]
+    segments = [
+        Segment(
+            ids=torch.cat([torch.tensor([1, 5, 9]), torch.randint(10, 60, (n,), generator=generator)]),
+            prefix_tokens=5,
+            insert_at=3,
+            index=i,
+        )
+        for i, n in enumerate((12, 20, 6))
+    ]
     plain = ContextTeacher(model, context, reuse_context=False)
     alone = [plain.targets([s]).hidden for s in segments]  # each record's own pass, no memo
     memo = ContextTeacher(model, context, reuse_context=False, memo_gib=1.0)

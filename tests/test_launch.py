@@ -1,6 +1,7 @@
 """Launching like DeepSpeed users do: the real deepspeed launcher, two 'nodes' with --no_ssh on
 this machine, and contracts that stop a bad launch before any process starts. Two real hosts
 (sshd, pdsh, SLURM) are tests/test_multinode.py's."""
+
 from __future__ import annotations
 
 import signal
@@ -27,15 +28,22 @@ LAUNCH = REPO / "launch"
 
 
 def script(name: str, *args: str, cwd, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(LAUNCH / name), *args], cwd=cwd, capture_output=True, text=True,
-                          env=environment(**env), timeout=timeout)
+    return subprocess.run(
+        ["bash", str(LAUNCH / name), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=environment(**env),
+        timeout=timeout,
+    )
 
 
 def test_launch_refuses_an_invalid_config_before_starting_anything(tiny, tmp_path):
     edit_config(tiny, optim={"lerning_rate": 1.0})
-    for name, args in [("single_node.sh", ["--gpus", "2"]),
-                       ("multi_node.sh", [str(tmp_path / "hostfile"), "--no-ssh", "--node-rank", "0", "--master-addr",
-                                          "127.0.0.1"])]:
+    for name, args in [
+        ("single_node.sh", ["--gpus", "2"]),
+        ("multi_node.sh", [str(tmp_path / "hostfile"), "--no-ssh", "--node-rank", "0", "--master-addr", "127.0.0.1"]),
+    ]:
         (tmp_path / "hostfile").write_text("node-a slots=1\n")
         result = script(name, "config.json", *args, cwd=tiny)
         assert result.returncode != 0
@@ -51,8 +59,11 @@ def test_world_size_contract_is_checked_at_launch(prepared):
     assert "data_parallel_size is 4 but this launch has world size 2" in result.stdout + result.stderr
 
 
-LONG = dict(optim={**FAST["optim"], "updates": 30, "schedule": "constant", "warmup_updates": 0},
-            checkpoint={"every": 1000, "keep_last": 2}, data_parallel_size=2)
+LONG = dict(
+    optim={**FAST["optim"], "updates": 30, "schedule": "constant", "warmup_updates": 0},
+    checkpoint={"every": 1000, "keep_last": 2},
+    data_parallel_size=2,
+)
 
 
 @pytest.mark.slow
@@ -66,8 +77,15 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_at_a_boundary_and_resume
     assert read_json(run_dir / "straight" / "run.json")["launch"]["launcher"] == "deepspeed"
     straight = final_state(run_dir / "straight")
     launches = {
-        "via-script": ["bash", str(LAUNCH / "single_node.sh"), "config.json", "--gpus", "2", "--port",
-                       str(free_port())],
+        "via-script": [
+            "bash",
+            str(LAUNCH / "single_node.sh"),
+            "config.json",
+            "--gpus",
+            "2",
+            "--port",
+            str(free_port()),
+        ],
         "via-torchrun": launch_command(["train", "config.json"], world=2, launcher="torchrun"),
     }
     for name, command in launches.items():
@@ -94,8 +112,11 @@ def test_sigterm_to_the_launcher_alone_stops_every_rank_at_a_boundary_and_resume
     # The stopped run resumes to the straight run's state, bit for bit (a resume does not depend on
     # the launcher that stopped it: tests/test_train.py resumes after every kind of stop).
     edit_config(run_dir, output_dir="via-script", **LONG)
-    check(subprocess.run(launches["via-script"], cwd=run_dir, env=environment(), capture_output=True, text=True,
-                         timeout=300))
+    check(
+        subprocess.run(
+            launches["via-script"], cwd=run_dir, env=environment(), capture_output=True, text=True, timeout=300
+        )
+    )
     assert read_json(run_dir / "via-script" / "terminal.json")["status"] == "complete"
     assert [m["update"] for m in metrics(run_dir / "via-script")] == list(range(1, 31))
     state = final_state(run_dir / "via-script")
@@ -125,13 +146,22 @@ def test_hostile_launch_arguments_are_refused_before_anything_starts(tiny, tmp_p
         assert result.returncode != 0 and f"{hostfile}:{index + 1}: not" in result.stderr, result.stderr
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\n")
-    for args, complaint in [(["--master-addr", f"$(touch {marker})"], "--master-addr must be"),
-                            (["--port", "1;touch x"], "--port must be a whole number")]:
+    for args, complaint in [
+        (["--master-addr", f"$(touch {marker})"], "--master-addr must be"),
+        (["--port", "1;touch x"], "--port must be a whole number"),
+    ]:
         result = script("multi_node.sh", "config.json", str(hostfile), *args, cwd=tiny)
         assert result.returncode != 0 and complaint in result.stderr, result.stderr
     # ssh/pdsh: the deepspeed launcher sends PYTHON* variables on its command line itself
-    result = script("multi_node.sh", "config.json", str(hostfile), "--master-addr", "127.0.0.1", cwd=tiny,
-                    PYTHONSTARTUP=f"$(touch {marker})")
+    result = script(
+        "multi_node.sh",
+        "config.json",
+        str(hostfile),
+        "--master-addr",
+        "127.0.0.1",
+        cwd=tiny,
+        PYTHONSTARTUP=f"$(touch {marker})",
+    )
     assert result.returncode != 0 and "PYTHONSTARTUP" in result.stderr and "remote shell" in result.stderr
     assert not marker.exists() and "launch.py" not in result.stdout + result.stderr
 
@@ -140,10 +170,14 @@ def test_hostile_scheduler_values_are_refused_before_any_arithmetic_or_command_s
     """bash arithmetic evaluates an array subscript's $(...) (SLURM_JOB_ID), and a value spliced
     into a sed script runs through its `e` command (SLURM_GPUS_PER_NODE)."""
     marker = tmp_path / "marker"
-    cases = [(dict(SLURM_JOB_ID=f"BASH_VERSINFO[$(touch {marker})]", SLURM_JOB_NODELIST="h1"), "SLURM_JOB_ID must be"),
-             (dict(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="h1", SLURM_GPUS_PER_NODE=f"1/;e touch {marker};#"),
-              "SLURM_GPUS_PER_NODE must be [type:]count"),
-             (dict(SLURM_JOB_ID="7"), "SLURM_JOB_NODELIST is not set")]
+    cases = [
+        (dict(SLURM_JOB_ID=f"BASH_VERSINFO[$(touch {marker})]", SLURM_JOB_NODELIST="h1"), "SLURM_JOB_ID must be"),
+        (
+            dict(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="h1", SLURM_GPUS_PER_NODE=f"1/;e touch {marker};#"),
+            "SLURM_GPUS_PER_NODE must be [type:]count",
+        ),
+        (dict(SLURM_JOB_ID="7"), "SLURM_JOB_NODELIST is not set"),
+    ]
     for variables, complaint in cases:
         result = script("slurm.sbatch", "config.json", cwd=tiny, SLURM_SUBMIT_DIR=str(REPO), **variables)
         assert result.returncode != 0 and complaint in result.stderr, result.stderr

@@ -1,4 +1,5 @@
 """The distillation loop around training: generate, eval, export."""
+
 from __future__ import annotations
 
 import json
@@ -35,10 +36,10 @@ def test_generate_is_deterministic_and_resumes_after_a_torn_write(loop_dir, tmp_
     first = output.read_bytes()
     rows = [json.loads(line) for line in first.splitlines()]
     assert len(rows) == 64 and len({r["request_id"] for r in rows}) == 64
-    assert all(r["input_ids"][r["prefix_tokens"]:] == r["labels"][r["prefix_tokens"]:] for r in rows)
+    assert all(r["input_ids"][r["prefix_tokens"] :] == r["labels"][r["prefix_tokens"] :] for r in rows)
     # The student-side prompt has no context: the context's words never appear in it.
     tokenizer = make_tiny.chatml_tokenizer()
-    assert all("Lumen Bay" not in tokenizer.decode(r["input_ids"][:r["prefix_tokens"]]) for r in rows)
+    assert all("Lumen Bay" not in tokenizer.decode(r["input_ids"][: r["prefix_tokens"]]) for r in rows)
     # A crash mid-write: 20 whole lines and half of the 21st.
     lines = first.splitlines(keepends=True)
     output.write_bytes(b"".join(lines[:20]) + lines[20][: len(lines[20]) // 2])
@@ -56,11 +57,17 @@ def test_generate_writes_the_teachers_top_k_and_prepare_packs_them(loop_dir):
     teacher (the student with the context as system message) over the same ids."""
     from transformers import AutoModelForCausalLM
 
-    edit_config(loop_dir, generate={**read_json(loop_dir / "config.json")["generate"], "top_k_logprobs": 4,
-                                    "output": "top-k.jsonl"},
-                data={"candidates": [{"path": "top-k.jsonl"}], "packed_dir": "packed-top-k", "context_limit": 4096,
-                      "eval_fraction": 0.25},
-                loss={"objective": "kl", "teacher": "top_k"})
+    edit_config(
+        loop_dir,
+        generate={**read_json(loop_dir / "config.json")["generate"], "top_k_logprobs": 4, "output": "top-k.jsonl"},
+        data={
+            "candidates": [{"path": "top-k.jsonl"}],
+            "packed_dir": "packed-top-k",
+            "context_limit": 4096,
+            "eval_fraction": 0.25,
+        },
+        loss={"objective": "kl", "teacher": "top_k"},
+    )
     check(spds(["generate", "config.json"], loop_dir))
     rows = [json.loads(line) for line in (loop_dir / "top-k.jsonl").read_text().splitlines()]
     row = rows[5]
@@ -69,14 +76,13 @@ def test_generate_writes_the_teachers_top_k_and_prepare_packs_them(loop_dir):
     config = load_config(loop_dir / "config.json")
     teacher = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, config.student.dtype))
     tokenizer = make_tiny.chatml_tokenizer()
-    assert "Lumen Bay" not in tokenizer.decode(row["input_ids"][:row["prefix_tokens"]])  # the teacher's prompt had it
+    assert "Lumen Bay" not in tokenizer.decode(row["input_ids"][: row["prefix_tokens"]])  # the teacher's prompt had it
     question = next(q["question"] for q in read_rows_questions(loop_dir) if q["question_id"] == row["question_id"])
     messages = [{"role": "system", "content": make_tiny.CONTEXT}, {"role": "user", "content": question}]
-    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False))
-    response = row["input_ids"][row["prefix_tokens"]:]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    response = row["input_ids"][row["prefix_tokens"] :]
     with torch.no_grad():
-        logits = teacher(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+        logits = teacher(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
     expected = torch.log_softmax(logits.float(), dim=-1).topk(4, dim=-1)
     assert top["ids"] == expected.indices.tolist()
     assert_rounding_close(torch.tensor(top["logprobs"]), expected.values, what="top-k log-probabilities")
@@ -90,8 +96,14 @@ def read_rows_questions(directory) -> list[dict]:
 
 @pytest.mark.slow
 def test_eval_matches_a_hand_computed_reference(tiny):
-    edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2}}, student={"dtype": "float32"},
-                data={"eval_fraction": 0.3}, context={"text": make_tiny.CONTEXT}, eval={"kl": True})
+    edit_config(
+        tiny,
+        **{**FAST, "optim": {**FAST["optim"], "updates": 2}},
+        student={"dtype": "float32"},
+        data={"eval_fraction": 0.3},
+        context={"text": make_tiny.CONTEXT},
+        eval={"kl": True},
+    )
     check(spds(["prepare", "config.json"], tiny))
     check(spds(["train", "config.json"], tiny))
     result = check(spds(["eval", "config.json"], tiny))
@@ -114,19 +126,23 @@ def test_eval_matches_a_hand_computed_reference(tiny):
                 embeds = student.get_input_embeddings()(ids)
                 joined = torch.cat([embeds[:at], block, embeds[at:]])[None]
                 labels = torch.cat([ids[:at], torch.full((len(block),), -100), ids[at:]])
-                labels[:prefix + len(block)] = -100
+                labels[: prefix + len(block)] = -100
                 logits = student(inputs_embeds=joined).logits[0]
                 nll[name] = float(torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum"))
                 response_logits[name] = logits[:-1][labels[1:] != -100]
             teacher = torch.log_softmax(response_logits["ceiling"], -1)
-            per_record.append((nll, float((teacher.exp() * (teacher - torch.log_softmax(response_logits["soft"], -1)))
-                                          .sum())))
+            per_record.append(
+                (nll, float((teacher.exp() * (teacher - torch.log_softmax(response_logits["soft"], -1))).sum()))
+            )
 
     def expected(records: int) -> dict:  # eval.json's figures over the first `records` held-out records
         tokens = int(store.supervised_tokens[held_out[:records]].sum())
-        return dict(records=records, supervised_tokens=tokens,
-                    nll={name: sum(nll[name] for nll, _ in per_record[:records]) / tokens for name in blocks},
-                    kl_to_teacher=sum(kl for _, kl in per_record[:records]) / tokens)
+        return dict(
+            records=records,
+            supervised_tokens=tokens,
+            nll={name: sum(nll[name] for nll, _ in per_record[:records]) / tokens for name in blocks},
+            kl_to_teacher=sum(kl for _, kl in per_record[:records]) / tokens,
+        )
 
     reference = expected(len(held_out))
     assert report["records"] == len(held_out) and report["supervised_tokens"] == reference["supervised_tokens"]
@@ -151,8 +167,9 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     # filler pass to keep the collective gathers in step): the hand-computed numbers.
     odd = len(held_out) - 1 + len(held_out) % 2
     assert odd % 2 == 1
-    edit_config(tiny, eval={"kl": True, "max_records": odd},
-                distributed={"timeout_minutes": 2})  # ranks out of step fail soon instead of hanging
+    edit_config(
+        tiny, eval={"kl": True, "max_records": odd}, distributed={"timeout_minutes": 2}
+    )  # ranks out of step fail soon instead of hanging
     reference = expected(odd)
     for sharded in (dict(sharding="fsdp"), dict(deepspeed_config="ds_configs/zero3.json")):
         edit_config(tiny, **sharded)
@@ -198,8 +215,9 @@ def test_export_round_trip_and_generation_splices_as_training(tiny):
     served = prompt_embeds(student, tokenizer, prompt, metadata, messages)
     assert served.dtype == student.dtype and served.shape == (len(ids) + len(prompt), student.config.hidden_size)
     with torch.no_grad():
-        assert torch.equal(served, model.joined_embeddings([Segment(torch.tensor(ids), len(ids), insert_at)],
-                                                           model.prompt)[0])
+        assert torch.equal(
+            served, model.joined_embeddings([Segment(torch.tensor(ids), len(ids), insert_at)], model.prompt)[0]
+        )
 
     reply = generate(student, tokenizer, prompt, metadata, messages, max_new_tokens=5, do_sample=False)
     assert isinstance(reply, str)
@@ -208,8 +226,15 @@ def test_export_round_trip_and_generation_splices_as_training(tiny):
 @pytest.mark.slow
 def test_peft_adapter_gives_the_same_loss_for_prefix_placement(tiny):
     peft = pytest.importorskip("peft")
-    edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2},
-                         "soft_prompt": {**FAST["soft_prompt"], "placement": "prefix"}}, student={"dtype": "float32"})
+    edit_config(
+        tiny,
+        **{
+            **FAST,
+            "optim": {**FAST["optim"], "updates": 2},
+            "soft_prompt": {**FAST["soft_prompt"], "placement": "prefix"},
+        },
+        student={"dtype": "float32"},
+    )
     check(spds(["prepare", "config.json"], tiny))
     check(spds(["train", "config.json"], tiny))
     exported = json.loads(check(spds(["export", "config.json"], tiny)).stdout.strip().splitlines()[-1])
@@ -221,13 +246,16 @@ def test_peft_adapter_gives_the_same_loss_for_prefix_placement(tiny):
     from spds.loss import make_loss
     from spds.model import Segment, SoftPromptModel
 
-    reference = SoftPromptModel(load_student(config.model_path, "float32", "sdpa", torch.device("cpu")), prompt,
-                                make_loss(section("loss", kernel="chunked", chunk_tokens=64)))
+    reference = SoftPromptModel(
+        load_student(config.model_path, "float32", "sdpa", torch.device("cpu")),
+        prompt,
+        make_loss(section("loss", kernel="chunked", chunk_tokens=64)),
+    )
     with torch.no_grad():
         for i in range(3):
             ids = torch.from_numpy(store.ids(i))
             labels = ids.clone()
-            labels[:int(store.prefix_tokens[i])] = -100
+            labels[: int(store.prefix_tokens[i])] = -100
             peft_loss = model(input_ids=ids[None], labels=labels[None]).loss
             spds_loss = reference([Segment(ids, int(store.prefix_tokens[i]), 0)]) / int(store.supervised_tokens[i])
             assert_rounding_close(peft_loss, spds_loss, what=f"record {i}'s loss")
@@ -240,8 +268,14 @@ def test_sample_answers_three_ways_as_a_plain_greedy_decode_would(tiny):
     context answers likewise; a rerun writes the same file."""
     from transformers import AutoModelForCausalLM
 
-    edit_config(tiny, **{**FAST, "optim": {**FAST["optim"], "updates": 2}}, student={"dtype": "float32"},
-                context={"text": make_tiny.CONTEXT}, eval={"max_new_tokens": 6}, data={"eval_fraction": 0.3})
+    edit_config(
+        tiny,
+        **{**FAST, "optim": {**FAST["optim"], "updates": 2}},
+        student={"dtype": "float32"},
+        context={"text": make_tiny.CONTEXT},
+        eval={"max_new_tokens": 6},
+        data={"eval_fraction": 0.3},
+    )
     (tiny / "questions.jsonl").write_text(json.dumps({"question_id": "x", "question": "What is the comet?"}) + "\n")
     check(spds(["prepare", "config.json"], tiny))
     check(spds(["train", "config.json"], tiny))
@@ -251,20 +285,32 @@ def test_sample_answers_three_ways_as_a_plain_greedy_decode_would(tiny):
     assert len(rows) == 1 and rows[0]["question"] == "What is the comet?" and (tiny / "run" / "samples.md").exists()
     tokenizer = make_tiny.chatml_tokenizer()
     plain = AutoModelForCausalLM.from_pretrained(load_config(tiny / "config.json").model_path, dtype=torch.float32)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the comet?"}], tokenize=True,
-                                        add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the comet?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     header = tokenizer.encode("<|im_start|>system\n", add_special_tokens=False)  # ChatML's, written out
     close = tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
     context = tokenizer.encode(make_tiny.CONTEXT, add_special_tokens=False)
     embed = plain.get_input_embeddings()
-    inserted = {"bare": torch.zeros(0, plain.config.hidden_size), "soft": final_state(tiny / "run")["prompt"],
-                "context": embed(torch.tensor(context))}
+    inserted = {
+        "bare": torch.zeros(0, plain.config.hidden_size),
+        "soft": final_state(tiny / "run")["prompt"],
+        "context": embed(torch.tensor(context)),
+    }
     for view, block in inserted.items():
         with torch.no_grad():
             inputs = torch.cat([embed(torch.tensor(header)), block, embed(torch.tensor(close + list(ids)))])[None]
-            output = plain.generate(inputs_embeds=inputs, attention_mask=torch.ones(inputs.shape[:2], dtype=torch.long),
-                                    max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                    pad_token_id=tokenizer.pad_token_id)
+            output = plain.generate(
+                inputs_embeds=inputs,
+                attention_mask=torch.ones(inputs.shape[:2], dtype=torch.long),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         assert rows[0][view] == tokenizer.decode(output[0], skip_special_tokens=True).strip(), view
     assert rows[0]["soft"] != rows[0]["bare"]
     before = (tiny / "run" / "samples.jsonl").read_bytes()

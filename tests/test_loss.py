@@ -1,4 +1,5 @@
 """The chunked fused linear cross entropy equals the plain definition, value and gradient."""
+
 from __future__ import annotations
 
 import pytest
@@ -84,5 +85,12 @@ def test_a_soft_capped_head_is_the_loss_of_its_capped_logits(objective):
     assert_rounding_close(loss, expected, what="loss")
     assert_rounding_close(mine.grad, theirs.grad, what="gradient")
     uncapped = make_loss(section("loss", objective=objective, kernel="chunked", chunk_tokens=8))
-    assert abs(float(uncapped(hidden, weight, targets, TeacherTargets(hidden=teacher_hidden)
-                              if objective == "kl" else None)) - float(expected)) > 1.0  # the cap matters here
+    assert (
+        abs(
+            float(
+                uncapped(hidden, weight, targets, TeacherTargets(hidden=teacher_hidden) if objective == "kl" else None)
+            )
+            - float(expected)
+        )
+        > 1.0
+    )  # the cap matters here

@@ -1,4 +1,5 @@
 """The soft prompt is spliced where the record says, and the loss is the student's own CE."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,6 @@ def plain_student(tiny_assets):
     return AutoModelForCausalLM.from_pretrained(tiny_assets / "student", dtype=torch.float32).requires_grad_(False)
 
 
-
 def init(**fields):
     """soft_prompt.init from these fields and the schema's defaults."""
     return section("soft_prompt", init=fields).init
@@ -49,7 +49,7 @@ def reference_loss(student, prompt, segment):
     a, P = segment.insert_at, prompt.shape[0]
     joined = torch.cat([embeddings[:a], prompt.to(embeddings.dtype), embeddings[a:]])[None]
     labels = torch.cat([segment.ids[:a], torch.full((P,), -100), segment.ids[a:]]).clone()
-    labels[:segment.prefix_tokens + P] = -100
+    labels[: segment.prefix_tokens + P] = -100
     logits = student(inputs_embeds=joined, position_ids=torch.arange(joined.shape[1])[None]).logits[0]
     return torch.nn.functional.cross_entropy(logits[:-1].float(), labels[1:], reduction="sum")
 
@@ -103,16 +103,19 @@ def test_packed_micro_batch_equals_plain_forwards_of_each_record(student, plain_
     gets the record boundaries too."""
     tokenizer = make_tiny.chatml_tokenizer()
     rows = [r for r in make_tiny.synthetic_rows(tokenizer, 8) if "input_ids" in r][:3]
-    segments = [Segment(torch.tensor(r["input_ids"]), r["prefix_tokens"], insert_at)
-                for r, insert_at in zip(rows, [3, 0, 3])]
+    segments = [
+        Segment(torch.tensor(r["input_ids"]), r["prefix_tokens"], insert_at) for r, insert_at in zip(rows, [3, 0, 3])
+    ]
     assert len({len(s.ids) for s in segments}) == 3
     prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=1)
     model = SoftPromptModel(student, prompt, CHUNKED_16, activation_checkpointing=recomputed, packed=True)
     rows_seen, forward = [], student.model.forward  # what each forward of the student's body is given
-    monkeypatch.setattr(student.model, "forward", lambda **kw: rows_seen.append(kw["inputs_embeds"].shape)
-                        or forward(**kw))
-    assert_matches_reference(model, segments, lambda p: sum(reference_loss(plain_student, p, s) for s in segments),
-                             prompt)
+    monkeypatch.setattr(
+        student.model, "forward", lambda **kw: rows_seen.append(kw["inputs_embeds"].shape) or forward(**kw)
+    )
+    assert_matches_reference(
+        model, segments, lambda p: sum(reference_loss(plain_student, p, s) for s in segments), prompt
+    )
     assert rows_seen == [torch.Size([1, sum(len(s.ids) + 4 for s in segments), student.config.hidden_size])]
 
 
@@ -183,8 +186,13 @@ def test_auto_checkpointing_policy(student):
     # A kernel that materialises the scores (math SDPA): [heads, L, L] bf16 kept per plain layer,
     # three while a layer runs. The same micro-batch needs more layers recomputed, and a length the
     # linear model would accept is refused.
-    quadratic = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cpu"),
-                                attention=AttentionPlan("math", student, torch.device("cpu")))
+    quadratic = RecomputePolicy(
+        "auto",
+        student,
+        budget_gib=None,
+        device=torch.device("cpu"),
+        attention=AttentionPlan("math", student, torch.device("cpu")),
+    )
     quadratic.device, quadratic.layers, quadratic.budget = policy.device, policy.layers, policy.budget
     heads, hidden, layers = quadratic.attention.heads, quadratic.hidden, quadratic.layers
 
@@ -195,8 +203,11 @@ def test_auto_checkpointing_policy(student):
 
     assert quadratic(1500) > partial
     assert quadratic_need(quadratic(1500), 1500) <= policy.budget < quadratic_need(quadratic(1500) - 1, 1500)
-    longest_linear = max(n for n in range(1000, 20_000, 50)  # every layer recomputed, linear model
-                         if n * policy.hidden * (2 * policy.layers + 40) <= policy.budget)
+    longest_linear = max(
+        n
+        for n in range(1000, 20_000, 50)  # every layer recomputed, linear model
+        if n * policy.hidden * (2 * policy.layers + 40) <= policy.budget
+    )
     policy(longest_linear)  # the linear model accepts it...
     with pytest.raises(SpdsError, match="quadratic in length"):
         quadratic(longest_linear)  # ...the math kernel's scores do not fit

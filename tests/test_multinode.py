@@ -5,6 +5,7 @@ Every run here is the same 2-rank job (one CPU rank per host, gloo); each is com
 with one straight 2-rank run made on this machine by torchrun, and that run with the plain-PyTorch
 reference update (tests/test_reference.py), so a launch path that changed a single number fails.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,12 @@ from test_reference import assert_same_state, reference_run
 pytestmark = pytest.mark.slow  # in a process of its own, beside the other tests (tools/run-tests.sh)
 LAUNCH = REPO / "launch"
 UPDATES = 30
-LONG = dict(student={"dtype": "float32"},  # the reference's dtype
-            optim={**FAST["optim"], "updates": UPDATES, "schedule": "constant", "warmup_updates": 0,
-                   "max_grad_norm": 20.0},
-            checkpoint={"every": 1000, "keep_last": 2}, data_parallel_size=2)
+LONG = dict(
+    student={"dtype": "float32"},  # the reference's dtype
+    optim={**FAST["optim"], "updates": UPDATES, "schedule": "constant", "warmup_updates": 0, "max_grad_norm": 20.0},
+    checkpoint={"every": 1000, "keep_last": 2},
+    data_parallel_size=2,
+)
 STATE = ("prompt", "exp_avg", "exp_avg_sq", "step")
 
 
@@ -100,8 +103,14 @@ def test_hostfile_launch_over_real_ssh_and_pdsh(cluster, run_dir, straight, tmp_
     hostile = f'pa$$word"; touch {marker}; echo "$(touch {marker})`touch {marker}`'
     env = environment(NCCL_SPDS_PROBE=hostile, HF_TOKEN="hf_secret_0123")
     command = ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile)]
-    process = cluster.h1.popen(command, cwd=run_dir, env={**env, "SPDS_TEST_PACE": "0.3"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = cluster.h1.popen(
+        command,
+        cwd=run_dir,
+        env={**env, "SPDS_TEST_PACE": "0.3"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for_lines(run_dir / "pdsh" / "metrics.jsonl", 2, process)
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=180)[0]
@@ -128,8 +137,12 @@ def test_variables_the_launcher_sends_to_every_node_run_nothing_on_a_cuda_cluste
     hostfile.write_text("h1 slots=1\nh2 slots=1\n")
     edit_config(run_dir, output_dir="cuda")
     marker = tmp_path / "marker"
-    result = cluster.h1.run(["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile)], cwd=run_dir,
-                            env=environment(DS_ACCELERATOR="cuda", NCCL_SPDS_PROBE=f"$(touch {marker})"), timeout=300)
+    result = cluster.h1.run(
+        ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile)],
+        cwd=run_dir,
+        env=environment(DS_ACCELERATOR="cuda", NCCL_SPDS_PROBE=f"$(touch {marker})"),
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "cmd = pdsh" in output, output[-3000:]
     assert not marker.exists() and "NCCL_SPDS_PROBE" not in output
@@ -146,10 +159,29 @@ def test_no_ssh_one_launch_script_per_host(cluster, run_dir, straight, tmp_path)
     edit_config(run_dir, output_dir="no-ssh")
 
     def launch(**extra):
-        return [host.popen(["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile), "--no-ssh",
-                            "--node-rank", str(rank), "--master-addr", "h1", "--port", "29511"], cwd=run_dir,
-                           env=environment(**extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for rank, host in enumerate(cluster.hosts)]
+        return [
+            host.popen(
+                [
+                    "bash",
+                    str(LAUNCH / "multi_node.sh"),
+                    "config.json",
+                    str(hostfile),
+                    "--no-ssh",
+                    "--node-rank",
+                    str(rank),
+                    "--master-addr",
+                    "h1",
+                    "--port",
+                    "29511",
+                ],
+                cwd=run_dir,
+                env=environment(**extra),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank, host in enumerate(cluster.hosts)
+        ]
 
     nodes = launch(SPDS_TEST_PACE="0.3", NCCL_DEBUG="WARN")
     wait_for_lines(run_dir / "no-ssh" / "metrics.jsonl", 2, nodes[0])
@@ -171,11 +203,25 @@ def test_no_ssh_one_launch_script_per_host(cluster, run_dir, straight, tmp_path)
 
 # -- SLURM -------------------------------------------------------------------------------------
 
+
 def sbatch(cluster, run_dir, *options: str, config: str = "config.json", **env) -> str:
     """Submitted from h1 in the spds checkout, as the README says; the job runs in run_dir."""
-    result = check(cluster.h1.run(["sbatch", "--parsable", "--nodes=2", f"--chdir={run_dir}",
-                                   f"--output={run_dir}/slurm-%j.out", *options, str(LAUNCH / "slurm.sbatch"), config],
-                                  cwd=REPO, env=cluster.slurm_env(environment(**env))))
+    result = check(
+        cluster.h1.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--nodes=2",
+                f"--chdir={run_dir}",
+                f"--output={run_dir}/slurm-%j.out",
+                *options,
+                str(LAUNCH / "slurm.sbatch"),
+                config,
+            ],
+            cwd=REPO,
+            env=cluster.slurm_env(environment(**env)),
+        )
+    )
     return result.stdout.strip().split(";")[0]
 
 
@@ -187,8 +233,17 @@ def job_state(cluster, job: str) -> dict:
 # A job's end states. JobState also shows passing flags while the job runs (SIGNALING while the
 # time limit's warning signal is delivered, COMPLETING, CONFIGURING, STAGE_OUT, ...), so the wait
 # is for one of these, not for a state other than RUNNING.
-ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
-         "DEADLINE"}
+ENDED = {
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def wait_job(cluster, job: str, timeout: float = 300) -> dict:
@@ -241,8 +296,7 @@ STOPS = {  # name: (sbatch options, what the test runs once the job trains)
 
 
 @pytest.mark.parametrize("name", STOPS)
-def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exactly(cluster, run_dir, straight,
-                                                                                    name):
+def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exactly(cluster, run_dir, straight, name):
     options, stop = STOPS[name]
     edit_config(run_dir, output_dir=f"slurm-{name}")
     job = sbatch(cluster, run_dir, *options, SPDS_TEST_PACE="1.5" if name == "time-limit" else "0.3")
@@ -275,4 +329,3 @@ def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exac
         launch = read_json(run_dir / f"slurm-{name}" / "run.json")["launch"]
         assert launch["hosts"] == ["h1", "h2"] and launch["environment"]["SLURM_JOB_ID"] == job
         assert launch["environment"]["CUDA_VISIBLE_DEVICES"] == "0"  # SLURM's GRES gave this rank a device
-

@@ -1,5 +1,6 @@
 """spds as a user installs it: a wheel that works outside the checkout, every import declared,
 the tested versions pinned, and a word at start-up when an installed one is not among them."""
+
 from __future__ import annotations
 
 import ast
@@ -106,20 +107,45 @@ def test_a_package_outside_the_tested_range_is_named_once_at_start_up(tmp_path):
     record.mkdir(parents=True)
     (record / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 99.0\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]))
-    result = subprocess.run([sys.executable, "-m", "spds.cli", "validate", str(tmp_path / "absent.json")],
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "spds.cli", "validate", str(tmp_path / "absent.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in result.stderr.splitlines() if "outside the versions spds is tested with" in line]
     assert len(lines) == 1, result.stderr
     assert "transformers 99.0" in lines[0] and str(TESTED["transformers"]) in lines[0]
     env["RANK"] = "1"  # a launcher's other ranks say nothing
-    result = subprocess.run([sys.executable, "-m", "spds.cli", "validate", str(tmp_path / "absent.json")],
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "spds.cli", "validate", str(tmp_path / "absent.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "outside the versions" not in result.stderr
 
 
 def build_wheel(directory: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(directory), str(REPO)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(directory),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = directory.glob("spds-*.whl")
     return wheel
 
@@ -134,25 +160,42 @@ def test_the_wheel_runs_the_whole_loop_outside_the_checkout(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     here = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
     (site / "dependencies.pth").write_text("\n".join(sorted(here)) + "\n")  # after the venv's own site
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     work = tmp_path / "work"
     make_tiny.build(work)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
     def run(*args: str) -> str:
-        result = subprocess.run([str(venv / "bin" / "spds"), *args], cwd=work, env=env, capture_output=True,
-                                text=True, timeout=600)
+        result = subprocess.run(
+            [str(venv / "bin" / "spds"), *args], cwd=work, env=env, capture_output=True, text=True, timeout=600
+        )
         assert result.returncode == 0, f"spds {' '.join(args)}: exit {result.returncode}\n{result.stderr[-4000:]}"
         return result.stdout
 
-    where = subprocess.run([str(python), "-c", "import spds.schema as c; print(c.__file__, c.SCHEMA_DIR)"], cwd=work,
-                           env=env, capture_output=True, text=True, check=True).stdout
+    where = subprocess.run(
+        [str(python), "-c", "import spds.schema as c; print(c.__file__, c.SCHEMA_DIR)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert str(REPO) not in where and str(venv) in where, where
     run("init", "student", "candidates.jsonl", "--out", "run.yaml")
     assert "ok" in run("validate", "run.yaml")

@@ -1,4 +1,5 @@
 """spds prepare: exact tokens, every row rule, atomic output, locking, reruns, backup."""
+
 from __future__ import annotations
 
 import json
@@ -28,14 +29,15 @@ def test_packed_tokens_equal_source_tokens_plus_scaffold(tiny):
         source = row.get("input_ids")
         if source is None:  # chat form: rendered by the template
             from spds.data.chat import render_chat_row
+
             source, _, _ = render_chat_row(tokenizer, row["messages"], row["response"], [tokenizer.eos_token_id], {})
         if entry["added_system"]:
             assert ids == header + close + source
         else:
-            assert ids == source and source[:len(header)] == header
+            assert ids == source and source[: len(header)] == header
         assert entry["insert_at"] == len(header)
         assert entry["supervised_tokens"] == len(ids) - entry["prefix_tokens"]
-        assert ids[entry["prefix_tokens"]:] == source[len(source) - entry["supervised_tokens"]:]
+        assert ids[entry["prefix_tokens"] :] == source[len(source) - entry["supervised_tokens"] :]
     assert manifest["tokens"] == int(store.length.sum()) == (store.directory / "tokens.uint32").stat().st_size // 4
     assert manifest["counts"]["added_empty_system"] + manifest["counts"]["existing_system"] == len(rows)
 
@@ -61,12 +63,19 @@ BAD_ROWS = {
     "labels mask": lambda r: r["labels"].__setitem__(0, 5),
     "non-empty supervision": lambda r: r.update(prefix_tokens=len(r["input_ids"]), labels=[-100] * len(r["input_ids"])),
     "supervised_tokens consistent": lambda r: r.update(supervised_tokens=r["supervised_tokens"] + 1),
-    "ends with end-of-turn": lambda r: (r["input_ids"].append(65), r["labels"].append(65),
-                                        r.update(supervised_tokens=r["supervised_tokens"] + 1)),
-    "token ids in vocabulary": lambda r: (r["input_ids"].insert(-1, 100000), r["labels"].insert(-1, 100000),
-                                          r.update(supervised_tokens=r["supervised_tokens"] + 1)),
-    "conversation start": lambda r: r.update(input_ids=[65] + r["input_ids"], labels=[-100] + r["labels"],
-                                             prefix_tokens=r["prefix_tokens"] + 1),
+    "ends with end-of-turn": lambda r: (
+        r["input_ids"].append(65),
+        r["labels"].append(65),
+        r.update(supervised_tokens=r["supervised_tokens"] + 1),
+    ),
+    "token ids in vocabulary": lambda r: (
+        r["input_ids"].insert(-1, 100000),
+        r["labels"].insert(-1, 100000),
+        r.update(supervised_tokens=r["supervised_tokens"] + 1),
+    ),
+    "conversation start": lambda r: r.update(
+        input_ids=[65] + r["input_ids"], labels=[-100] + r["labels"], prefix_tokens=r["prefix_tokens"] + 1
+    ),
     "context limit": lambda r: None,  # made to fail by the config below
 }
 
@@ -102,9 +111,11 @@ def test_invalid_json_and_blank_line(tiny):
 
 def test_duplicate_request_id_names_both_lines(tiny):
     _break(tiny, 40, lambda r: r.update(request_id="q001-s0"))
-    with pytest.raises(SpdsError,
-                       match=r"candidates.jsonl:40: request_id q001-s0: rule 'unique request_id': "
-                             r"already used at candidates.jsonl:3"):
+    with pytest.raises(
+        SpdsError,
+        match=r"candidates.jsonl:40: request_id q001-s0: rule 'unique request_id': "
+        r"already used at candidates.jsonl:3",
+    ):
         prepare(load_config(tiny / "config.json"))
     assert not (tiny / "packed").exists()
 
@@ -128,8 +139,12 @@ def test_concurrent_prepare_is_refused(tiny):
     from spds.fsio import exclusive_lock
 
     with exclusive_lock(tiny / ".packed.lock", "held by test"):
-        result = subprocess.run([sys.executable, "-m", "spds.cli", "prepare", str(tiny / "config.json")],
-                                capture_output=True, text=True, cwd=REPO)
+        result = subprocess.run(
+            [sys.executable, "-m", "spds.cli", "prepare", str(tiny / "config.json")],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
     assert result.returncode == 1
     assert "already running" in result.stderr
     assert not (tiny / "packed").exists()
@@ -167,9 +182,11 @@ def test_llama3_student_rows(tmp_path, tiny):
 
 def test_schema_rule_checks_every_id(tiny):
     _break(tiny, 5, lambda r: r["input_ids"].__setitem__(2, -7))
-    with pytest.raises(SpdsError,
-                       match=r"candidates.jsonl:5: request_id q002-s0: rule 'schema'.*"
-                             r"input_ids\[2\]: -7 is less than the minimum of 0"):
+    with pytest.raises(
+        SpdsError,
+        match=r"candidates.jsonl:5: request_id q002-s0: rule 'schema'.*"
+        r"input_ids\[2\]: -7 is less than the minimum of 0",
+    ):
         prepare(load_config(tiny / "config.json"))
     _break(tiny, 5, lambda r: r["input_ids"].__setitem__(2, 1.5))
     with pytest.raises(SpdsError, match=r"input_ids\[2\]: 1.5 is not of type 'integer'"):
@@ -180,13 +197,22 @@ def test_prepare_killed_midway_leaves_no_store_and_the_next_one_completes(tiny):
     import signal
 
     rows = read_rows(tiny / "candidates.jsonl")
-    process = subprocess.Popen([sys.executable, "-c", (
-        "import sys, os, signal; from spds.data import packed; original = packed.PackedWriter.add\n"
-        "def add(self, record, split):\n"
-        "    original(self, record, split)\n"
-        "    if self.records == 10: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "packed.PackedWriter.add = add\n"
-        "from spds.cli import main; main(['prepare', sys.argv[1]])"), str(tiny / "config.json")], cwd=REPO)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, os, signal; from spds.data import packed; original = packed.PackedWriter.add\n"
+                "def add(self, record, split):\n"
+                "    original(self, record, split)\n"
+                "    if self.records == 10: os.kill(os.getpid(), signal.SIGKILL)\n"
+                "packed.PackedWriter.add = add\n"
+                "from spds.cli import main; main(['prepare', sys.argv[1]])"
+            ),
+            str(tiny / "config.json"),
+        ],
+        cwd=REPO,
+    )
     assert process.wait(timeout=120) == -signal.SIGKILL
     assert not (tiny / "packed").exists()
     assert [p.name for p in tiny.glob(".packed.partial-*")]  # the killed writer's leftovers

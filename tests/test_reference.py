@@ -12,6 +12,7 @@ README's definition of an update:
 A DeepSpeed default that clipped every gradient to norm 1.0 passed spds's own world-size and
 resume tests for months, because both sides shared it; this test is the one that catches it.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,11 @@ from helpers import (
 # prompt is far from anything useful): clipping at 20 changes the first update only. Adam is
 # blind to a scale shared by every update, so what shows a wrong clip is a change in the ratio
 # between updates: DeepSpeed's default (1.0) would clip all three, to the same norm.
-CLIPPED = dict(student={"dtype": "float32"},
-               soft_prompt={"length": 4, "placement": "system", "init": {"method": "random_normal", "std": 0.002}},
-               optim={**FAST["optim"], "updates": 3, "learning_rate": 0.003, "max_grad_norm": 20.0})
+CLIPPED = dict(
+    student={"dtype": "float32"},
+    soft_prompt={"length": 4, "placement": "system", "init": {"method": "random_normal", "std": 0.002}},
+    optim={**FAST["optim"], "updates": 3, "learning_rate": 0.003, "max_grad_norm": 20.0},
+)
 
 
 def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, loss: dict | None = None) -> dict:
@@ -58,10 +61,15 @@ def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, lo
     student.requires_grad_(False).eval()
     embed = student.get_input_embeddings()
     length, hidden = config["soft_prompt"]["length"], student.config.hidden_size
-    prompt = (torch.randn(length, hidden, generator=torch.Generator().manual_seed(optim["seed"])) * init["std"])
+    prompt = torch.randn(length, hidden, generator=torch.Generator().manual_seed(optim["seed"])) * init["std"]
     prompt.requires_grad_(True)
-    adam = torch.optim.AdamW([prompt], lr=learning_rates[0], betas=tuple(optim.get("betas", (0.9, 0.999))),
-                             eps=optim.get("eps", 1e-8), weight_decay=optim.get("weight_decay", 0.0))
+    adam = torch.optim.AdamW(
+        [prompt],
+        lr=learning_rates[0],
+        betas=tuple(optim.get("betas", (0.9, 0.999))),
+        eps=optim.get("eps", 1e-8),
+        weight_decay=optim.get("weight_decay", 0.0),
+    )
     if loss is not None and loss["teacher"] == "context":
         tokenizer = AutoTokenizer.from_pretrained(config["student"]["model_path"])
         context = embed(torch.tensor(tokenizer.encode(config["context"]["text"], add_special_tokens=False)))
@@ -74,15 +82,15 @@ def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, lo
         epoch, k = divmod(update - 1, len(train) // B)
         generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([optim["seed"], epoch])))
         order = generator.permutation(len(train))
-        batch = [train[i] for i in order[k * B:(k + 1) * B]]
+        batch = [train[i] for i in order[k * B : (k + 1) * B]]
         total = torch.zeros(())
         for entry in batch:
-            ids = torch.from_numpy(tokens[entry["offset"]:entry["offset"] + entry["length"]])
+            ids = torch.from_numpy(tokens[entry["offset"] : entry["offset"] + entry["length"]])
             a, prefix = entry["insert_at"], entry["prefix_tokens"]
             joined = torch.cat([embed(ids[:a]), prompt, embed(ids[a:])])[None]
             logits = student(inputs_embeds=joined).logits[0].float()
             # response token ids[t] sits at joined position t + length and is predicted from the one before
-            response_logits = logits[prefix + length - 1:len(ids) + length - 1]
+            response_logits = logits[prefix + length - 1 : len(ids) + length - 1]
             ce = torch.nn.functional.cross_entropy(response_logits, ids[prefix:], reduction="sum")
             if loss is None:
                 total = total + ce
@@ -93,7 +101,7 @@ def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, lo
                 with torch.no_grad():
                     seen = torch.cat([embed(ids[:a]), context, embed(ids[a:])])[None]
                     C = len(context)
-                    teacher = student(inputs_embeds=seen).logits[0, prefix + C - 1:len(ids) + C - 1]
+                    teacher = student(inputs_embeds=seen).logits[0, prefix + C - 1 : len(ids) + C - 1]
                 log_p = torch.log_softmax(teacher / T, dim=-1)
             else:
                 rows = slice(entry["top_k_offset"], entry["top_k_offset"] + entry["supervised_tokens"])
@@ -128,8 +136,15 @@ RUNS = {  # name: (world, launcher, extra config)
     "zero3-2": (2, "torchrun", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero3.json")),
     "fsdp-2": (2, "torchrun", dict(sharding="fsdp", deepspeed_config="ds_configs/zero0.json")),
     # up to three records end to end in one forward, each attending only to itself
-    "packed-2": (2, "torchrun", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero0.json",
-                                     optim={**CLIPPED["optim"], "micro_batch": 3, "micro_batch_layout": "packed"})),
+    "packed-2": (
+        2,
+        "torchrun",
+        dict(
+            sharding="deepspeed",
+            deepspeed_config="ds_configs/zero0.json",
+            optim={**CLIPPED["optim"], "micro_batch": 3, "micro_batch_layout": "packed"},
+        ),
+    ),
 }
 
 
@@ -164,14 +179,30 @@ def test_update_equals_plain_pytorch_for_every_backend_and_world_size(prepared):
 # Every direction, on 1, 2 and 3 ranks between them; the kernel itself is checked for every
 # direction and temperature against the same formulas in tests/test_kl.py.
 KL_RUNS = {  # name: (world, launcher, loss section, reference's loss)
-    "kl-forward-1": (1, "plain", dict(objective="kl"),
-                     dict(direction="forward", temperature=1.0, ce_weight=0.0, kl_weight=1.0)),
-    "kl-reverse-2": (2, "torchrun", dict(objective="kl", reuse_context_kv=True,
-                                         kl={"direction": "reverse", "temperature": 2.0}),
-                     dict(direction="reverse", temperature=2.0, ce_weight=0.0, kl_weight=1.0)),
-    "mix-jsd-3": (3, "torchrun", dict(objective="mix", ce_weight=0.5, kl_weight=2.0, teacher_memo_gib=0.01,
-                                      kl={"direction": "jsd", "jsd_beta": 0.3, "temperature": 1.5}),
-                  dict(direction="jsd", temperature=1.5, ce_weight=0.5, kl_weight=2.0, beta=0.3)),
+    "kl-forward-1": (
+        1,
+        "plain",
+        dict(objective="kl"),
+        dict(direction="forward", temperature=1.0, ce_weight=0.0, kl_weight=1.0),
+    ),
+    "kl-reverse-2": (
+        2,
+        "torchrun",
+        dict(objective="kl", reuse_context_kv=True, kl={"direction": "reverse", "temperature": 2.0}),
+        dict(direction="reverse", temperature=2.0, ce_weight=0.0, kl_weight=1.0),
+    ),
+    "mix-jsd-3": (
+        3,
+        "torchrun",
+        dict(
+            objective="mix",
+            ce_weight=0.5,
+            kl_weight=2.0,
+            teacher_memo_gib=0.01,
+            kl={"direction": "jsd", "jsd_beta": 0.3, "temperature": 1.5},
+        ),
+        dict(direction="jsd", temperature=1.5, ce_weight=0.5, kl_weight=2.0, beta=0.3),
+    ),
 }
 
 
@@ -185,13 +216,18 @@ def test_kl_update_equals_plain_pytorch_online_teacher_on_1_2_and_3_ranks(prepar
         check(spds(["train", "config.json"], prepared, world=world, launcher=launcher))
         assert read_json(prepared / name / "run.json")["loss_kernel"] == "chunked-distillation"
         lines = metrics(prepared / name)
-        reference = reference_run(prepared, [m["learning_rate"] for m in lines], max_grad_norm=20.0,
-                                  loss=dict(dict(beta=0.5, teacher="context"), **expected))
+        reference = reference_run(
+            prepared,
+            [m["learning_rate"] for m in lines],
+            max_grad_norm=20.0,
+            loss=dict(dict(beta=0.5, teacher="context"), **expected),
+        )
         state = final_state(prepared / name)
         assert_same_state(state, reference, [m["learning_rate"] for m in lines], name)
         assert [m["grad_norm"] for m in lines] == pytest.approx(reference["grad_norms"], rel=ROUNDING)
-        assert (state["prompt"] - reference_run(prepared, [m["learning_rate"] for m in lines], 20.0)["prompt"]
-                ).abs().max() > 1e-4, f"{name}: the KL run moved the prompt as CE would"
+        assert (
+            state["prompt"] - reference_run(prepared, [m["learning_rate"] for m in lines], 20.0)["prompt"]
+        ).abs().max() > 1e-4, f"{name}: the KL run moved the prompt as CE would"
 
 
 @pytest.mark.slow
@@ -210,19 +246,29 @@ def test_kl_over_an_offline_teachers_top_k_equals_plain_pytorch_on_that_support(
         shares = generator.dirichlet(np.ones(k), size=n) * generator.uniform(0.5, 0.95, size=(n, 1))
         rows.append(dict(row, top_logprobs=dict(ids=ids, logprobs=np.log(shares).tolist())))
     (prepared / "top-k.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    edit_config(prepared, output_dir="top-k", **CLIPPED, loss=dict(objective="kl", teacher="top_k"),
-                data={"candidates": [{"path": "top-k.jsonl"}], "packed_dir": "packed-top-k"})
+    edit_config(
+        prepared,
+        output_dir="top-k",
+        **CLIPPED,
+        loss=dict(objective="kl", teacher="top_k"),
+        data={"candidates": [{"path": "top-k.jsonl"}], "packed_dir": "packed-top-k"},
+    )
     check(spds(["prepare", "config.json"], prepared))
     check(spds(["train", "config.json"], prepared, world=2, launcher="torchrun"))
     lines = metrics(prepared / "top-k")
-    reference = reference_run(prepared, [m["learning_rate"] for m in lines], max_grad_norm=20.0,
-                              loss=dict(direction="forward", temperature=1.0, ce_weight=0.0, kl_weight=1.0, beta=0.5,
-                                        teacher="top_k"))
+    reference = reference_run(
+        prepared,
+        [m["learning_rate"] for m in lines],
+        max_grad_norm=20.0,
+        loss=dict(direction="forward", temperature=1.0, ce_weight=0.0, kl_weight=1.0, beta=0.5, teacher="top_k"),
+    )
     assert_same_state(final_state(prepared / "top-k"), reference, [m["learning_rate"] for m in lines], "top-k")
     # A row without them under an offline teacher is refused, naming file, line, request_id and rule.
-    (prepared / "top-k.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3])
-                                          + json.dumps({k: v for k, v in rows[3].items() if k != "top_logprobs"})
-                                          + "\n")
+    (prepared / "top-k.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in rows[:3])
+        + json.dumps({k: v for k, v in rows[3].items() if k != "top_logprobs"})
+        + "\n"
+    )
     edit_config(prepared, data={"candidates": [{"path": "top-k.jsonl"}], "packed_dir": "packed-top-k-2"})
     result = spds(["prepare", "config.json"], prepared)
     assert result.returncode != 0

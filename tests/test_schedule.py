@@ -1,4 +1,5 @@
 """Batches depend only on (seed, update, dataset size); ranks get equal counts, longest first."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace

@@ -1,4 +1,5 @@
 """How the fsdp backend lays out the student: what a CPU can check of GPU memory behaviour."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,15 @@ def one_rank_group():
 def test_fsdp_layers_give_back_their_weights_after_forward(one_rank_group):
     # FSDP keeps a root's weights gathered from forward to backward; if every layer were a root,
     # the whole student would sit gathered on every GPU during forward (an OOM on 2xH200).
-    config = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    config = Qwen3Config(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     student = Qwen3ForCausalLM(config).requires_grad_(False)
     FSDP2Layout(student, torch.device("cpu"))
     embeddings = torch.randn(1, 5, 32, requires_grad=True)

@@ -1,6 +1,7 @@
 """The package's shape, as a newcomer meets it: no import circle among spds's modules, and an
 import of spds's own code inside a function only where a comment on that line says why (a
 deferred import otherwise hides a circle, or a start-up cost, from the reader)."""
+
 from __future__ import annotations
 
 import ast
@@ -24,7 +25,7 @@ def spds_imports(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
@@ -53,15 +54,16 @@ def known(target: str, names) -> str | None:
 
 def test_no_import_circle_among_spds_modules():
     names = modules()
-    graph = {name: {known(t, names) for t, _, _ in spds_imports(path)} - {None, name, "spds"}
-             for name, path in names.items()}
+    graph = {
+        name: {known(t, names) for t, _, _ in spds_imports(path)} - {None, name, "spds"} for name, path in names.items()
+    }
     circles, state = [], {}
 
     def visit(node, trail):
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                circles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+                circles.append(" -> ".join(trail[trail.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = "done"
@@ -79,5 +81,7 @@ def test_a_deferred_import_of_spds_code_says_why():
         for target, line, at_top in spds_imports(path):
             if not at_top and "#" not in lines[line - 1]:
                 unexplained.append(f"{path.relative_to(REPO)}:{line}: {lines[line - 1].strip()}")
-    assert not unexplained, ("imports of spds code inside a function, with no comment on the line saying why "
-                             "(move them to the module's top, or say why they wait):\n  " + "\n  ".join(unexplained))
+    assert not unexplained, (
+        "imports of spds code inside a function, with no comment on the line saying why "
+        "(move them to the module's top, or say why they wait):\n  " + "\n  ".join(unexplained)
+    )

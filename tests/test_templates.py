@@ -1,5 +1,6 @@
 """Chat templates as published (tests/fixtures/templates): where the soft prompt lands in each,
 written out by hand, and the refusals that name what works instead."""
+
 from __future__ import annotations
 
 import datetime
@@ -39,55 +40,56 @@ QUESTION = [{"role": "user", "content": "Tell me about the comet."}]
 # "It glows." (a token row as a teacher writes it: the generation prompt, the answer, the turn end).
 EXPECTED = {
     ("chatml", "system"): "<|im_start|>system\n⟨P⟩<|im_end|>\n<|im_start|>user\nTell me about the comet.<|im_end|>\n"
-                          "<|im_start|>assistant\nIt glows.<|im_end|>",
+    "<|im_start|>assistant\nIt glows.<|im_end|>",
     ("chatml", "first_user"): "<|im_start|>user\n⟨P⟩Tell me about the comet.<|im_end|>\n<|im_start|>assistant\n"
-                              "It glows.<|im_end|>",
+    "It glows.<|im_end|>",
     ("qwen2.5", "system"): "<|im_start|>system\n⟨P⟩You are Qwen, created by Alibaba Cloud. You are a helpful "
-                           "assistant.<|im_end|>\n<|im_start|>user\nTell me about the comet.<|im_end|>\n"
-                           "<|im_start|>assistant\nIt glows.<|im_end|>",
+    "assistant.<|im_end|>\n<|im_start|>user\nTell me about the comet.<|im_end|>\n"
+    "<|im_start|>assistant\nIt glows.<|im_end|>",
     ("qwen2.5", "system", "empty"): "<|im_start|>system\n⟨P⟩<|im_end|>\n<|im_start|>user\nTell me about the comet."
-                                    "<|im_end|>\n<|im_start|>assistant\nIt glows.<|im_end|>",
+    "<|im_end|>\n<|im_start|>assistant\nIt glows.<|im_end|>",
     ("qwen2.5", "first_user"): "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
-                               "assistant.<|im_end|>\n<|im_start|>user\n⟨P⟩Tell me about the comet.<|im_end|>\n"
-                               "<|im_start|>assistant\nIt glows.<|im_end|>",
+    "assistant.<|im_end|>\n<|im_start|>user\n⟨P⟩Tell me about the comet.<|im_end|>\n"
+    "<|im_start|>assistant\nIt glows.<|im_end|>",
     ("smollm2", "system"): "<|im_start|>system\n⟨P⟩You are a helpful AI assistant named SmolLM, trained by Hugging "
-                           "Face<|im_end|>\n<|im_start|>user\nTell me about the comet.<|im_end|>\n"
-                           "<|im_start|>assistant\nIt glows.<|im_end|>",
+    "Face<|im_end|>\n<|im_start|>user\nTell me about the comet.<|im_end|>\n"
+    "<|im_start|>assistant\nIt glows.<|im_end|>",
     ("smollm2", "system", "empty"): "<|im_start|>system\n⟨P⟩<|im_end|>\n<|im_start|>user\nTell me about the comet."
-                                    "<|im_end|>\n<|im_start|>assistant\nIt glows.<|im_end|>",
+    "<|im_end|>\n<|im_start|>assistant\nIt glows.<|im_end|>",
     ("smollm2", "first_user"): "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-                               "Face<|im_end|>\n<|im_start|>user\n⟨P⟩Tell me about the comet.<|im_end|>\n"
-                               "<|im_start|>assistant\nIt glows.<|im_end|>",
+    "Face<|im_end|>\n<|im_start|>user\n⟨P⟩Tell me about the comet.<|im_end|>\n"
+    "<|im_start|>assistant\nIt glows.<|im_end|>",
     ("qwen3", "system"): "<|im_start|>system\n⟨P⟩<|im_end|>\n<|im_start|>user\nTell me about the comet.<|im_end|>\n"
-                         "<|im_start|>assistant\n<think>\n\n</think>\n\nIt glows.<|im_end|>",
+    "<|im_start|>assistant\n<think>\n\n</think>\n\nIt glows.<|im_end|>",
     ("qwen3", "first_user"): "<|im_start|>user\n⟨P⟩Tell me about the comet.<|im_end|>\n<|im_start|>assistant\n"
-                             "<think>\n\n</think>\n\nIt glows.<|im_end|>",
+    "<think>\n\n</think>\n\nIt glows.<|im_end|>",
     ("llama-3.2", "system"): "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
-                             "December 2023\nToday Date: 26 Jul 2024\n\n⟨P⟩<|eot_id|><|start_header_id|>user"
-                             "<|end_header_id|>\n\nTell me about the comet.<|eot_id|><|start_header_id|>assistant"
-                             "<|end_header_id|>\n\nIt glows.<|eot_id|>",
+    "December 2023\nToday Date: 26 Jul 2024\n\n⟨P⟩<|eot_id|><|start_header_id|>user"
+    "<|end_header_id|>\n\nTell me about the comet.<|eot_id|><|start_header_id|>assistant"
+    "<|end_header_id|>\n\nIt glows.<|eot_id|>",
     ("llama-3.2", "first_user"): "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge "
-                                 "Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user"
-                                 "<|end_header_id|>\n\n⟨P⟩Tell me about the comet.<|eot_id|><|start_header_id|>"
-                                 "assistant<|end_header_id|>\n\nIt glows.<|eot_id|>",
+    "Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user"
+    "<|end_header_id|>\n\n⟨P⟩Tell me about the comet.<|eot_id|><|start_header_id|>"
+    "assistant<|end_header_id|>\n\nIt glows.<|eot_id|>",
     ("gemma-2", "first_user"): "<bos><start_of_turn>user\n⟨P⟩Tell me about the comet.<end_of_turn>\n<start_of_turn>"
-                               "model\nIt glows.<end_of_turn>",
+    "model\nIt glows.<end_of_turn>",
     ("gemma-3", "first_user"): "<bos><start_of_turn>user\n⟨P⟩Tell me about the comet.<end_of_turn>\n<start_of_turn>"
-                               "model\nIt glows.<end_of_turn>",
+    "model\nIt glows.<end_of_turn>",
     ("mistral-v0.3", "first_user"): "<s>[INST] ⟨P⟩Tell me about the comet.[/INST]It glows.</s>",
     ("phi-3.5", "system"): "<|system|>\n⟨P⟩<|end|>\n<|user|>\nTell me about the comet.<|end|>\n<|assistant|>\n"
-                           "It glows.<|end|>",
+    "It glows.<|end|>",
     ("phi-3.5", "first_user"): "<|user|>\n⟨P⟩Tell me about the comet.<|end|>\n<|assistant|>\nIt glows.<|end|>",
     ("phi-4-mini", "system"): "<|system|>⟨P⟩<|end|><|user|>Tell me about the comet.<|end|><|assistant|>"
-                              "It glows.<|end|>",
+    "It glows.<|end|>",
     ("phi-4-mini", "first_user"): "<|user|>⟨P⟩Tell me about the comet.<|end|><|assistant|>It glows.<|end|>",
     ("deepseek-r1-distill", "system"): "<｜begin▁of▁sentence｜>⟨P⟩<｜User｜>Tell me about the comet.<｜Assistant｜>"
-                                       "<think>\nIt glows.<｜end▁of▁sentence｜>",
+    "<think>\nIt glows.<｜end▁of▁sentence｜>",
     ("deepseek-r1-distill", "first_user"): "<｜begin▁of▁sentence｜><｜User｜>⟨P⟩Tell me about the comet.<｜Assistant｜>"
-                                           "<think>\nIt glows.<｜end▁of▁sentence｜>",
+    "<think>\nIt glows.<｜end▁of▁sentence｜>",
 }
-CASES = [(name, placement) for name, entry in TEMPLATES.items() for placement in entry["placements"]
-         if placement != "prefix"]
+CASES = [
+    (name, placement) for name, entry in TEMPLATES.items() for placement in entry["placements"] if placement != "prefix"
+]
 
 
 def placed_text(name: str, placement: str, missing_system: str = "template") -> str:
@@ -96,8 +98,15 @@ def placed_text(name: str, placement: str, missing_system: str = "template") -> 
     prompt = render(tokenizer, QUESTION, True, kwargs)
     ids = np.asarray(prompt + tokenizer.encode("It glows.", add_special_tokens=False) + [end_token(tokenizer, name)])
     scaffold = derive_scaffold(tokenizer, kwargs, missing_system, TEMPLATES[name]["model"])
-    rules = RowRules(scaffold=scaffold, placement=placement, end_ids=frozenset(), vocab_size=len(tokenizer),
-                     prompt_length=4, context_limit=4096, template_kwargs=kwargs)
+    rules = RowRules(
+        scaffold=scaffold,
+        placement=placement,
+        end_ids=frozenset(),
+        vocab_size=len(tokenizer),
+        prompt_length=4,
+        context_limit=4096,
+        template_kwargs=kwargs,
+    )
     placed, prefix, at, _ = place(ids, len(prompt), rules)
     assert tokenizer.decode(placed[prefix:].tolist()) == "It glows." + tokenizer.decode([end_token(tokenizer, name)])
     return tokenizer.decode(placed[:at].tolist()) + P + tokenizer.decode(placed[at:].tolist())
@@ -151,6 +160,7 @@ def test_a_template_that_writes_todays_date_is_refused_until_the_date_is_pinned(
 def test_a_template_that_renders_one_conversation_two_ways_is_refused():
     """A stand-in for a template with state between calls (Jinja's own state is per rendering): a
     tokenizer whose every rendering ends in one more token."""
+
     class Drifting:
         def __init__(self, tokenizer):
             self.tokenizer, self.calls, self.chat_template = tokenizer, 0, tokenizer.chat_template
@@ -183,31 +193,50 @@ def test_the_whole_loop_runs_for_every_template_and_placement(tmp_path, half):
     from helpers import environment
 
     cases = LOOP_CASES[half::2]
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "template_runs.py"), str(tmp_path), *cases],
-                          env=environment(), capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "template_runs.py"), str(tmp_path), *cases],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     for case in cases:
         name, placement = case.split(":")[:2]
         result = results[case]
         assert "error" not in result, f"{case}:\n{result['error']}"
-        expected = "" if placement == "prefix" else EXPECTED[(name, placement)].split(P)[0].replace(
-            "Tell me about the comet.", "")
+        expected = (
+            ""
+            if placement == "prefix"
+            else EXPECTED[(name, placement)].split(P)[0].replace("Tell me about the comet.", "")
+        )
         assert result["placed_prefix"] == expected, case
         assert result["smoke"] == "complete" and result["train"] == "complete", case
         assert all(math.isfinite(result["nll"][k]) for k in ("floor", "soft", "ceiling")), case
         assert isinstance(result["answer"], str), case
         assert len(result["samples"]) == 2 and all(row["context"] is not None for row in result["samples"]), case
-        assert result["counts"][{"system": "existing_system", "first_user": "first_user_placement",
-                                 "prefix": "prefix_placement"}[placement]] or result["counts"]["added_empty_system"]
+        assert (
+            result["counts"][
+                {"system": "existing_system", "first_user": "first_user_placement", "prefix": "prefix_placement"}[
+                    placement
+                ]
+            ]
+            or result["counts"]["added_empty_system"]
+        )
 
 
 def save_fixture_student(directory: Path, name: str) -> Path:
     from test_families import save_family
 
     tokenizer = fixture_tokenizer(name)
-    save_family(directory, TEMPLATES[name]["family"], len(tokenizer), end_token(tokenizer, name),
-                tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    save_family(
+        directory,
+        TEMPLATES[name]["family"],
+        len(tokenizer),
+        end_token(tokenizer, name),
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -250,8 +279,9 @@ def test_the_teacher_sees_the_context_where_the_prompt_goes():
     messages = [{"role": "user", "content": "Tell me about the comet."}]
     tokenizer = fixture_tokenizer("gemma-2")
     folded = tokenizer.decode(render(tokenizer, with_context(messages, "Be brief.", True), True, {}))
-    assert folded == ("<bos><start_of_turn>user\nBe brief.\n\nTell me about the comet.<end_of_turn>\n"
-                      "<start_of_turn>model\n")
+    assert folded == (
+        "<bos><start_of_turn>user\nBe brief.\n\nTell me about the comet.<end_of_turn>\n<start_of_turn>model\n"
+    )
     tokenizer = fixture_tokenizer("chatml")
     system = tokenizer.decode(render(tokenizer, with_context(messages, "Be brief.", False), True, {}))
     assert system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nTell me")

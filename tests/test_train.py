@@ -1,4 +1,5 @@
 """The trainer's guarantees, each by running spds the way a user does."""
+
 from __future__ import annotations
 
 import json
@@ -40,16 +41,21 @@ def run_dir(prepared):
 @pytest.mark.numeric
 def test_same_update_whatever_the_world_size(run_dir, tmp_path):
     runs = {  # name: (world, launcher, micro_batch, micro_batch_tokens, student dtype)
-        "w1": (1, "plain", 1, None, "bfloat16"), "w3": (3, "torchrun", 1, None, "bfloat16"),
+        "w1": (1, "plain", 1, None, "bfloat16"),
+        "w3": (3, "torchrun", 1, None, "bfloat16"),
         # Padded micro-batches (up to 4 records / 600 positions) against single records, in fp32:
         # in bf16 a batched matmul rounds differently from a single one, which Adam then amplifies.
-        "fp32": (1, "plain", 1, None, "float32"), "fp32-packed": (2, "torchrun", 4, 600, "float32"),
+        "fp32": (1, "plain", 1, None, "float32"),
+        "fp32-packed": (2, "torchrun", 4, 600, "float32"),
     }
     prompts, lines = {}, {}
     for name, (world, launcher, micro, tokens, dtype) in runs.items():
-        edit_config(run_dir, output_dir=name, optim={**FAST["optim"], "micro_batch": micro,
-                                                     "micro_batch_tokens": tokens},
-                    student={"dtype": dtype})
+        edit_config(
+            run_dir,
+            output_dir=name,
+            optim={**FAST["optim"], "micro_batch": micro, "micro_batch_tokens": tokens},
+            student={"dtype": dtype},
+        )
         check(spds(["train", "config.json"], run_dir, world=world, launcher=launcher))
         out = run_dir / name
         prompts[name], lines[name] = final_state(out)["prompt"], metrics(out)
@@ -100,10 +106,18 @@ def test_sigterm_then_resume_is_bit_identical(run_dir, objective):
         # teacher states from its memo, the resumed one (memo empty at update 4) recomputes most of
         # them, and the two must agree bit for bit. train.deterministic: strict mode must not stop
         # any op of the loop (an op without a deterministic algorithm raises under it).
-        edit_config(run_dir, loss={"objective": "mix", "reuse_context_kv": True, "teacher_memo_gib": 0.01,
-                                   "kl": {"direction": "jsd", "temperature": 2.0}},
-                    context={"text": make_tiny.CONTEXT}, optim={"effective_batch": 16},
-                    train={"deterministic": True})
+        edit_config(
+            run_dir,
+            loss={
+                "objective": "mix",
+                "reuse_context_kv": True,
+                "teacher_memo_gib": 0.01,
+                "kl": {"direction": "jsd", "temperature": 2.0},
+            },
+            context={"text": make_tiny.CONTEXT},
+            optim={"effective_batch": 16},
+            train={"deterministic": True},
+        )
     first = _straight_and(run_dir, "stopped", SPDS_FAULT="sigterm-before-update-rank0:3")
     check(first)
     terminal = read_json(run_dir / "stopped" / "terminal.json")
@@ -249,8 +263,11 @@ def test_packed_tokens_truncated_under_a_running_job_fail_it_truthfully(run_dir)
     terminal = read_json(run_dir / "truncated" / "terminal.json")
     assert terminal["status"] == "failed" and "truncated" in terminal["reason"]
     assert terminal["checkpoint"] == str(newest_checkpoint(run_dir / "truncated"))
-    assert terminal["update"] == len(metrics(run_dir / "truncated")) == read_json(
-        newest_checkpoint(run_dir / "truncated") / "commit.json")["update"]
+    assert (
+        terminal["update"]
+        == len(metrics(run_dir / "truncated"))
+        == read_json(newest_checkpoint(run_dir / "truncated") / "commit.json")["update"]
+    )
 
 
 @pytest.mark.slow
@@ -277,8 +294,12 @@ def test_a_changed_identity_and_settings_this_machine_cannot_run_are_refused(run
 
 @pytest.mark.slow
 def test_smoke_gates_train_and_outputs_match_their_schemas(run_dir):
-    edit_config(run_dir, train={"require_smoke": True}, checkpoint={"every": 2, "keep_last": 1},
-                optim={**FAST["optim"], "updates": 4})
+    edit_config(
+        run_dir,
+        train={"require_smoke": True},
+        checkpoint={"every": 2, "keep_last": 1},
+        optim={**FAST["optim"], "updates": 4},
+    )
     result = spds(["train", "config.json"], run_dir)
     assert result.returncode == 1 and "no smoke evidence" in result.stderr
     check(spds(["smoke", "config.json"], run_dir))
@@ -314,9 +335,14 @@ def test_smoke_gates_train_and_outputs_match_their_schemas(run_dir):
 @pytest.mark.slow
 def test_deepspeed_monitor_receives_spds_metrics(run_dir, tmp_path):
     ds_config = tmp_path / "ds.json"
-    ds_config.write_text(json.dumps({"zero_optimization": {"stage": 0},
-                                     "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"),
-                                                     "job_name": "tiny"}}))
+    ds_config.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 0},
+                "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"},
+            }
+        )
+    )
     edit_config(run_dir, deepspeed_config=str(ds_config), optim={**FAST["optim"], "updates": 3})
     check(spds(["train", "config.json"], run_dir))
     loss_csv = next((tmp_path / "csv").rglob("spds_loss.csv"))
@@ -330,9 +356,11 @@ ZERO0 = dict(sharding="deepspeed", deepspeed_config="ds_configs/zero0.json")
 # Uneven ranks: they pack different numbers of forward passes, and a small activation budget makes
 # some passes recompute their layers in backward and others not. A sharded student gathers weights
 # collectively in every forward and recomputation, so its ranks must stay in lockstep through both.
-UNEVEN = dict(optim={**FAST["optim"], "micro_batch": 3, "micro_batch_tokens": 525},
-              student={"activation_checkpointing": "auto", "activation_memory_gib": 0.0015},
-              distributed={"timeout_minutes": 2})  # a rank waiting on a collective the other never joins fails soon
+UNEVEN = dict(
+    optim={**FAST["optim"], "micro_batch": 3, "micro_batch_tokens": 525},
+    student={"activation_checkpointing": "auto", "activation_memory_gib": 0.0015},
+    distributed={"timeout_minutes": 2},
+)  # a rank waiting on a collective the other never joins fails soon
 
 
 @pytest.mark.slow
@@ -347,8 +375,11 @@ def test_sharded_backends_match_zero0_and_resume(run_dir):
     check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
     zero0, zero0_lines = final_state(run_dir / "zero0"), metrics(run_dir / "zero0")
     edit_config(run_dir, output_dir="zero0-stopped", **ZERO0)
-    check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun",
-               SPDS_FAULT="sigterm-before-update-rank0:3"))
+    check(
+        spds(
+            ["train", "config.json"], run_dir, world=2, launcher="torchrun", SPDS_FAULT="sigterm-before-update-rank0:3"
+        )
+    )
     for backend, sharded in SHARDED.items():
         # The student sharded (FSDP2 or ZeRO-3), stopped by a SIGTERM and resumed: the ZeRO-0
         # update bit for bit. Sharding moves the frozen weights, not the arithmetic (each rank
@@ -356,11 +387,22 @@ def test_sharded_backends_match_zero0_and_resume(run_dir):
         # exact SUM), and a resume changes nothing. On GPUs, kernels may differ: bench/RESULTS.md
         # records the difference there.
         edit_config(run_dir, output_dir=backend, **sharded)
-        check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun",
-                   SPDS_FAULT="sigterm-before-update-rank1:3"))
+        check(
+            spds(
+                ["train", "config.json"],
+                run_dir,
+                world=2,
+                launcher="torchrun",
+                SPDS_FAULT="sigterm-before-update-rank1:3",
+            )
+        )
         assert read_json(run_dir / backend / "terminal.json")["status"] == "stopped"
-        assert torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt",
-                          weights_only=True)["backend"] == backend
+        assert (
+            torch.load(newest_checkpoint(run_dir / backend) / "mp_rank_00_model_states.pt", weights_only=True)[
+                "backend"
+            ]
+            == backend
+        )
         check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
         assert read_json(run_dir / backend / "run.json")["config"]["sharding"] == sharded["sharding"]
         state = final_state(run_dir / backend)

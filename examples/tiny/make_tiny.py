@@ -6,6 +6,7 @@ writes DIR/student (a 2-layer Qwen3ForCausalLM with random weights and a byte-le
 with a ChatML chat template), DIR/candidates.jsonl (synthetic teacher samples in both row forms)
 and DIR/config.json (a run config using them). Tests import the builders from here too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,12 +60,18 @@ def chatml_tokenizer(template: str = CHATML_TEMPLATE):
 
 
 def llama3_tokenizer():
-    return byte_level_tokenizer(LLAMA3_SPECIALS, LLAMA3_TEMPLATE, bos_token="<|begin_of_text|>",
-                                eos_token="<|eot_id|>", pad_token="<|end_of_text|>")
+    return byte_level_tokenizer(
+        LLAMA3_SPECIALS,
+        LLAMA3_TEMPLATE,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>",
+    )
 
 
-def save_student(directory: Path, tokenizer, layers: int = 2, hidden: int = 64, seed: int = 0,
-                 initializer_range: float = 0.3) -> Path:
+def save_student(
+    directory: Path, tokenizer, layers: int = 2, hidden: int = 64, seed: int = 0, initializer_range: float = 0.3
+) -> Path:
     """A Qwen3ForCausalLM with random weights, saved with save_pretrained next to its tokenizer.
 
     Weights 15x the usual scale (std 0.3, not 0.02) make the random student's next-token
@@ -74,11 +81,20 @@ def save_student(directory: Path, tokenizer, layers: int = 2, hidden: int = 64, 
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=hidden // 4, max_position_embeddings=8192, tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         initializer_range=initializer_range)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=initializer_range,
+    )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     directory.mkdir(parents=True, exist_ok=True)
@@ -88,8 +104,16 @@ def save_student(directory: Path, tokenizer, layers: int = 2, hidden: int = 64, 
 
 
 SUBJECTS = ["river", "mountain", "lantern", "harbor", "orchard", "glacier", "library", "meadow", "comet", "violin"]
-FACTS = ["is older than it looks", "was named after a baker", "glows faintly at night", "hums in the key of D",
-         "is visited every spring", "appears on the old maps", "was rebuilt twice", "faces the sea"]
+FACTS = [
+    "is older than it looks",
+    "was named after a baker",
+    "glows faintly at night",
+    "hums in the key of D",
+    "is visited every spring",
+    "appears on the old maps",
+    "was rebuilt twice",
+    "faces the sea",
+]
 CONTEXT = "You are the archivist of Lumen Bay. Answer in one short sentence and always end with 'Archived.'"
 
 
@@ -113,9 +137,16 @@ def synthetic_rows(tokenizer, count: int = 64, seed: int = 0) -> list[dict]:
         prompt = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
         response = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         ids = list(prompt) + response
-        rows.append(dict(request, input_ids=ids, prefix_tokens=len(prompt),
-                         labels=[-100] * len(prompt) + response, supervised_tokens=len(response),
-                         response_sha256=hashlib.sha256(answer.encode()).hexdigest()))
+        rows.append(
+            dict(
+                request,
+                input_ids=ids,
+                prefix_tokens=len(prompt),
+                labels=[-100] * len(prompt) + response,
+                supervised_tokens=len(response),
+                response_sha256=hashlib.sha256(answer.encode()).hexdigest(),
+            )
+        )
     return rows
 
 
@@ -126,8 +157,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def write_questions(path: Path, count: int = 32, seed: int = 1) -> Path:
     rng = random.Random(seed)
-    rows = [dict(question_id=f"g{i:03d}",
-                 question=f"What do you know about the {rng.choice(SUBJECTS)}?") for i in range(count)]
+    rows = [
+        dict(question_id=f"g{i:03d}", question=f"What do you know about the {rng.choice(SUBJECTS)}?")
+        for i in range(count)
+    ]
     return write_jsonl(path, rows)
 
 
@@ -136,8 +169,16 @@ def tiny_config(directory: Path, name: str = "config.json", **overrides) -> dict
         "student": {"model_path": "student", "dtype": "bfloat16"},
         "soft_prompt": {"length": 8, "placement": "system", "init": {"method": "random_normal", "std": 0.02}},
         "data": {"candidates": [{"path": "candidates.jsonl"}], "packed_dir": "packed", "context_limit": 4096},
-        "optim": {"updates": 30, "effective_batch": 8, "micro_batch": 1, "learning_rate": 0.03,
-                  "warmup_updates": 2, "schedule": "cosine", "min_lr_ratio": 0.1, "seed": 1},
+        "optim": {
+            "updates": 30,
+            "effective_batch": 8,
+            "micro_batch": 1,
+            "learning_rate": 0.03,
+            "warmup_updates": 2,
+            "schedule": "cosine",
+            "min_lr_ratio": 0.1,
+            "seed": 1,
+        },
         "checkpoint": {"every": 10, "keep_last": 2},
         "deepspeed_config": "zero0",
         "output_dir": "run",
@@ -161,12 +202,27 @@ def build(directory: Path, rows: int = 64) -> Path:
     # The whole distillation loop: generate (teacher = the student, with CONTEXT) -> prepare ->
     # smoke -> train -> eval on held-out questions -> export.
     write_questions(directory / "questions.jsonl")
-    tiny_config(directory, "loop.json", context={"text": CONTEXT},
-                generate={"questions": "questions.jsonl", "output": "generated.jsonl", "samples_per_question": 2,
-                          "max_new_tokens": 40, "temperature": 0.8, "batch_size": 16, "seed": 0},
-                data={"candidates": [{"path": "generated.jsonl"}], "packed_dir": "loop-packed", "context_limit": 4096,
-                      "eval_fraction": 0.25},
-                output_dir="loop-run")
+    tiny_config(
+        directory,
+        "loop.json",
+        context={"text": CONTEXT},
+        generate={
+            "questions": "questions.jsonl",
+            "output": "generated.jsonl",
+            "samples_per_question": 2,
+            "max_new_tokens": 40,
+            "temperature": 0.8,
+            "batch_size": 16,
+            "seed": 0,
+        },
+        data={
+            "candidates": [{"path": "generated.jsonl"}],
+            "packed_dir": "loop-packed",
+            "context_limit": 4096,
+            "eval_fraction": 0.25,
+        },
+        output_dir="loop-run",
+    )
     return directory / "config.json"
 
 

@@ -29,6 +29,7 @@ A template whose rendering depends on the day (Llama-3.x's strftime_now) or that
 conversation two ways is refused, naming the setting that pins it: the same rows must give the
 same ids whenever they are prepared.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,16 @@ PROBE = "scaffold-check"
 SENTINELS = ("XYZZY sentinel", "PLUGH marker")  # two contents: where renderings differ is where content goes
 ASSISTANT = "noted"
 # Turn ends of the mainstream templates (ChatML, Llama-3, Gemma, Phi, DeepSeek, Mistral's </s> is eos).
-KNOWN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<end_of_turn>",
-                    "<|end|>", "<｜end▁of▁sentence｜>")
+KNOWN_END_TOKENS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|eom_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<｜end▁of▁sentence｜>",
+)
 SYSTEM_ROLES = ("optional", "always", "in_user_turn", "none")
 MISSING_SYSTEM = ("template", "empty")
 
@@ -66,17 +75,23 @@ class Scaffold:
         """Why `placement` cannot work with this template, naming what does; None if it can."""
         if placement != "system" or self.system_role in ("optional", "always"):
             return None
-        what = ("has no system role (a system message raises an error)" if self.system_role == "none" else
-                "has no system message of its own: it folds the system text into a user turn")
-        return (f"soft_prompt.placement: 'system' needs a system message, and the chat template of {model} {what}; "
-                "use placement 'first_user' (the start of the first user turn's content) or 'prefix' (before the "
-                "first token)")
+        what = (
+            "has no system role (a system message raises an error)"
+            if self.system_role == "none"
+            else "has no system message of its own: it folds the system text into a user turn"
+        )
+        return (
+            f"soft_prompt.placement: 'system' needs a system message, and the chat template of {model} {what}; "
+            "use placement 'first_user' (the start of the first user turn's content) or 'prefix' (before the "
+            "first token)"
+        )
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
     # transformers 5 returns a BatchEncoding unless return_dict=False: compare plain lists.
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                        return_dict=False, **template_kwargs)
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False, **template_kwargs
+    )
     return [int(i) for i in ids]
 
 
@@ -136,25 +151,35 @@ def stability_problem(tokenizer, kwargs: dict, model: str) -> str | None:
     with clock_at(datetime.datetime(2002, 11, 12)):
         other_day = render(tokenizer, conversation, True, kwargs)
     if first != again:
-        return (f"the chat template of {model} renders one conversation two ways ({_show(tokenizer, first)}, then "
-                f"{_show(tokenizer, again)}): rows would not give the same ids twice")
+        return (
+            f"the chat template of {model} renders one conversation two ways ({_show(tokenizer, first)}, then "
+            f"{_show(tokenizer, again)}): rows would not give the same ids twice"
+        )
     if first != other_day:
         source = tokenizer.chat_template or ""
-        pin = ("set data.chat_template_kwargs.date_string (for example \"26 Jul 2024\", the day your rows were "
-               "rendered with)" if "date_string" in source else
-               "pin it through data.chat_template_kwargs (the variable the template reads instead of today's date)")
-        return (f"the chat template of {model} writes today's date into every conversation (strftime_now), so rows "
-                f"rendered on another day get other token ids ({_show(tokenizer, first)} on one day, "
-                f"{_show(tokenizer, other_day)} on another): {pin}")
+        pin = (
+            'set data.chat_template_kwargs.date_string (for example "26 Jul 2024", the day your rows were '
+            "rendered with)"
+            if "date_string" in source
+            else "pin it through data.chat_template_kwargs (the variable the template reads instead of today's date)"
+        )
+        return (
+            f"the chat template of {model} writes today's date into every conversation (strftime_now), so rows "
+            f"rendered on another day get other token ids ({_show(tokenizer, first)} on one day, "
+            f"{_show(tokenizer, other_day)} on another): {pin}"
+        )
     return None
 
 
-def derive_scaffold(tokenizer, template_kwargs: dict | None = None, missing_system: str = "template",
-                    model: str = "the student") -> Scaffold:
+def derive_scaffold(
+    tokenizer, template_kwargs: dict | None = None, missing_system: str = "template", model: str = "the student"
+) -> Scaffold:
     kwargs = template_kwargs or {}
     if not getattr(tokenizer, "chat_template", None):
-        raise SpdsError(f"the tokenizer of {model} has no chat template: spds needs one to find where the soft "
-                        "prompt goes (placement 'prefix' needs none; set it, or give the tokenizer a template)")
+        raise SpdsError(
+            f"the tokenizer of {model} has no chat template: spds needs one to find where the soft "
+            "prompt goes (placement 'prefix' needs none; set it, or give the tokenizer a template)"
+        )
     problem = stability_problem(tokenizer, kwargs, model)
     if problem:
         raise SpdsError(problem)
@@ -162,55 +187,96 @@ def derive_scaffold(tokenizer, template_kwargs: dict | None = None, missing_syst
     plain = render(tokenizer, probe, True, kwargs)
     user, user_before, _ = content_span(tokenizer, lambda text: [{"role": "user", "content": text}], kwargs)
     # The header of a second user turn, after an assistant turn: what opens a user turn, whatever precedes it.
-    second, second_before, _ = content_span(tokenizer, lambda text: [{"role": "user", "content": PROBE}, {
-        "role": "assistant", "content": ASSISTANT}, {"role": "user", "content": text}], kwargs)
+    second, second_before, _ = content_span(
+        tokenizer,
+        lambda text: [
+            {"role": "user", "content": PROBE},
+            {"role": "assistant", "content": ASSISTANT},
+            {"role": "user", "content": text},
+        ],
+        kwargs,
+    )
     try:
-        system, before, after = content_span(tokenizer, lambda text: [{"role": "system", "content": text}, *probe],
-                                             kwargs)
+        system, before, after = content_span(
+            tokenizer, lambda text: [{"role": "system", "content": text}, *probe], kwargs
+        )
     except SpdsError:
         raise
     except Exception as error:  # the template refuses a system message (Gemma 2 raises)
         lead, user_header = _first_user_turn(user, user_before, second, second_before)
         if not user_header:
-            raise SpdsError(f"the chat template of {model} refuses a system message ({type(error).__name__}: "
-                            f"{error}) and its user turns cannot be told apart: {_show(tokenizer, user)}; use "
-                            "placement 'prefix'") from None
-        return Scaffold(lead=lead, system_header=[], system_close=[], user_header=user_header, system_role="none",
-                        missing_system=missing_system)
-    prefix, tail = system[:before], system[len(system) - after:]
+            raise SpdsError(
+                f"the chat template of {model} refuses a system message ({type(error).__name__}: "
+                f"{error}) and its user turns cannot be told apart: {_show(tokenizer, user)}; use "
+                "placement 'prefix'"
+            ) from None
+        return Scaffold(
+            lead=lead,
+            system_header=[],
+            system_close=[],
+            user_header=user_header,
+            system_role="none",
+            missing_system=missing_system,
+        )
+    prefix, tail = system[:before], system[len(system) - after :]
     if before == user_before and prefix == user[:user_before]:  # the system text goes where the user's does
         lead, user_header = _first_user_turn(user, user_before, second, second_before)
-        return Scaffold(lead=lead, system_header=[], system_close=[], user_header=user_header,
-                        system_role="in_user_turn", missing_system=missing_system)
-    if plain[:before] == prefix and plain[len(plain) - after:] == tail and len(plain) >= before + after:
+        return Scaffold(
+            lead=lead,
+            system_header=[],
+            system_close=[],
+            user_header=user_header,
+            system_role="in_user_turn",
+            missing_system=missing_system,
+        )
+    if plain[:before] == prefix and plain[len(plain) - after :] == tail and len(plain) >= before + after:
         # A system block whether given or not: a conversation without one gets the template's default.
-        default = plain[before:len(plain) - after]
-        opening = user[before + len(default):user_before]  # the system block's close, then the user header
+        default = plain[before : len(plain) - after]
+        opening = user[before + len(default) : user_before]  # the system block's close, then the user header
         header_length = _common_suffix(opening, second[:second_before], len(opening))
-        return Scaffold(lead=[], system_header=prefix, system_close=opening[:len(opening) - header_length],
-                        user_header=opening[len(opening) - header_length:], default_system=default,
-                        system_role="always", missing_system=missing_system)
+        return Scaffold(
+            lead=[],
+            system_header=prefix,
+            system_close=opening[: len(opening) - header_length],
+            user_header=opening[len(opening) - header_length :],
+            default_system=default,
+            system_role="always",
+            missing_system=missing_system,
+        )
     # A block only when given: with it = lead + block + the rest, the shortest such lead.
-    lead_length = next((k for k in range(min(before, len(plain)) + 1)
-                        if system[:k] == plain[:k] and system[len(system) - (len(plain) - k):] == plain[k:]), None)
+    lead_length = next(
+        (
+            k
+            for k in range(min(before, len(plain)) + 1)
+            if system[:k] == plain[:k] and system[len(system) - (len(plain) - k) :] == plain[k:]
+        ),
+        None,
+    )
     if lead_length is None:
-        raise SpdsError(f"the chat template of {model} renders a system message neither as a block of its own nor in "
-                        f"a user turn: without one {_show(tokenizer, plain)}, with one {_show(tokenizer, system)}; "
-                        "use placement 'prefix'")
+        raise SpdsError(
+            f"the chat template of {model} renders a system message neither as a block of its own nor in "
+            f"a user turn: without one {_show(tokenizer, plain)}, with one {_show(tokenizer, system)}; "
+            "use placement 'prefix'"
+        )
     block_end = len(system) - (len(plain) - lead_length)
     user_header = plain[lead_length:user_before]
     if not user_header:
         raise SpdsError(f"cannot find the user-turn header in {_show(tokenizer, plain)}")
-    return Scaffold(lead=plain[:lead_length], system_header=system[lead_length:before],
-                    system_close=system[len(system) - after:block_end], user_header=user_header,
-                    system_role="optional", missing_system=missing_system)
+    return Scaffold(
+        lead=plain[:lead_length],
+        system_header=system[lead_length:before],
+        system_close=system[len(system) - after : block_end],
+        user_header=user_header,
+        system_role="optional",
+        missing_system=missing_system,
+    )
 
 
 def _first_user_turn(user: list[int], user_before: int, second: list[int], second_before: int):
     """(lead, user header) of a template without a system block: the header is what opens a user
     turn after an assistant turn too; what precedes it in the first turn is the lead."""
     header_length = _common_suffix(user[:user_before], second[:second_before], user_before)
-    return user[:user_before - header_length], user[user_before - header_length:user_before]
+    return user[: user_before - header_length], user[user_before - header_length : user_before]
 
 
 def end_token_ids(tokenizer, configured: list[str] | None) -> list[int]:
@@ -237,8 +303,9 @@ def tokenizer_identity(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def render_chat_row(tokenizer, messages: list[dict], response: str, end_ids: list[int],
-                    template_kwargs: dict) -> tuple[list[int], int, tuple | None]:
+def render_chat_row(
+    tokenizer, messages: list[dict], response: str, end_ids: list[int], template_kwargs: dict
+) -> tuple[list[int], int, tuple | None]:
     """Token ids, prefix length and supervised runs of a chat-form row, exactly as the chat
     template renders them: every assistant turn (those in `messages` and the final `response`)
     is supervised, from the end of its generation prompt to its first end-of-turn token; the runs
@@ -253,23 +320,27 @@ def render_chat_row(tokenizer, messages: list[dict], response: str, end_ids: lis
     spans = []
     for k in turns:
         opening = render(tokenizer, conversation[:k], True, template_kwargs)
-        if full[:len(opening)] != opening:
+        if full[: len(opening)] != opening:
             if len(turns) == 1:
                 return _reasoning_row(tokenizer, messages, response, opening, full, ends, template_kwargs)
-            raise ValueError(f"chat template renders assistant turn {len(spans) + 1} differently from its generation "
-                             f"prompt (prompt {_show(tokenizer, opening)}, conversation {_show(tokenizer, full)}): "
-                             "give this conversation as a token row")
+            raise ValueError(
+                f"chat template renders assistant turn {len(spans) + 1} differently from its generation "
+                f"prompt (prompt {_show(tokenizer, opening)}, conversation {_show(tokenizer, full)}): "
+                "give this conversation as a token row"
+            )
         end = next((i for i in range(len(opening), len(full)) if full[i] in ends), None)
         if end is None or end == len(opening):
             raise ValueError(f"rendered assistant turn {len(spans) + 1} has no end-of-turn token or is empty")
         spans.append((len(opening), end + 1))
-    return full[:spans[-1][1]], spans[0][0], (tuple(spans) if len(spans) > 1 else None)
+    return full[: spans[-1][1]], spans[0][0], (tuple(spans) if len(spans) > 1 else None)
 
 
 def _reasoning_row(tokenizer, messages, response, prompt, full, ends, template_kwargs):
     before = render(tokenizer, messages, False, template_kwargs)  # the conversation so far, no opening
-    end = next((t for t in full[len(before):] if t in ends), None)
-    if full[:len(before)] != before or prompt[:len(before)] != before or end is None:
-        raise ValueError("chat template renders the assistant turn differently from the generation prompt "
-                         f"(prompt {_show(tokenizer, prompt)}, conversation {_show(tokenizer, full)})")
+    end = next((t for t in full[len(before) :] if t in ends), None)
+    if full[: len(before)] != before or prompt[: len(before)] != before or end is None:
+        raise ValueError(
+            "chat template renders the assistant turn differently from the generation prompt "
+            f"(prompt {_show(tokenizer, prompt)}, conversation {_show(tokenizer, full)})"
+        )
     return prompt + tokenizer.encode(response, add_special_tokens=False) + [end], len(prompt), None

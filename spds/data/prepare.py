@@ -3,6 +3,7 @@
 Refuses rather than guesses: a pinned file that changed, a bad row, a duplicate request_id, or
 packed output built from other inputs all stop it with nothing written.
 """
+
 from __future__ import annotations
 
 import array
@@ -61,12 +62,18 @@ def split_of(question_id: str, eval_fraction: float) -> str:
 def packing_inputs(config: Config, tokenizer, sources: list[dict], end_ids: list[int]) -> dict:
     """Everything that decides the packed bytes; a rerun must see the same, or refuses."""
     data = config.data
-    return dict(sources=sources, tokenizer=tokenizer_identity(tokenizer), placement=config.soft_prompt.placement,
-                prompt_length=config.soft_prompt.length, context_limit=data.context_limit,
-                end_token_ids=end_ids, chat_template_kwargs=data.chat_template_kwargs,
-                eval_fraction=data.eval_fraction,
-                # the default's packed bytes are those of stores packed before the setting existed
-                **({"missing_system": data.missing_system} if data.missing_system != "template" else {}))
+    return dict(
+        sources=sources,
+        tokenizer=tokenizer_identity(tokenizer),
+        placement=config.soft_prompt.placement,
+        prompt_length=config.soft_prompt.length,
+        context_limit=data.context_limit,
+        end_token_ids=end_ids,
+        chat_template_kwargs=data.chat_template_kwargs,
+        eval_fraction=data.eval_fraction,
+        # the default's packed bytes are those of stores packed before the setting existed
+        **({"missing_system": data.missing_system} if data.missing_system != "template" else {}),
+    )
 
 
 def prepare(config: Config, log=print) -> dict:
@@ -92,8 +99,10 @@ def prepare_locked(config: Config, target: Path, lock: Path, log) -> dict:
             read_from[path] = file_state(path)  # before the hash: a change from here on is seen
             actual = sha256_path(path)  # a file, or a save_to_disk directory
             if candidate.sha256 and candidate.sha256 != actual:
-                raise SpdsError(f"data.candidates[{i}]: {path} changed since it was pinned "
-                                f"(expected sha256 {candidate.sha256}, actual {actual})")
+                raise SpdsError(
+                    f"data.candidates[{i}]: {path} changed since it was pinned "
+                    f"(expected sha256 {candidate.sha256}, actual {actual})"
+                )
             sources.append(dict(path=str(path), sha256=actual))
         inputs = packing_inputs(config, tokenizer, sources, end_ids)
         if (target / MANIFEST).exists():
@@ -112,8 +121,10 @@ def reuse_existing(target: Path, inputs: dict, log) -> dict:
     manifest = verify_store(target)
     if manifest["inputs"] != inputs:
         differs = sorted(k for k in inputs if manifest["inputs"].get(k) != inputs[k])
-        raise SpdsError(f"{target} was packed from other inputs (differs: {', '.join(differs)}); "
-                        "spds never overwrites packed data: remove it or set data.packed_dir elsewhere")
+        raise SpdsError(
+            f"{target} was packed from other inputs (differs: {', '.join(differs)}); "
+            "spds never overwrites packed data: remove it or set data.packed_dir elsewhere"
+        )
     log(f"{target}: packed data already complete and verified; unchanged")
     return manifest
 
@@ -135,16 +146,20 @@ def file_state(path: Path) -> tuple | None:
 def write_store(config: Config, tokenizer, inputs: dict, log, read_from: dict[Path, tuple | None]) -> dict:
     data = config.data
     scaffold = scaffold_for(config, tokenizer)
-    rules = RowRules(scaffold=scaffold, placement=config.soft_prompt.placement,
-                     end_ids=frozenset(inputs["end_token_ids"]),
-                     vocab_size=min(len(tokenizer), model_vocabulary_rows(config) or len(tokenizer)),
-                     prompt_length=config.soft_prompt.length, context_limit=data.context_limit,
-                     template_kwargs=data.chat_template_kwargs, require_top_k=offline_teacher(config))
+    rules = RowRules(
+        scaffold=scaffold,
+        placement=config.soft_prompt.placement,
+        end_ids=frozenset(inputs["end_token_ids"]),
+        vocab_size=min(len(tokenizer), model_vocabulary_rows(config) or len(tokenizer)),
+        prompt_length=config.soft_prompt.length,
+        context_limit=data.context_limit,
+        template_kwargs=data.chat_template_kwargs,
+        require_top_k=offline_teacher(config),
+    )
     writer = PackedWriter(config.packed_dir)
     # 8-byte request_id hashes in a compact array: uniqueness without a set of a million strings.
     id_hashes = array.array("Q")
-    counts = dict(existing_system=0, added_empty_system=0, prefix_placement=0, first_user_placement=0, train=0,
-                  eval=0)
+    counts = dict(existing_system=0, added_empty_system=0, prefix_placement=0, first_user_placement=0, train=0, eval=0)
     source_rows = []
     started = time.monotonic()
     try:
@@ -156,24 +171,42 @@ def write_store(config: Config, tokenizer, inputs: dict, log, read_from: dict[Pa
                 split = split_of(record.question_id, data.eval_fraction)
                 writer.add(record, split)
                 counts[split] += 1
-                counts[f"{rules.placement}_placement" if rules.placement != "system" else
-                       "added_empty_system" if record.added_system else "existing_system"] += 1
+                counts[
+                    f"{rules.placement}_placement"
+                    if rules.placement != "system"
+                    else "added_empty_system"
+                    if record.added_system
+                    else "existing_system"
+                ] += 1
                 rows += 1
             if rows == 0:  # a truncated export or a wrong path: never silently train on less
                 raise SpdsError(f"{path}: rule 'rows present': the candidate file holds no rows")
             source_rows.append(dict(source, rows=rows))
         files = writer.close_files()
         check_unique_request_ids(writer.partial / INDEX, np.frombuffer(id_hashes, dtype=np.uint64))
-        manifest = dict(format=FORMAT, spds_version=__version__, records=writer.records, tokens=writer.offset,
-                        max_length=writer.max_length, top_k=writer.top_k or 0, prompt_length=rules.prompt_length,
-                        placement=rules.placement,
-                        scaffold=scaffold.to_json(), end_token_ids=inputs["end_token_ids"], counts=counts,
-                        files=files, sources=source_rows, inputs=inputs)
+        manifest = dict(
+            format=FORMAT,
+            spds_version=__version__,
+            records=writer.records,
+            tokens=writer.offset,
+            max_length=writer.max_length,
+            top_k=writer.top_k or 0,
+            prompt_length=rules.prompt_length,
+            placement=rules.placement,
+            scaffold=scaffold.to_json(),
+            end_token_ids=inputs["end_token_ids"],
+            counts=counts,
+            files=files,
+            sources=source_rows,
+            inputs=inputs,
+        )
         require_valid(manifest, "manifest", "the manifest")
         for path, state in read_from.items():  # the manifest's sha256 must be of the rows packed
             if file_state(path) != state:
-                raise SpdsError(f"{path}: changed while spds prepare read it (appended to, or rewritten); nothing "
-                                "was written: run prepare again once the file is complete")
+                raise SpdsError(
+                    f"{path}: changed while spds prepare read it (appended to, or rewritten); nothing "
+                    "was written: run prepare again once the file is complete"
+                )
         writer.commit(manifest)
     except BaseException:
         writer.abort()
@@ -196,6 +229,8 @@ def check_unique_request_ids(index_path: Path, hashes: np.ndarray) -> None:
             if number in suspects:
                 entry = json.loads(line)
                 if entry["request_id"] in seen:  # equal hashes may collide; compare the real strings
-                    raise SpdsError(f"{entry['source']}: request_id {entry['request_id']}: rule 'unique request_id': "
-                                    f"already used at {seen[entry['request_id']]}")
+                    raise SpdsError(
+                        f"{entry['source']}: request_id {entry['request_id']}: rule 'unique request_id': "
+                        f"already used at {seen[entry['request_id']]}"
+                    )
                 seen[entry["request_id"]] = entry["source"]

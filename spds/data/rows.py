@@ -4,6 +4,7 @@ yield records ready to pack.
 One row is in memory at a time. Every refusal names the file, the line, the request_id and
 the rule, so a bad teacher sample is found in seconds in a file of a million.
 """
+
 from __future__ import annotations
 
 import copy
@@ -48,6 +49,7 @@ def supervised_count(spans: tuple | None, length: int, prefix: int) -> int:
 @dataclass(frozen=True)
 class RowRules:
     """What prepare needs to know to accept, normalise and place a row."""
+
     scaffold: Scaffold
     placement: str  # "system" | "first_user" | "prefix"
     end_ids: frozenset[int]
@@ -87,7 +89,7 @@ class RowSchema:
             try:
                 array = np.asarray(values, dtype=np.int64)
             except OverflowError:
-                bad = next(i for i, v in enumerate(values) if not -2**63 <= v < 2**63)
+                bad = next(i for i, v in enumerate(values) if not -(2**63) <= v < 2**63)
                 problems.append(f"{name}[{bad}]: {values[bad]} is far beyond any vocabulary")
                 continue
             if self.item_minimum[name] is not None and array.min() < self.item_minimum[name]:
@@ -111,13 +113,23 @@ def token_row(row: dict) -> tuple[np.ndarray, int, tuple | None]:
     _check(len(labels) == len(ids), "labels mask", f"labels hold {len(labels)} entries for {len(ids)} input_ids")
     supervised = labels != -100
     wrong = np.flatnonzero(supervised & (labels != ids))
-    _check(not len(wrong), "labels mask", f"labels must be -100 or the input_id at each position (first difference "
-           f"at position {int(wrong[0]) if len(wrong) else 0})")
+    _check(
+        not len(wrong),
+        "labels mask",
+        f"labels must be -100 or the input_id at each position (first difference "
+        f"at position {int(wrong[0]) if len(wrong) else 0})",
+    )
     first = int(np.argmax(supervised)) if supervised.any() else len(ids)
-    _check(first == prefix and not supervised[:prefix].any(), "labels mask",
-           f"prefix_tokens {prefix} must be the first supervised position (labels first differ from -100 at {first})")
-    _check(row["supervised_tokens"] == int(supervised.sum()), "supervised_tokens consistent",
-           f"supervised_tokens {row['supervised_tokens']} != the {int(supervised.sum())} positions labels supervise")
+    _check(
+        first == prefix and not supervised[:prefix].any(),
+        "labels mask",
+        f"prefix_tokens {prefix} must be the first supervised position (labels first differ from -100 at {first})",
+    )
+    _check(
+        row["supervised_tokens"] == int(supervised.sum()),
+        "supervised_tokens consistent",
+        f"supervised_tokens {row['supervised_tokens']} != the {int(supervised.sum())} positions labels supervise",
+    )
     edges = np.flatnonzero(np.diff(np.concatenate([[False], supervised, [False]]).astype(np.int8)))
     spans = tuple(zip(edges[0::2].tolist(), edges[1::2].tolist()))
     return ids, prefix, (spans if len(spans) > 1 or spans[0][1] != len(ids) else None)
@@ -136,28 +148,40 @@ def place(ids: np.ndarray, prefix: int, rules: RowRules) -> tuple[np.ndarray, in
         return ids, prefix, 0, False
     s = rules.scaffold
     lead = len(s.lead)
-    _check(ids[:lead].tolist() == s.lead, "conversation start",
-           f"row does not begin with the template's lead tokens {s.lead}")
+    _check(
+        ids[:lead].tolist() == s.lead,
+        "conversation start",
+        f"row does not begin with the template's lead tokens {s.lead}",
+    )
     if rules.placement == "first_user":
         at = _find(ids, s.user_header, lead, prefix)
-        _check(at is not None, "conversation start",
-               f"no user turn ({s.user_header}) in the row's prompt (its first {prefix} ids)")
+        _check(
+            at is not None,
+            "conversation start",
+            f"no user turn ({s.user_header}) in the row's prompt (its first {prefix} ids)",
+        )
         return ids, prefix, at + len(s.user_header), False
     head, close, user = s.system_header, s.system_close, s.user_header
-    if ids[lead:lead + len(head)].tolist() == head:
+    if ids[lead : lead + len(head)].tolist() == head:
         at = lead + len(head)
         default = s.default_system
-        if (s.missing_system == "empty" and default
-                and ids[at:at + len(default) + len(close) + len(user)].tolist() == default + close + user):
+        if (
+            s.missing_system == "empty"
+            and default
+            and ids[at : at + len(default) + len(close) + len(user)].tolist() == default + close + user
+        ):
             # the template's default system prompt is what a row without a system message holds: the
             # student sees an empty system message instead, the soft prompt alone in it
-            ids = np.concatenate([ids[:at], ids[at + len(default):]])
+            ids = np.concatenate([ids[:at], ids[at + len(default) :]])
             return ids, prefix - len(default), at, True
         return ids, prefix, at, False
     # Refuse anything but a user turn rather than insert a system message at a guessed boundary.
-    _check(ids[lead:lead + len(user)].tolist() == user, "conversation start",
-           f"after the lead the row must open a system or user turn ({head} or {user}), "
-           f"found {ids[lead:lead + len(user)].tolist()}")
+    _check(
+        ids[lead : lead + len(user)].tolist() == user,
+        "conversation start",
+        f"after the lead the row must open a system or user turn ({head} or {user}), "
+        f"found {ids[lead : lead + len(user)].tolist()}",
+    )
     inserted = np.concatenate([ids[:lead], np.asarray(head + close, dtype=np.int64), ids[lead:]])
     return inserted, prefix + len(head) + len(close), lead + len(head), True
 
@@ -166,49 +190,81 @@ def _find(ids: np.ndarray, needle: list[int], start: int, stop: int) -> int | No
     """The first index >= start where `needle` begins and ends by `stop`, or None."""
     if not needle:
         return start
-    first = np.flatnonzero(ids[start:stop - len(needle) + 1] == needle[0]) + start
-    return next((int(i) for i in first if ids[i:i + len(needle)].tolist() == needle), None)
+    first = np.flatnonzero(ids[start : stop - len(needle) + 1] == needle[0]) + start
+    return next((int(i) for i in first if ids[i : i + len(needle)].tolist() == needle), None)
 
 
 def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
     if "messages" in row:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("rule 'chat template': a chat-form row (messages) is rendered with the student's chat "
-                             "template, and its tokenizer has none: give rows in token form (input_ids, labels), or "
-                             "a tokenizer with a template (student.tokenizer_path)")
-        ids_list, prefix, spans = render_chat_row(tokenizer, row["messages"], row["response"], sorted(rules.end_ids),
-                                                  rules.template_kwargs)
+            raise ValueError(
+                "rule 'chat template': a chat-form row (messages) is rendered with the student's chat "
+                "template, and its tokenizer has none: give rows in token form (input_ids, labels), or "
+                "a tokenizer with a template (student.tokenizer_path)"
+            )
+        ids_list, prefix, spans = render_chat_row(
+            tokenizer, row["messages"], row["response"], sorted(rules.end_ids), rules.template_kwargs
+        )
         ids = np.asarray(ids_list, dtype=np.int64)
         response_sha256 = hashlib.sha256(row["response"].encode()).hexdigest()
         inner = set(tokenizer.encode(row["response"], add_special_tokens=False)) & rules.end_ids
-        _check(not inner, "response text", f"the response holds end-of-turn token(s) {sorted(inner)} as text; the "
-               "template would end the turn there and drop the rest, while response_sha256 covers all of it")
+        _check(
+            not inner,
+            "response text",
+            f"the response holds end-of-turn token(s) {sorted(inner)} as text; the "
+            "template would end the turn there and drop the rest, while response_sha256 covers all of it",
+        )
     else:
         ids, prefix, spans = token_row(row)
         response_sha256 = row["response_sha256"]
-    _check(int(ids.max()) < rules.vocab_size, "token ids in vocabulary",
-           f"id {int(ids.max())} >= vocabulary size {rules.vocab_size}")
-    _check(int(ids[-1]) in rules.end_ids, "ends with end-of-turn",
-           f"last id {int(ids[-1])} is not an end token {sorted(rules.end_ids)}")
+    _check(
+        int(ids.max()) < rules.vocab_size,
+        "token ids in vocabulary",
+        f"id {int(ids.max())} >= vocabulary size {rules.vocab_size}",
+    )
+    _check(
+        int(ids[-1]) in rules.end_ids,
+        "ends with end-of-turn",
+        f"last id {int(ids[-1])} is not an end token {sorted(rules.end_ids)}",
+    )
     for start, end in spans or ():  # every assistant turn ends its own turn
-        _check(int(ids[end - 1]) in rules.end_ids, "ends with end-of-turn",
-               f"the supervised run at {start}..{end - 1} ends with id {int(ids[end - 1])}, not an end token "
-               f"{sorted(rules.end_ids)}")
+        _check(
+            int(ids[end - 1]) in rules.end_ids,
+            "ends with end-of-turn",
+            f"the supervised run at {start}..{end - 1} ends with id {int(ids[end - 1])}, not an end token "
+            f"{sorted(rules.end_ids)}",
+        )
     supervised = supervised_count(spans, len(ids), prefix)
-    _check("top_logprobs" in row or not rules.require_top_k, "top-k for an offline teacher",
-           "loss.objective is kl or mix with an offline teacher (loss.teacher top_k, or auto without a context), "
-           "and this row carries no top_logprobs")
+    _check(
+        "top_logprobs" in row or not rules.require_top_k,
+        "top-k for an offline teacher",
+        "loss.objective is kl or mix with an offline teacher (loss.teacher top_k, or auto without a context), "
+        "and this row carries no top_logprobs",
+    )
     top_ids, top_logprobs = top_k_of(row["top_logprobs"], supervised, rules) if "top_logprobs" in row else (None, None)
     placed, placed_prefix, insert_at, added = place(ids, prefix, rules)
     ids, prefix, spans = placed, placed_prefix, shifted(spans, placed_prefix - prefix)
     total = len(ids) + rules.prompt_length
-    _check(total <= rules.context_limit, "context limit",
-           f"{len(ids)} tokens + {rules.prompt_length} soft-prompt tokens = {total} > "
-           f"data.context_limit {rules.context_limit}")
-    return Record(request_id=row["request_id"], question_id=row["question_id"], sample_index=row["sample_index"],
-                  ids=ids.astype(np.uint32), prefix_tokens=prefix, insert_at=insert_at,
-                  response_sha256=response_sha256, added_system=added, source=source, top_ids=top_ids,
-                  top_logprobs=top_logprobs, spans=spans)
+    _check(
+        total <= rules.context_limit,
+        "context limit",
+        f"{len(ids)} tokens + {rules.prompt_length} soft-prompt tokens = {total} > "
+        f"data.context_limit {rules.context_limit}",
+    )
+    return Record(
+        request_id=row["request_id"],
+        question_id=row["question_id"],
+        sample_index=row["sample_index"],
+        ids=ids.astype(np.uint32),
+        prefix_tokens=prefix,
+        insert_at=insert_at,
+        response_sha256=response_sha256,
+        added_system=added,
+        source=source,
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+        spans=spans,
+    )
 
 
 MAX_TOP_K = 64
@@ -217,14 +273,20 @@ MAX_TOP_K = 64
 def top_k_of(value: dict, supervised: int, rules: RowRules) -> tuple[np.ndarray, np.ndarray]:
     """The row's top-k teacher log-probabilities as arrays [supervised, k], every rule checked."""
     ids, logprobs = value["ids"], value["logprobs"]
-    _check(len(ids) == len(logprobs) == supervised, "top-k per supervised token",
-           f"top_logprobs holds {len(ids)} ids and {len(logprobs)} logprobs lists for {supervised} supervised tokens")
+    _check(
+        len(ids) == len(logprobs) == supervised,
+        "top-k per supervised token",
+        f"top_logprobs holds {len(ids)} ids and {len(logprobs)} logprobs lists for {supervised} supervised tokens",
+    )
     k = len(ids[0])
     _check(1 <= k <= MAX_TOP_K, "top-k size", f"k = {k}; it must be 1 to {MAX_TOP_K}")
     for name, rows in (("ids", ids), ("logprobs", logprobs)):
         bad = next((t for t, r in enumerate(rows) if len(r) != k), None)
-        _check(bad is None, "top-k rectangular", f"top_logprobs.{name}[{bad}] holds {len(rows[bad])} entries, not "
-               f"k = {k}" if bad is not None else "")
+        _check(
+            bad is None,
+            "top-k rectangular",
+            f"top_logprobs.{name}[{bad}] holds {len(rows[bad])} entries, not k = {k}" if bad is not None else "",
+        )
     flat_ids = [v for r in ids for v in r]
     bad = next((i for i, v in enumerate(flat_ids) if type(v) is not int), None)
     _check(bad is None, "top-k ids", f"top_logprobs.ids[{bad // k if bad is not None else 0}] holds a non-integer")
@@ -232,22 +294,35 @@ def top_k_of(value: dict, supervised: int, rules: RowRules) -> tuple[np.ndarray,
         id_array = np.asarray(flat_ids, dtype=np.int64).reshape(supervised, k)
     except OverflowError:  # beyond int64: beyond any vocabulary
         id_array = np.full((supervised, k), -1, dtype=np.int64)
-    _check(id_array.min() >= 0 and id_array.max() < rules.vocab_size, "top-k ids",
-           f"every id must lie in 0 .. {rules.vocab_size - 1}")
+    _check(
+        id_array.min() >= 0 and id_array.max() < rules.vocab_size,
+        "top-k ids",
+        f"every id must lie in 0 .. {rules.vocab_size - 1}",
+    )
     repeated = np.flatnonzero((np.diff(np.sort(id_array, axis=1), axis=1) == 0).any(axis=1))
     _check(not len(repeated), "top-k ids", f"top_logprobs.ids[{repeated[0] if len(repeated) else 0}] repeats an id")
     flat = [v for r in logprobs for v in r]
     bad = next((i for i, v in enumerate(flat) if type(v) not in (int, float)), None)
-    _check(bad is None, "top-k logprobs", f"top_logprobs.logprobs[{bad // k if bad is not None else 0}] holds a "
-           "non-number")
+    _check(
+        bad is None, "top-k logprobs", f"top_logprobs.logprobs[{bad // k if bad is not None else 0}] holds a non-number"
+    )
     logprob_array = np.asarray(flat, dtype=np.float64).reshape(supervised, k)
-    _check(bool(np.isfinite(logprob_array).all()), "top-k logprobs",
-           f"top_logprobs.logprobs[{int(np.argmin(np.isfinite(logprob_array).all(axis=1)))}] holds NaN or infinity")
-    _check(logprob_array.max() <= 0.0, "top-k logprobs",
-           f"top_logprobs.logprobs[{int(np.argmax(logprob_array.max(axis=1)))}] holds a log-probability above 0")
+    _check(
+        bool(np.isfinite(logprob_array).all()),
+        "top-k logprobs",
+        f"top_logprobs.logprobs[{int(np.argmin(np.isfinite(logprob_array).all(axis=1)))}] holds NaN or infinity",
+    )
+    _check(
+        logprob_array.max() <= 0.0,
+        "top-k logprobs",
+        f"top_logprobs.logprobs[{int(np.argmax(logprob_array.max(axis=1)))}] holds a log-probability above 0",
+    )
     mass = np.exp(logprob_array).sum(axis=1)
-    _check(mass.max() <= 1.0 + 1e-3, "top-k logprobs",
-           f"top_logprobs.logprobs[{int(np.argmax(mass))}]: the probabilities sum to {mass.max():.4f} > 1")
+    _check(
+        mass.max() <= 1.0 + 1e-3,
+        "top-k logprobs",
+        f"top_logprobs.logprobs[{int(np.argmax(mass))}]: the probabilities sum to {mass.max():.4f} > 1",
+    )
     return id_array.astype(np.int32), logprob_array.astype(np.float32)
 
 
@@ -255,8 +330,9 @@ def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
     """Yield one checked Record per row; raise RowError naming file, line (or row), request_id and
     rule. A .jsonl file, a .parquet file, or a directory written by datasets' save_to_disk."""
     schema = RowSchema()
-    rows, where = (json_lines(path), "{path}:{number}") if not is_table(path) else (table_rows(path),
-                                                                                  "{path}: row {number}")
+    rows, where = (
+        (json_lines(path), "{path}:{number}") if not is_table(path) else (table_rows(path), "{path}: row {number}")
+    )
     for number, row in rows:
         request_id = "?"
         try:
@@ -269,7 +345,8 @@ def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
                 raise ValueError("rule 'schema' (schemas/candidate.schema.json): " + "; ".join(problems))
             yield build_record(row, tokenizer, rules, f"{path.name}:{number}")
         except json.JSONDecodeError as error:
-            raise RowError(f"{path}:{number}: rule 'one JSON object per line': {error.msg} "
-                           f"at column {error.colno}") from None
+            raise RowError(
+                f"{path}:{number}: rule 'one JSON object per line': {error.msg} at column {error.colno}"
+            ) from None
         except ValueError as error:
             raise RowError(f"{where.format(path=path, number=number)}: request_id {request_id}: {error}") from None

@@ -1,6 +1,7 @@
 """Where candidate rows come from: a JSONL file, a parquet file or a datasets save_to_disk
 directory, streamed a row (or a small batch) at a time, each row with its line or row number so
 that every refusal can name the place (RowError)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,8 +43,9 @@ def table_rows(path: Path, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
     try:
         import pyarrow.parquet as parquet
     except ImportError:
-        raise SpdsError(f"{path}: reading parquet or datasets directories needs pyarrow and datasets "
-                        "(pip install 'spds[datasets]')") from None
+        raise SpdsError(
+            f"{path}: reading parquet or datasets directories needs pyarrow and datasets (pip install 'spds[datasets]')"
+        ) from None
     try:
         if path.is_dir():
             from datasets import load_from_disk
@@ -60,8 +62,10 @@ def table_rows(path: Path, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
         raise
     except Exception as error:  # pyarrow's and datasets' own errors: a damaged or foreign file
         kind = "a datasets save_to_disk directory" if path.is_dir() else "a parquet file"
-        raise RowError(f"{path}: rule 'readable table': not readable as {kind}: {type(error).__name__}: "
-                       f"{str(error).splitlines()[0] if str(error) else ''}") from None
+        raise RowError(
+            f"{path}: rule 'readable table': not readable as {kind}: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}"
+        ) from None
 
 
 def _numbered(batches) -> Iterator[tuple[int, dict]]:
