@@ -6,13 +6,14 @@ import torch
 from torch import nn
 
 from .attention import kernel_setting
+from .config import Config
 from .loss import final_logit_softcap, make_loss
 from .model import SoftPromptModel
 from .student import apply_liger_kernels, initial_prompt, load_student, load_tokenizer
 
 
 def build_soft_prompt_model(
-    config,
+    config: Config,
     device: torch.device,
     prompt: torch.Tensor | None = None,
     training: bool = True,

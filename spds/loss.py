@@ -21,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .errors import SpdsError
+from .settings import LossSettings
 
 
 def chunked_linear_cross_entropy(
@@ -239,7 +241,21 @@ def divergence_of(settings, softcap: float | None = None) -> Divergence:
     )
 
 
-def make_loss(settings, softcap: float | None = None):
+class LossFn(Protocol):
+    """What make_loss returns: the fp32 summed loss over `hidden` (the rows that predict the
+    supervised tokens, [N, H]) against `targets` ([N] token ids) and, for a distillation
+    objective, the teacher's targets; `weight` is the student's lm_head ([V, H])."""
+
+    kernel: str  # liger, chunked or chunked-distillation
+    softcap: float | None  # the head's final logit soft cap it was built for
+    needs_teacher: bool  # the step must hand it the teacher's targets
+
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, teacher: TeacherTargets | None = None
+    ) -> torch.Tensor: ...
+
+
+def make_loss(settings: LossSettings, softcap: float | None = None) -> LossFn:
     """f(hidden, weight, targets, teacher=None) -> fp32 summed loss, for loss.* (LossSettings), on
     the logits of a head with final logit soft cap `softcap` (final_logit_softcap(student)).
 

@@ -25,7 +25,7 @@ from torch import nn
 from .attention import AttentionPlan
 from .attention import install as install_attention
 from .errors import SpdsError
-from .loss import TeacherTargets, final_logit_softcap
+from .loss import LossFn, TeacherTargets, final_logit_softcap
 from .recompute import RecomputePolicy, enable_recompute, recompute_first
 from .sharded import Replicated
 
@@ -95,9 +95,9 @@ class SoftPromptModel(nn.Module):
         self,
         student: nn.Module,
         prompt: torch.Tensor,
-        loss_fn,
-        activation_checkpointing=False,
-        attention_kernel="auto",
+        loss_fn: LossFn,
+        activation_checkpointing: bool | str = False,
+        attention_kernel: str | dict = "auto",
         activation_memory_gib: float | None = None,
         pad_to_multiple_of: int | None = None,
         device: torch.device | None = None,
