@@ -27,7 +27,8 @@ and what kind of system message the template has (`system_role`):
 
 A template whose rendering depends on the day (Llama-3.x's strftime_now) or that renders one
 conversation two ways is refused, naming the setting that pins it: the same rows must give the
-same ids whenever they are prepared.
+same ids whenever they are prepared. (Over 300 lines: the probes, the scaffold they derive and its
+refusals are one derivation, read in one place.)
 """
 
 from __future__ import annotations
