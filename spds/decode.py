@@ -162,7 +162,7 @@ class Decoder:
             single = BatchCache(self.layers, 1, len(ids), device)
             positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
             positions[0, : len(ids)] = torch.arange(len(ids), device=device)
-            self.forward(torch.tensor([ids], device=device), positions, single, start=0, logits=False)
+            self.forward(torch.tensor([ids], device=device), positions, single, start=0, logits=False, causal=True)
             self.prefix_states = [
                 (k[:, :, : len(ids)], v[:, :, : len(ids)]) for k, v in zip(single.keys, single.values)
             ]
@@ -172,37 +172,43 @@ class Decoder:
         for layer, (keys, values) in enumerate(self.prefix_states):
             cache.update(keys.expand(cache.rows, -1, -1, -1), values.expand(cache.rows, -1, -1, -1), layer)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: BatchCache, start: int, logits: bool = True):
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: BatchCache,
+        start: int,
+        logits: bool = True,
+        causal: bool = False,
+    ):
         """Run `ids` ([rows, n], written at cache indices start..start+n-1) against everything the
-        cache holds; the next-token logits (fp32) of each row's last column."""
+        cache holds; the next-token logits (fp32) of each row's last column. `causal`: one row with
+        no holes from index 0 (the prefix), where the kernel's own causal rule needs no mask."""
         count = ids.shape[1]
         cache.index = torch.arange(start, start + count, device=ids.device)
         queries = positions[:, start : start + count]
+        if causal and not (self.eager or self.window):  # no [n, n] mask: a 64k-token context fits
+            return self.run(ids, queries, None, cache, logits)
         # a query sees its row's keys at or before its own position; a hole sees only itself (its
         # outputs are never read, but must stay finite: they become keys the mask then hides)
         visible = (positions[:, None, :] >= 0) & (positions[:, None, :] <= queries[:, :, None])
         visible[:, torch.arange(count, device=ids.device), cache.index] = True
-        return self.run(ids, queries, positions, visible, cache, logits)
+        return self.run(ids, queries, self.masks(visible, queries, positions), cache, logits)
 
-    def run(
-        self,
-        ids: torch.Tensor,
-        queries: torch.Tensor,
-        positions: torch.Tensor,
-        visible: torch.Tensor,
-        cache: BatchCache,
-        logits: bool = True,
-    ):
-        """The model over `ids` at logical positions `queries` ([rows, n]), each query seeing the keys
-        `visible` marks ([rows, n, cache capacity]; `positions`: each key's logical position),
-        written at cache.index."""
+    def masks(self, visible: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor):
+        """The attention mask(s) for queries at logical positions `queries` ([rows, n]) that may see
+        the keys `visible` marks ([rows, n, cache capacity]; `positions`: each key's logical
+        position), windowed where the model's layers are."""
         windowed = None
         if self.window:  # transformers' window: a key is seen while query - key < window
             windowed = visible & (queries[:, :, None] - positions[:, None, :] < self.window)
         if "sliding_attention" in self.layer_types:
-            masks = {"full_attention": self.as_mask(visible), "sliding_attention": self.as_mask(windowed)}
-        else:  # a 4D mask is used as given
-            masks = self.as_mask(windowed if self.window_everywhere else visible)
+            return {"full_attention": self.as_mask(visible), "sliding_attention": self.as_mask(windowed)}
+        return self.as_mask(windowed if self.window_everywhere else visible)  # a 4D mask is used as given
+
+    def run(self, ids: torch.Tensor, queries: torch.Tensor, masks, cache: BatchCache, logits: bool = True):
+        """The model over `ids` at logical positions `queries` under `masks` (None: causal),
+        writing its keys and values at cache.index."""
         arguments = dict(
             input_ids=ids,
             position_ids=queries.clamp(min=0),
@@ -248,8 +254,9 @@ class Step:
         the cache index; being the newest, it sees every key written so far."""
         index, positions = self.cache.index, self.positions
         positions.index_copy_(1, index, self.next_position[:, None])
-        visible = (positions >= 0)[:, None, :]
-        return self.decoder.run(self.token[:, None], self.next_position[:, None], positions, visible, self.cache)
+        queries = self.next_position[:, None]
+        masks = self.decoder.masks((positions >= 0)[:, None, :], queries, positions)
+        return self.decoder.run(self.token[:, None], queries, masks, self.cache)
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         self.token.copy_(token)
@@ -315,7 +322,10 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     Returns [B, Lq, Hq, D]."""
     batch, heads, queries, dim = query.shape
     groups = heads // key.shape[1]
-    if attention_mask is None:  # a plain causal forward of the same model (generate's top-k pass)
+    if attention_mask is None:  # the prefix from cache index 0, or a plain forward (generate's top-k pass):
+        # its keys are its own tokens, the first `queries` of the cache; equal lengths leave no doubt
+        # about where a kernel aligns the causal rule (top left in PyTorch's math, lower right in flash)
+        key, value = key[:, :, :queries], value[:, :, :queries]
         output = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=queries > 1, scale=scaling, enable_gqa=groups > 1
         )
