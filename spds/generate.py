@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ from .decode import Decoder
 from .errors import SpdsError
 from .fsio import MAX_LINE_BYTES, open_regular, parse_json
 from .preflight import require_preflight
+from .settings import GenerateSettings
 from .student import load_tokenizer
 
 
@@ -111,7 +114,7 @@ def generate(config: Config, log=print) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     teacher = load_teacher(config.teacher_path, config.student.dtype, device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
-    decoder = Decoder(teacher, end_ids, pad)
+    asking = Asking(Decoder(teacher, end_ids, pad), tokenizer, context, context_in_user_turn, settings, kwargs)
     questions = read_questions(config.resolve(settings.questions))
     requests = [
         dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
@@ -129,9 +132,7 @@ def generate(config: Config, log=print) -> dict:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
                 continue
-            turns = answer_turns(
-                decoder, tokenizer, batch, context, context_in_user_turn, settings, kwargs, seed=settings.seed + number
-            )
+            turns = asking.answer_turns(batch, seed=settings.seed + number)
             for request, asked in zip(batch, turns):
                 if request["request_id"] in done:
                     continue
@@ -150,28 +151,10 @@ def generate(config: Config, log=print) -> dict:
                 written += 1
             stream.flush()
             os.fsync(stream.fileno())
+    decoder = asking.decoder
     graphs = f"; the decode step ran as a CUDA graph in {decoder.captured} batches" if decoder.graphs else ""
     log(f"wrote {written} rows ({len(done)} were already there) to {output}{graphs}")
     return dict(written=written, skipped=len(done), output=str(output))
-
-
-def answer(
-    decoder: Decoder,
-    tokenizer,
-    batch: list[dict],
-    context: str,
-    context_in_user_turn: bool,
-    settings,
-    kwargs: dict,
-    seed: int,
-) -> tuple[list[list[int]], list[list[int]]]:
-    """(the teacher's prompt ids, its response ids) for each request; a response ends at the first
-    end token, which is kept (spds/decode.py)."""
-    prompts = [
-        render(tokenizer, with_context(r["messages"], context, context_in_user_turn), True, kwargs) for r in batch
-    ]
-    responses = decoder.answer(prompts, settings.max_new_tokens, settings.temperature, settings.top_p, seed)
-    return prompts, responses
 
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of a batch samples with seed + t * stride: its own stream, reproducible
@@ -181,36 +164,40 @@ def user_turns(messages: list[dict]) -> list[int]:
     return [i for i, message in enumerate(messages) if message["role"] == "user"]
 
 
-def answer_turns(
-    decoder: Decoder,
-    tokenizer,
-    batch: list[dict],
-    context: str,
-    context_in_user_turn: bool,
-    settings,
-    kwargs: dict,
-    seed: int,
-) -> list[list[tuple[list[int], list[int]]]]:
-    """For each request, (the teacher's prompt ids, its answer ids) for each of its user turns, in
-    order: a question of several user turns is answered turn by turn, each turn asked with the
-    teacher's earlier answers in the conversation (as text)."""
-    asked = [[] for _ in batch]
-    for turn in range(max(len(user_turns(r["messages"])) for r in batch)):
-        active = [i for i, r in enumerate(batch) if len(user_turns(r["messages"])) > turn]
-        conversations = [conversation_through(batch[i]["messages"], turn, asked[i], tokenizer) for i in active]
-        prompts, responses = answer(
-            decoder,
-            tokenizer,
-            [dict(messages=c) for c in conversations],
-            context,
-            context_in_user_turn,
-            settings,
-            kwargs,
-            seed=seed + turn * TURN_SEED_STRIDE,
-        )
-        for i, prompt, response in zip(active, prompts, responses):
-            asked[i].append((prompt, response))
-    return asked
+@dataclass
+class Asking:
+    """How every batch of a run is asked: the teacher's decoder and tokenizer, the context and
+    where it goes (the system message, or ahead of the first user turn), the sampling settings,
+    and the chat template's keyword arguments."""
+
+    decoder: Decoder
+    tokenizer: Any
+    context: str
+    context_in_user_turn: bool
+    settings: GenerateSettings
+    template_kwargs: dict
+
+    def answer(self, batch: list[dict], seed: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(the teacher's prompt ids, its response ids) for each request; a response ends at the
+        first end token, which is kept (spds/decode.py)."""
+        asked = [with_context(r["messages"], self.context, self.context_in_user_turn) for r in batch]
+        prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
+        sampling = self.settings
+        answers = self.decoder.answer(prompts, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed)
+        return prompts, answers
+
+    def answer_turns(self, batch: list[dict], seed: int) -> list[list[tuple[list[int], list[int]]]]:
+        """For each request, (the teacher's prompt ids, its answer ids) for each of its user turns,
+        in order: a question of several user turns is answered turn by turn, each turn asked with
+        the teacher's earlier answers in the conversation (as text)."""
+        asked = [[] for _ in batch]
+        for turn in range(max(len(user_turns(r["messages"])) for r in batch)):
+            active = [i for i, r in enumerate(batch) if len(user_turns(r["messages"])) > turn]
+            conversations = [conversation_through(batch[i]["messages"], turn, asked[i], self.tokenizer) for i in active]
+            prompts, responses = self.answer([dict(messages=c) for c in conversations], seed + turn * TURN_SEED_STRIDE)
+            for i, prompt, response in zip(active, prompts, responses):
+                asked[i].append((prompt, response))
+        return asked
 
 
 def conversation_through(messages: list[dict], turn: int, asked: list, tokenizer) -> list[dict]:
