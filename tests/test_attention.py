@@ -19,6 +19,16 @@ from spds.loss import make_loss
 from spds.model import Segment, SoftPromptModel
 from spds.student import initial_prompt
 
+# a tiny Qwen3 shape with grouped-query heads (4 query heads, 2 key/value heads)
+TINY_QWEN3 = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
 BLOCK = kernels.BLOCK
 
 
@@ -143,18 +153,7 @@ def test_a_sliding_window_layer_attends_within_its_window(tiny_assets):
     loss and prompt gradient of transformers' own eager forward, whose mask holds the window."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    shape = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=5,
-        max_window_layers=0,
-        initializer_range=0.3,
-    )
+    shape = dict(TINY_QWEN3, sliding_window=5, max_window_layers=0, initializer_range=0.3)
     config = Qwen3Config(use_sliding_window=True, **shape)
     torch.manual_seed(0)
     student = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").requires_grad_(False)
@@ -180,18 +179,7 @@ def test_deterministic_auto_takes_fa4_only_where_it_runs_and_a_named_fa4_elsewhe
 
     from spds.errors import SpdsError
 
-    student = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            attn_implementation="sdpa",
-        )
-    )
+    student = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3, attn_implementation="sdpa"))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the device's type is read
     seen = []
     monkeypatch.setattr(attention, "fa4_unavailable", lambda head_dim: seen.append(head_dim) or "not installed")

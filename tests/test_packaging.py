@@ -101,30 +101,28 @@ def test_the_locks_pin_every_dependency_and_lie_within_the_tested_ranges():
             assert installed == cpu[canonicalize_name(name)], f"{name} {installed} is not requirements/cpu.txt's"
 
 
+def validate(config, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "spds.cli", "validate", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_a_package_outside_the_tested_range_is_named_once_at_start_up(tmp_path):
     """A stand-in distribution record (as pip leaves it) says transformers 99.0 is installed."""
     record = tmp_path / "site" / "transformers-99.0.dist-info"
     record.mkdir(parents=True)
     (record / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 99.0\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]))
-    result = subprocess.run(
-        [sys.executable, "-m", "spds.cli", "validate", str(tmp_path / "absent.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = validate(tmp_path / "absent.json", env)
     lines = [line for line in result.stderr.splitlines() if "outside the versions spds is tested with" in line]
     assert len(lines) == 1, result.stderr
     assert "transformers 99.0" in lines[0] and str(TESTED["transformers"]) in lines[0]
     env["RANK"] = "1"  # a launcher's other ranks say nothing
-    result = subprocess.run(
-        [sys.executable, "-m", "spds.cli", "validate", str(tmp_path / "absent.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = validate(tmp_path / "absent.json", env)
     assert "outside the versions" not in result.stderr
 
 
