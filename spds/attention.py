@@ -189,7 +189,7 @@ class AttentionPlan:
         micro-batch of `positions` whose longest sequence is `longest`. fa4 keeps O(L), like flash;
         its backward allocates fp32 accumulators for dQ and, with grouped-query heads, for dK and dV
         (flash_attn.cute's _flash_attn_bwd), one layer at a time."""
-        kernel = "eager" if self.materialised else self.kernel(longest, packed)  # eager keeps the scores so
+        kernel = "eager" if self.materialised else self.kernel(longest, packed)  # capped: scores kept, as eager
         kept, transient = QUADRATIC_ATTENTION_BYTES.get(kernel, (0, 0))
         square = positions * longest * self.heads  # batch x L^2 x heads: every sequence padded to `longest`
         workspace = 0

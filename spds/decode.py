@@ -62,7 +62,6 @@ class BatchCache:
         self.rows = rows
         self.capacity = -(-capacity // 16) * 16  # the efficient kernel's alignment for the mask's rows
         self.index = torch.zeros(1, dtype=torch.long, device=device)
-        self.is_compileable = False
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_, **__):  # the rest: per version
         if self.keys[layer] is None:  # the first write of a layer: its buffers, now that its shapes are known
@@ -77,13 +76,11 @@ class BatchCache:
     def get_seq_length(self, layer: int = 0) -> int:
         return 0  # never asked: every forward passes its cache_position
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
 
 class Decoder:
     """Answers batches of prompts with one model. Keeps the keys and values of the last common
-    prefix it ran (a generate run's context, shared by all its batches)."""
+    prefix it ran (a generate run's context, shared by all its batches). It sets the model's
+    attention to `grouped_attention` (an sdpa model; eager stays eager): the model is its own."""
 
     def __init__(self, model, end_ids: list[int], pad_id: int, graphs: bool = True):
         self.model, self.end_ids, self.pad_id = model, end_ids, pad_id
@@ -119,19 +116,19 @@ class Decoder:
         prefix = common_prefix(prompts)
         rows, longest = len(prompts), max(len(p) - prefix for p in prompts)
         cache = BatchCache(self.layers, rows, prefix + longest + max_new_tokens, device)
-        # a row's logical position at each cache index (-1: a hole, or not written yet)
-        positions = torch.full((rows, cache.capacity), -1, dtype=torch.long, device=device)
-        if prefix:
-            self.load_prefix(prompts[0][:prefix], cache)
-            positions[:, :prefix] = torch.arange(prefix, device=device)
-        # the questions, right-aligned after the prefix: every row's last prompt token at one index
-        ids = torch.full((rows, longest), self.pad_id, dtype=torch.long, device=device)
+        # a row's logical position at each cache index (-1: a hole, or not written yet), and the
+        # questions right-aligned after the prefix: every row's last prompt token at one index.
+        # Built on the host and copied once.
+        positions = torch.full((rows, cache.capacity), -1, dtype=torch.long)
+        positions[:, :prefix] = torch.arange(prefix)
+        ids = torch.full((rows, longest), self.pad_id, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             own = prompt[prefix:]
-            ids[row, longest - len(own) :] = torch.tensor(own, device=device)
-            positions[row, prefix + longest - len(own) : prefix + longest] = torch.arange(
-                prefix, len(prompt), device=device
-            )
+            ids[row, longest - len(own) :] = torch.tensor(own)
+            positions[row, prefix + longest - len(own) : prefix + longest] = torch.arange(prefix, len(prompt))
+        positions, ids = positions.to(device), ids.to(device)
+        if prefix:
+            self.load_prefix(prompts[0][:prefix], cache)
         generator = torch.Generator(device=device).manual_seed(seed)
         logits = self.forward(ids, positions, cache, start=prefix)
         step = Step(

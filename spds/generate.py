@@ -84,19 +84,17 @@ def repair_and_read(output: Path) -> set[str]:
 
 
 def load_teacher(path: Path, dtype: str, device: torch.device):
-    """The teacher for decoding: transformers' sdpa attention under spds.decode's masks, or eager
-    for a model that soft-caps its attention scores (Gemma 2), which sdpa cannot."""
+    """The teacher for decoding, loaded with sdpa attention (spds.decode.Decoder installs its own
+    grouped attention over it), or eager for a model that soft-caps its attention scores (Gemma 2),
+    which sdpa cannot. Its config.json is read once, for both."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = AutoConfig.from_pretrained(str(path), local_files_only=True)
     attention = "eager" if getattr(shape, "attn_logit_softcapping", None) else "sdpa"
-    return (
-        AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attention
-        )
-        .to(device)
-        .eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), config=shape, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attention
     )
+    return model.to(device).eval()
 
 
 def generate(config: Config, log=print) -> dict:
