@@ -32,11 +32,11 @@ graph, and the attention they need are one mechanism, each part shaped by the ot
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NAME = "spds_decode"
 
@@ -319,24 +319,23 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     Returns [B, Lq, Hq, D]."""
     batch, heads, queries, dim = query.shape
     groups = heads // key.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if attention_mask is None:  # the prefix from cache index 0, or a plain forward (generate's top-k pass):
         # its keys are its own tokens, the first `queries` of the cache; equal lengths leave no doubt
         # about where a kernel aligns the causal rule (top left in PyTorch's math, lower right in flash)
         key, value = key[:, :, :queries], value[:, :, :queries]
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=queries > 1, scale=scaling, enable_gqa=groups > 1
-        )
+        with backend(query, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            output = sdpa(query, key, value, is_causal=queries > 1, scale=scaling, enable_gqa=groups > 1)
         return output.transpose(1, 2).contiguous(), None
     folded = query.reshape(batch, key.shape[1], groups * queries, dim)
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * queries, -1)
-    call = functools.partial(
-        torch.nn.functional.scaled_dot_product_attention, folded, key, value, attn_mask=mask, scale=scaling
-    )
-    if query.is_cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # the fused kernel that takes a mask
-            output = call()
-    else:
-        output = call()
+    with backend(query, SDPBackend.EFFICIENT_ATTENTION):  # the fused kernel that takes a mask
+        output = sdpa(folded, key, value, attn_mask=mask, scale=scaling)
     return output.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
+
+
+def backend(query: torch.Tensor, *cuda_kernels):
+    """The SDPA kernels to run: `cuda_kernels` on CUDA; math on the CPU, where PyTorch's flash
+    kernel for bf16 needs AVX-512 (it stops with "pack_vnni2 is only supported when avx512 is
+    supported" on other CPUs) and spds's generation is only for tests and the demo."""
+    return sdpa_kernel(list(cuda_kernels) if query.is_cuda else [SDPBackend.MATH])
