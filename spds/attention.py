@@ -62,6 +62,17 @@ NAME = "spds_causal"
 QUADRATIC_ATTENTION_BYTES = {"math": (2, 6), "eager": (6, 10)}
 
 
+def avoid_cpu_flash_without_avx512() -> None:
+    """PyTorch's CPU flash attention kernel for bf16 and fp16 stops on a CPU without AVX-512
+    ("pack_vnni2 is only supported when avx512 is supported"), and PyTorch picks it by default for
+    a causal attention without a mask. On such a CPU, in a process with no CUDA device, PyTorch's
+    other SDPA kernels (math, memory-efficient) run instead: the same function, for every attention
+    of the process (spds's kernels, transformers' own, generate's). The switch is named for CUDA
+    but PyTorch's CPU dispatch reads it too. Called where a model is loaded."""
+    if not torch.cuda.is_available() and "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        torch.backends.cuda.enable_flash_sdp(False)
+
+
 def use_deterministic_kernels() -> None:
     """train.deterministic: every kernel on its deterministic algorithm, for a bit-exact GPU resume.
 

@@ -32,6 +32,7 @@ graph, and the attention they need are one mechanism, each part shaped by the ot
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 
@@ -335,7 +336,6 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 def backend(query: torch.Tensor, *cuda_kernels):
-    """The SDPA kernels to run: `cuda_kernels` on CUDA; math on the CPU, where PyTorch's flash
-    kernel for bf16 needs AVX-512 (it stops with "pack_vnni2 is only supported when avx512 is
-    supported" on other CPUs) and spds's generation is only for tests and the demo."""
-    return sdpa_kernel(list(cuda_kernels) if query.is_cuda else [SDPBackend.MATH])
+    """The SDPA kernels to run on CUDA; on the CPU, PyTorch's choice (which
+    attention.avoid_cpu_flash_without_avx512 keeps off a kernel that CPU cannot run)."""
+    return sdpa_kernel(list(cuda_kernels)) if query.is_cuda else contextlib.nullcontext()

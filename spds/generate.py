@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .attention import avoid_cpu_flash_without_avx512
 from .config import Config
 from .data.chat import end_token_ids, render
 from .decode import Decoder
@@ -89,6 +90,7 @@ def load_teacher(path: Path, dtype: str, device: torch.device):
     which sdpa cannot. Its config.json is read once, for both."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    avoid_cpu_flash_without_avx512()
     shape = AutoConfig.from_pretrained(str(path), local_files_only=True)
     attention = "eager" if getattr(shape, "attn_logit_softcapping", None) else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(

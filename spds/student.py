@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .attention import avoid_cpu_flash_without_avx512
 from .attention import install as install_attention
 from .errors import SpdsError
 from .fsio import read_json
@@ -29,6 +30,7 @@ def load_student(model_path, dtype: str, attn_implementation: str, device: torch
     loaded with its eager attention and then given spds's."""
     from transformers import AutoModelForCausalLM
 
+    avoid_cpu_flash_without_avx512()
     load = functools.partial(
         AutoModelForCausalLM.from_pretrained, str(model_path), local_files_only=True, dtype=getattr(torch, dtype)
     )
