@@ -6,18 +6,21 @@ again for every batch and grows its cache by concatenation at every step (each s
 whole cache). Here:
 
   * the prompts' longest common prefix is run once and its keys and values kept (keyed by the
-    prefix's ids): every batch that shares it copies them instead of computing them;
-  * each batch gets one cache allocated once for its whole length ([rows, kv heads, prefix +
-    longest question + max_new_tokens, head dim] per layer), written in place (`BatchCache`);
-  * the questions, of different lengths, are right-aligned after the prefix, so that every row
-    writes its next token at the same index; the holes before a short question are masked;
-    positions (RoPE) count only a row's own tokens, as if it had never been padded;
-  * the keys are the whole cache at every step (unwritten positions masked), and attention is
-    spds's `grouped_attention`: the query heads that share a key/value head are folded into its
-    query rows, so grouped-query keys are read as they are (transformers' sdpa path repeats the
-    whole cache to every query head when a mask is given) and PyTorch's memory-efficient kernel
-    takes the mask; a soft-capped Gemma 2 runs transformers' eager attention. The mask goes in
-    as a 4D tensor (or a dict of them per layer kind), which transformers uses as given;
+    prefix's ids), and every batch that shares it reads them where they are: they are never
+    copied to the rows: a row's cache holds only its question and answer, so how many rows a
+    batch holds depends on their own lengths, not on the context's;
+  * attention runs in two parts merged by their log-sum-exps (`decode_attention`): over the
+    shared prefix, with every row's queries folded into one batch, so its keys are read once per
+    step, not once per row; and over each row's own keys. The query heads that share a key/value
+    head are folded into its query rows, so grouped-query keys are read as they are. On CUDA the
+    parts run on PyTorch's flash and memory-efficient kernels; soft-capped scores (Gemma 2) and
+    the CPU run the same sums in plain PyTorch;
+  * each batch gets one cache allocated once for its whole length ([rows, kv heads, longest
+    question + max_new_tokens, head dim] per layer), written in place (`BatchCache`);
+  * the questions, of different lengths, are right-aligned, so that every row writes its next
+    token at the same index; the holes before a short question are masked; positions (RoPE) count
+    only a row's own tokens, as if it had never been padded. The masks go in as 4D tensors (or a
+    dict of them per layer kind), which transformers uses as given;
   * a decode step reads and writes only buffers that live as long as the batch (`Step`), so on
     CUDA it is captured once per batch as a CUDA graph and replayed: the model's Python (tens of
     milliseconds a step, more than the GPU's work at these sizes) runs once, not once per token.
@@ -35,9 +38,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .errors import SpdsError
 
 NAME = "spds_decode"
 
@@ -53,26 +59,51 @@ def common_prefix(prompts: list[list[int]]) -> int:
 
 
 class BatchCache:
-    """The keys and values of one batch, in buffers allocated once and written in place at the
-    cache indices `index` (a tensor, so that a captured step writes where the replay says). Offers
-    what transformers' decoder layers call on a cache (`update`, `get_seq_length`)."""
+    """The keys and values of one batch. The shared prefix's (`shared`, per layer [1, kv heads,
+    prefix, head dim]) are computed once for every batch that shares them and read in place, never
+    copied to the rows. Each row's own (its question, then its answer) live in buffers allocated
+    once and written in place at the cache indices `index` (a tensor, so that a captured step
+    writes where the replay says). Offers what transformers' decoder layers call on a cache
+    (`update`, `get_seq_length`)."""
 
-    def __init__(self, layers: int, rows: int, capacity: int, device: torch.device):
+    def __init__(self, layers: int, rows: int, capacity: int, device: torch.device, shared=None):
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.rows = rows
         self.capacity = -(-capacity // 16) * 16  # the efficient kernel's alignment for the mask's rows
         self.index = torch.zeros(1, dtype=torch.long, device=device)
+        self.shared: list[tuple[torch.Tensor, torch.Tensor]] = shared or []
+        # a row's own keys start after its holes (own_from, the number of holes); for the decode
+        # step's variable-length kernel, where each row's keys start in the flat buffers
+        # (key_starts, int32 [rows + 1]) and how many it has written (written, int32 [rows])
+        self.own_from = torch.zeros(rows, dtype=torch.long, device=device)
+        self.key_starts = torch.arange(rows + 1, dtype=torch.int32, device=device) * self.capacity
+        self.written = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.splits: dict[tuple[int, int], tuple] = {}  # shared_split's plans, made before a capture
+        # windowed layers: the shared keys before window_from are outside every query's window; the
+        # later ones' logical positions (window_keys, None when every query sees them all) and, for
+        # the queries of the forward running now, which of them each sees (shared_mask [rows, n, keys])
+        self.window_from = 0
+        self.window_keys: torch.Tensor | None = None
+        self.shared_mask: torch.Tensor | None = None
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_, **__):  # the rest: per version
         if self.keys[layer] is None:  # the first write of a layer: its buffers, now that its shapes are known
-            shape = (self.rows, key.shape[1], self.capacity, key.shape[3])
+            # [rows, positions, kv heads, head dim]: each row's keys one run of memory, as the
+            # variable-length kernel reads them; attention elsewhere takes the transposed view
+            shape = (self.rows, self.capacity, key.shape[1], key.shape[3])
             # zeros, not garbage: a masked key's weight is 0, and 0 x NaN would still be NaN
             self.keys[layer] = key.new_zeros(shape)
             self.values[layer] = value.new_zeros(shape)
-        self.keys[layer].index_copy_(2, self.index, key)
-        self.values[layer].index_copy_(2, self.index, value)
-        return self.keys[layer], self.values[layer]
+        self.keys[layer].index_copy_(1, self.index, key.transpose(1, 2))
+        self.values[layer].index_copy_(1, self.index, value.transpose(1, 2))
+        return self.keys[layer].transpose(1, 2), self.values[layer].transpose(1, 2)
+
+    def skip_holes(self, holes: list[int]) -> None:
+        """Each row's number of holes (left padding), which its own keys start after."""
+        self.own_from = torch.tensor(holes, device=self.index.device)
+        starts = torch.arange(self.rows + 1) * self.capacity + torch.tensor(holes + [0])
+        self.key_starts = starts.to(device=self.index.device, dtype=torch.int32)
 
     def get_seq_length(self, layer: int = 0) -> int:
         return 0  # never asked: every forward passes its cache_position
@@ -81,28 +112,41 @@ class BatchCache:
 class Decoder:
     """Answers batches of prompts with one model. Keeps the keys and values of the last common
     prefix it ran (a generate run's context, shared by all its batches). It sets the model's
-    attention to `grouped_attention` (an sdpa model; eager stays eager): the model is its own."""
+    attention to `decode_attention` (the model is its own from then on)."""
 
     def __init__(self, model, end_ids: list[int], pad_id: int, graphs: bool = True):
+        from transformers import AttentionInterface
+
         self.model, self.end_ids, self.pad_id = model, end_ids, pad_id
         config = model.config
         self.layers = config.num_hidden_layers
         # layers of two kinds (Gemma 2 and 3, Qwen with sliding layers) take a mask per kind; a model
         # without layer kinds but with a window (Mistral v0.1) windows every layer
-        self.layer_types = set(getattr(config, "layer_types", None) or [])
+        kinds = getattr(config, "layer_types", None) or []
+        self.layer_types = set(kinds)
         self.window = getattr(config, "sliding_window", None)
         self.window_everywhere = bool(self.window) and not self.layer_types
-        self.eager = config._attn_implementation == "eager"
-        if not self.eager:
-            from transformers import AttentionInterface
-
-            AttentionInterface.register(NAME, grouped_attention)
-            config._attn_implementation = NAME
+        self.windowed = [
+            bool(self.window) and (kinds[layer] == "sliding_attention" if kinds else True)
+            for layer in range(self.layers)
+        ]
+        modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        if len(modules) != self.layers:  # transformers' attention modules, one per layer
+            raise SpdsError(
+                f"spds generate cannot find the attention modules of {type(model).__name__} (found "
+                f"{len(modules)} for {self.layers} layers)"
+            )
+        for module in modules:
+            module.spds_decoder = self  # decode_attention reads the cache of the forward running now
+        AttentionInterface.register(NAME, decode_attention)
+        config._attn_implementation = NAME  # unknown to transformers' mask builders: masks go in as given
+        self.active: BatchCache | None = None  # the cache of the forward running now
         self.graphs = graphs and model.device.type == "cuda"  # False: every step eagerly (the same numbers)
         self.prefix_ids: list[int] | None = None  # the prefix whose keys and values are kept
         self.prefix_states: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.prefix_forwards = 0  # how many times a prefix was run (the tests read it)
         self.captured = 0  # batches whose decode step ran as a CUDA graph (the benchmark reads it)
+        self.seconds, self.new_tokens = 0.0, 0  # time in answer() and the tokens it picked (generate logs them)
         # transformers renamed past_key_values to cache (5.2x); both name the same object
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -113,28 +157,27 @@ class Decoder:
     ) -> list[list[int]]:
         """Each prompt's answer ids: up to and including its first end token, or max_new_tokens
         ids with an end token appended (a cut answer is closed, as spds's rows must end)."""
+        began = time.perf_counter()
         device = self.model.device
         prefix = common_prefix(prompts)
         rows, longest = len(prompts), max(len(p) - prefix for p in prompts)
-        cache = BatchCache(self.layers, rows, prefix + longest + max_new_tokens, device)
-        # a row's logical position at each cache index (-1: a hole, or not written yet), and the
-        # questions right-aligned after the prefix: every row's last prompt token at one index.
-        # Built on the host and copied once.
+        shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
+        cache = BatchCache(self.layers, rows, longest + max_new_tokens, device, shared)
+        cache.skip_holes([longest - (len(p) - prefix) for p in prompts])
+        self.plan_window(cache, prefix, max(len(p) for p in prompts) + max_new_tokens - 1)
+        # a row's logical position at each of its own cache indices (-1: a hole, or not written
+        # yet), the questions right-aligned: every row's last prompt token at one index. Built on
+        # the host and copied once.
         positions = torch.full((rows, cache.capacity), -1, dtype=torch.long)
-        positions[:, :prefix] = torch.arange(prefix)
         ids = torch.full((rows, longest), self.pad_id, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             own = prompt[prefix:]
             ids[row, longest - len(own) :] = torch.tensor(own)
-            positions[row, prefix + longest - len(own) : prefix + longest] = torch.arange(prefix, len(prompt))
+            positions[row, longest - len(own) : longest] = torch.arange(prefix, len(prompt))
         positions, ids = positions.to(device), ids.to(device)
-        if prefix:
-            self.load_prefix(prompts[0][:prefix], cache)
         generator = torch.Generator(device=device).manual_seed(seed)
-        logits = self.forward(ids, positions, cache, start=prefix)
-        step = Step(
-            self, cache, positions, next_position=positions[:, prefix + longest - 1] + 1, write_at=prefix + longest
-        )
+        logits = self.forward(ids, positions, cache, start=0)
+        step = Step(self, cache, positions, next_position=positions[:, longest - 1] + 1, write_at=longest)
         answers = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
         ends = torch.tensor(self.end_ids, device=device)
@@ -149,12 +192,13 @@ class Decoder:
         for row in answers.tolist():
             end = next((i for i, t in enumerate(row) if t in self.end_ids), None)
             result.append(row[: end + 1] if end is not None else row + [self.end_ids[0]])
+        self.seconds += time.perf_counter() - began  # answers.tolist() waited for the device
+        self.new_tokens += sum(len(r) for r in result)
         return result
 
-    def load_prefix(self, ids: list[int], cache: BatchCache) -> None:
-        """The prefix's keys and values into `cache` (every row, indices 0..len-1): computed once
-        per distinct prefix, then copied."""
-        device = cache.index.device
+    def shared_states(self, ids: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The keys and values of the prefix `ids`, per layer [1, kv heads, len(ids), head dim]:
+        computed once per distinct prefix."""
         if ids != self.prefix_ids:
             self.prefix_ids, self.prefix_states = None, []  # never keep a half-made prefix
             single = BatchCache(self.layers, 1, len(ids), device)
@@ -162,13 +206,22 @@ class Decoder:
             positions[0, : len(ids)] = torch.arange(len(ids), device=device)
             self.forward(torch.tensor([ids], device=device), positions, single, start=0, logits=False, causal=True)
             self.prefix_states = [
-                (k[:, :, : len(ids)], v[:, :, : len(ids)]) for k, v in zip(single.keys, single.values)
+                (k[:, : len(ids)].transpose(1, 2), v[:, : len(ids)].transpose(1, 2))
+                for k, v in zip(single.keys, single.values)
             ]
             self.prefix_ids = list(ids)
             self.prefix_forwards += 1
-        cache.index = torch.arange(len(ids), device=device)
-        for layer, (keys, values) in enumerate(self.prefix_states):
-            cache.update(keys.expand(cache.rows, -1, -1, -1), values.expand(cache.rows, -1, -1, -1), layer)
+        return self.prefix_states
+
+    def plan_window(self, cache: BatchCache, prefix: int, last_position: int) -> None:
+        """Which shared keys the windowed layers read: none older than the window of the batch's
+        first own token (at logical position `prefix`), and a mask only when a later query
+        (`last_position` the latest) outlives the oldest of them."""
+        if not (prefix and any(self.windowed)):
+            return
+        cache.window_from = max(0, prefix - self.window + 1)  # transformers: seen while query - key < window
+        if last_position - cache.window_from >= self.window:
+            cache.window_keys = torch.arange(cache.window_from, prefix, device=cache.index.device)
 
     def forward(
         self,
@@ -179,30 +232,35 @@ class Decoder:
         logits: bool = True,
         causal: bool = False,
     ):
-        """Run `ids` ([rows, n], written at cache indices start..start+n-1) against everything the
-        cache holds; the next-token logits (fp32) of each row's last column. `causal`: one row with
-        no holes from index 0 (the prefix), where the kernel's own causal rule needs no mask."""
+        """Run `ids` ([rows, n], written at the rows' own cache indices start..start+n-1) against
+        the shared prefix and everything the rows' cache holds; the next-token logits (fp32) of each
+        row's last column. `causal`: one row with no holes from index 0 and nothing shared (the
+        prefix), where the kernel's own causal rule needs no mask."""
         count = ids.shape[1]
         cache.index = torch.arange(start, start + count, device=ids.device)
+        cache.written = (start + count - cache.own_from).to(torch.int32)
         queries = positions[:, start : start + count]
-        if causal and not (self.eager or self.window):  # no [n, n] mask: a 64k-token context fits
+        if causal and not self.window:  # no [n, n] mask: a 64k-token context fits
             return self.run(ids, queries, None, cache, logits)
         # a query sees its row's keys at or before its own position; a hole sees only itself (its
         # outputs are never read, but must stay finite: they become keys the mask then hides)
         visible = (positions[:, None, :] >= 0) & (positions[:, None, :] <= queries[:, :, None])
         visible[:, torch.arange(count, device=ids.device), cache.index] = True
-        return self.run(ids, queries, self.masks(visible, queries, positions), cache, logits)
+        return self.run(ids, queries, self.masks(visible, queries, positions, cache), cache, logits)
 
-    def masks(self, visible: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor):
-        """The attention mask(s) for queries at logical positions `queries` ([rows, n]) that may see
-        the keys `visible` marks ([rows, n, cache capacity]; `positions`: each key's logical
-        position), windowed where the model's layers are."""
+    def masks(self, visible: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, cache: BatchCache):
+        """The attention mask(s) over the rows' own keys for queries at logical positions `queries`
+        ([rows, n]) that may see the keys `visible` marks ([rows, n, cache capacity]; `positions`:
+        each key's logical position), windowed where the model's layers are; and, on the cache,
+        which shared keys the windowed layers' queries see."""
+        if cache.window_keys is not None:
+            cache.shared_mask = queries[:, :, None] - cache.window_keys < self.window
         windowed = None
         if self.window:  # transformers' window: a key is seen while query - key < window
             windowed = visible & (queries[:, :, None] - positions[:, None, :] < self.window)
         if "sliding_attention" in self.layer_types:
-            return {"full_attention": self.as_mask(visible), "sliding_attention": self.as_mask(windowed)}
-        return self.as_mask(windowed if self.window_everywhere else visible)  # a 4D mask is used as given
+            return {"full_attention": visible[:, None], "sliding_attention": windowed[:, None]}
+        return (windowed if self.window_everywhere else visible)[:, None]  # a 4D mask is used as given
 
     def run(self, ids: torch.Tensor, queries: torch.Tensor, masks, cache: BatchCache, logits: bool = True):
         """The model over `ids` at logical positions `queries` under `masks` (None: causal),
@@ -215,20 +273,14 @@ class Decoder:
             cache_position=cache.index,
             **{self.cache_argument: cache},
         )
-        if not logits:  # the prefix: its keys and values only, no vocabulary-sized work
-            self.model.base_model(**arguments)
-            return None
-        return self.model(**arguments, logits_to_keep=1).logits[:, -1].float()
-
-    def as_mask(self, visible: torch.Tensor) -> torch.Tensor:
-        """[rows, 1, queries, keys]: boolean for sdpa, additive for eager attention."""
-        visible = visible[:, None]
-        if not self.eager:
-            return visible
-        dtype = self.model.dtype
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
-            ~visible, torch.finfo(dtype).min
-        )
+        self.active = cache
+        try:
+            if not logits:  # the prefix: its keys and values only, no vocabulary-sized work
+                self.model.base_model(**arguments)
+                return None
+            return self.model(**arguments, logits_to_keep=1).logits[:, -1].float()
+        finally:
+            self.active = None
 
 
 class Step:
@@ -252,8 +304,9 @@ class Step:
         the cache index; being the newest, it sees every key written so far."""
         index, positions = self.cache.index, self.positions
         positions.index_copy_(1, index, self.next_position[:, None])
+        self.cache.written.copy_(index + 1 - self.cache.own_from)
         queries = self.next_position[:, None]
-        masks = self.decoder.masks((positions >= 0)[:, None, :], queries, positions)
+        masks = self.decoder.masks((positions >= 0)[:, None, :], queries, positions, self.cache)
         return self.decoder.run(self.token[:, None], queries, masks, self.cache)
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
@@ -312,27 +365,206 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torc
     return torch.multinomial(probabilities, 1, generator=generator)[:, 0]
 
 
-def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention signature: query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D],
-    attention_mask bool [B, 1, Lq, Lk]. The G = Hq / Hkv query heads of each key/value head become
-    G x Lq query rows of that head (query head h reads key/value head h // G, as transformers'
-    repeat_kv has it), so the keys are read once per key/value head and never copied.
-    Returns [B, Lq, Hq, D]."""
-    batch, heads, queries, dim = query.shape
-    groups = heads // key.shape[1]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if attention_mask is None:  # the prefix from cache index 0, or a plain forward (generate's top-k pass):
-        # its keys are its own tokens, the first `queries` of the cache; equal lengths leave no doubt
-        # about where a kernel aligns the causal rule (top left in PyTorch's math, lower right in flash)
-        key, value = key[:, :, :queries], value[:, :, :queries]
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """transformers' attention signature: query [B, Hq, Lq, D], the rows' own key and value
+    [B, Hkv, Lk, D] (the whole cache), attention_mask bool [B, 1, Lq, Lk] (None: a causal forward
+    over its own Lq keys). Attention over the shared prefix and over the rows' own keys runs as two
+    parts, merged by their log-sum-exps (the softmax over all keys, regrouped): the shared part
+    folds every row's queries into one batch, so the shared keys are read once per step, not once
+    per row. The G = Hq / Hkv query heads of each key/value head become G x Lq query rows of that
+    head (query head h reads key/value head h // G, as transformers' repeat_kv has it), so grouped
+    keys are never copied. Returns [B, Lq, Hq, D]."""
+    batch, heads, count, dim = query.shape
+    kv = key.shape[1]
+    groups = heads // kv
+    scale = scaling if scaling is not None else dim**-0.5
+    if attention_mask is None:  # the prefix from cache index 0: its keys are its own first `count`
+        return causal_attention(query, key[:, :, :count], value[:, :, :count], scale, softcap), None
+    decoder = getattr(module, "spds_decoder", None)
+    cache = decoder.active if decoder is not None else None
+    own = query.reshape(batch, kv, groups * count, dim)
+    if count == 1 and cache is not None and flash_fits(query, softcap):  # a decode step
+        window = decoder.window if decoder.windowed[module.layer_idx] else None
+        output, lse = decode_own(query, cache, module.layer_idx, window, scale)
+    else:
+        mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * count, -1)
+        output, lse = attend(own, key, value, mask, scale, softcap)
+        output, lse = output.reshape(batch, heads, count, dim), lse.reshape(batch, heads, count)
+    if cache is not None and cache.shared:
+        layer = module.layer_idx
+        keys, values = cache.shared[layer]
+        shared_mask = None
+        if decoder.windowed[layer]:
+            keys, values = keys[:, :, cache.window_from :], values[:, :, cache.window_from :]
+            if cache.shared_mask is not None:  # [B, Lq, keys] -> the folded rows' [1, 1, B x G x Lq, keys]
+                shared_mask = cache.shared_mask[:, None].expand(-1, groups, -1, -1).reshape(1, 1, -1, keys.shape[2])
+        folded = own.transpose(0, 1).reshape(1, kv, batch * groups * count, dim)  # rows in (b, g, q) order
+        if shared_mask is None and flash_fits(query, softcap):
+            shared, shared_lse = shared_split(folded, keys, values, scale, cache)
+        else:
+            shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
+        shared = shared.reshape(kv, batch, groups * count, dim).transpose(0, 1).reshape(batch, heads, count, dim)
+        shared_lse = shared_lse.reshape(kv, batch, groups * count).transpose(0, 1).reshape(batch, heads, count)
+        output = merge(output, lse, shared, shared_lse)
+    return output.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def flash_fits(query: torch.Tensor, softcap: float | None) -> bool:
+    """Whether PyTorch's flash kernel computes this attention: on CUDA, in half precision, scores
+    not soft-capped."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and softcap is None
+
+
+def decode_own(query, cache: BatchCache, layer: int, window: int | None, scale: float):
+    """A decode step's attention over each row's own keys ([B, Hq, 1, D] queries; the output and
+    log-sum-exps as `attend` gives them, [B, Hq, 1, D] and [B, Hq, 1]) by flash attention's
+    variable-length kernel: row r reads only the cache.written[r] keys it has, from after its
+    holes on, so neither the holes nor the unwritten end of the cache are read and no mask is
+    built. In a layer without a window, the G query heads of a key/value head go in as G queries
+    of that head (a row's keys are then read once, not G times); a windowed layer keeps one query
+    per head, so that flash's window (counted from the last key back) is each query's own."""
+    keys, values = cache.keys[layer], cache.values[layer]  # [rows, capacity, kv heads, D]
+    rows, capacity, kv, dim = keys.shape
+    heads = query.shape[1]
+    groups = 1 if window else heads // kv  # queries per row; heads // groups heads each
+    folded = query.reshape(rows, heads // groups, groups, dim).transpose(1, 2).reshape(rows * groups, -1, dim)
+    queries_at = torch.arange(rows + 1, dtype=torch.int32, device=query.device) * groups
+    output, lse = torch.ops.aten._flash_attention_forward(
+        folded,
+        keys.view(rows * capacity, kv, dim),
+        values.view(rows * capacity, kv, dim),
+        queries_at,
+        cache.key_starts,
+        groups,
+        2 * capacity,  # the longest span between two rows' starts (a row's own, plus the next row's holes)
+        0.0,
+        False,
+        False,
+        scale=scale,
+        window_size_left=window - 1 if window else -1,  # transformers: seen while query - key < window
+        window_size_right=-1,
+        seqused_k=cache.written,
+    )[:2]
+    output = output.reshape(rows, groups, heads // groups, dim).transpose(1, 2).reshape(rows, heads, 1, dim)
+    if lse.dim() == 2:  # [heads, queries] (flash's variable-length layout), or [rows, heads, queries]
+        lse = lse.reshape(heads // groups, rows, groups).transpose(0, 1)
+    return output, lse.reshape(rows, heads, 1)
+
+
+def shared_split(query, key, value, scale: float, cache: BatchCache):
+    """`attend` for the shared part without a mask ([1, kv heads, m, D] queries, every row of the
+    batch folded in; keys [1, kv heads, n, D]), the keys split into runs that flash attention's
+    variable-length kernel takes as separate sequences, each against every query, then merged by
+    their log-sum-exps. A decode step has few query rows per head, so one run over all keys would
+    keep only a fraction of the GPU's multiprocessors busy, each reading thousands of keys."""
+    _, kv, rows, dim = query.shape
+    length = key.shape[2]
+    plan = cache.splits.get((length, rows))
+    if plan is None:  # made at the first (eager) run of a shape; a captured step reuses it
+        blocks = -(-rows // 128) * kv  # flash's work items per run: 128 query rows of one head
+        processors = torch.cuda.get_device_properties(query.device).multi_processor_count
+        runs = max(1, min(4 * processors // blocks, length // 512))  # about four waves, runs of >= 512 keys
+        bounds = [length * i // runs for i in range(runs + 1)]
+        plan = cache.splits[(length, rows)] = (
+            runs,
+            torch.arange(runs + 1, dtype=torch.int32, device=query.device) * rows,
+            torch.tensor(bounds, dtype=torch.int32, device=query.device),
+            max(b - a for a, b in zip(bounds, bounds[1:])),
+        )
+    runs, queries_at, keys_at, longest = plan
+    flat = query[0].transpose(0, 1)  # [m, kv heads, D]
+    output, lse = torch.ops.aten._flash_attention_forward(
+        flat.expand(runs, -1, -1, -1).reshape(runs * rows, kv, dim),
+        key[0].transpose(0, 1),  # [n, kv heads, D]: the cache's own layout, not copied
+        value[0].transpose(0, 1),
+        queries_at,
+        keys_at,
+        rows,
+        longest,
+        0.0,
+        False,
+        False,
+        scale=scale,
+    )[:2]
+    lse = lse.reshape(kv, runs, rows).transpose(0, 1) if lse.dim() == 2 else lse  # [runs, kv heads, m]
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - total)  # each run's share of the softmax mass
+    output = output.reshape(runs, rows, kv, dim).float()
+    output = (output * weights.transpose(1, 2)[..., None]).sum(dim=0)  # [m, kv heads, D]
+    return output.transpose(0, 1)[None], total[None]
+
+
+def attend(query, key, value, mask, scale: float, softcap: float | None):
+    """query [b, h, m, D] against key and value [b, h, n, D], each query row seeing the keys `mask`
+    marks (bool [b or 1, 1, m, n]; None: all of them): the output [b, h, m, D] and the log-sum-exp
+    of each row's scaled scores [b, h, m] (fp32; -inf for a row that sees no key)."""
+    if not query.is_cuda or softcap is not None:  # scores soft-capped before the softmax: no fused kernel
+        return math_attention(query, key, value, mask, scale, softcap)
+    if mask is None and flash_fits(query, softcap):
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, scale=scale)[:2]
+        return output, lse
+    bias = None
+    if mask is not None:  # additive, in rows padded to the kernel's alignment of 16 keys
+        b, _, m, n = mask.shape
+        bias = query.new_zeros(b, 1, m, -(-n // 16) * 16)[..., :n].masked_fill_(~mask, float("-inf"))
+        bias = bias.expand(-1, query.shape[1], -1, -1)
+    output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, scale=scale)[:2]
+    lse = lse[..., : query.shape[2]]  # the kernel pads its rows of log-sum-exps
+    if mask is not None:  # a row that sees no key (a window past the shared keys): the kernel's lse is not -inf
+        lse = lse.masked_fill(~mask.any(dim=-1), float("-inf"))
+    return output, lse
+
+
+def math_attention(query, key, value, mask, scale: float, softcap: float | None, causal: bool = False):
+    """`attend` in plain PyTorch (fp32), in chunks of query rows so that no chunk's scores pass
+    ~1 GiB. `causal`: query row i sees keys 0..i (and `mask` is None)."""
+    keys, values = key.float().transpose(-1, -2), value.float()
+    b, h, m, _ = query.shape
+    n = key.shape[2]
+    chunk = max(1, (1 << 28) // (b * h * n))
+    outputs, lses = [], []
+    for start in range(0, m, chunk):
+        scores = (query[:, :, start : start + chunk].float() @ keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if causal:
+            rows = torch.arange(start, start + scores.shape[2], device=query.device)
+            scores = scores.masked_fill(torch.arange(n, device=query.device) > rows[:, None], float("-inf"))
+        elif mask is not None:
+            scores = scores.masked_fill(~mask[:, :, start : start + chunk], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])  # no key seen: 0
+        outputs.append(weights @ values)
+        lses.append(lse)
+    return torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
+
+
+def causal_attention(query, key, value, scale: float, softcap: float | None) -> torch.Tensor:
+    """The prefix's own attention, query row i seeing keys 0..i: [B, Lq, Hq, D]. Equal lengths leave
+    no doubt about where a kernel aligns the causal rule (top left in PyTorch's math, lower right in
+    flash)."""
+    groups = query.shape[1] // key.shape[1]
+    if softcap is not None or (groups > 1 and query.is_cuda and not flash_fits(query, softcap)):
+        # soft caps: no fused kernel; an fp32 model on CUDA: the efficient kernel, without grouped keys
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        groups = 1
+    if softcap is not None:
+        output = math_attention(query, key, value, None, scale, softcap, causal=True)[0]
+    else:
         with backend(query, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-            output = sdpa(query, key, value, is_causal=queries > 1, scale=scaling, enable_gqa=groups > 1)
-        return output.transpose(1, 2).contiguous(), None
-    folded = query.reshape(batch, key.shape[1], groups * queries, dim)
-    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * queries, -1)
-    with backend(query, SDPBackend.EFFICIENT_ATTENTION):  # the fused kernel that takes a mask
-        output = sdpa(folded, key, value, attn_mask=mask, scale=scaling)
-    return output.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
+            output = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=query.shape[2] > 1, scale=scale, enable_gqa=groups > 1
+            )
+    return output.transpose(1, 2).contiguous().to(query.dtype)
+
+
+def merge(output, lse, other, other_lse) -> torch.Tensor:
+    """Two attentions of the same queries over two disjoint sets of keys, as one over both: each
+    weighted by its share of the total softmax mass (exp(lse - total)). A part whose rows saw no
+    key has weight 0 (its output, perhaps NaN, is not read)."""
+    total = torch.logaddexp(lse, other_lse)
+    mine, theirs = torch.exp(lse - total)[..., None], torch.exp(other_lse - total)[..., None]
+    return output.float() * mine + torch.where(theirs > 0, other.float() * theirs, 0.0)
 
 
 def backend(query: torch.Tensor, *cuda_kernels):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,9 @@ def repair_and_read(output: Path) -> set[str]:
 
 
 def load_teacher(path: Path, dtype: str, device: torch.device):
-    """The teacher for decoding, loaded with sdpa attention (spds.decode.Decoder installs its own
-    grouped attention over it), or eager for a model that soft-caps its attention scores (Gemma 2),
-    which sdpa cannot. Its config.json is read once, for both."""
+    """The teacher for decoding, loaded with sdpa attention, or eager for a model that soft-caps
+    its attention scores (Gemma 2), which transformers will not load under sdpa; either way
+    spds.decode.Decoder then installs its own attention. Its config.json is read once, for both."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     avoid_cpu_flash_without_avx512()
@@ -128,6 +129,7 @@ def generate(config: Config, log=print) -> dict:
     batches = [requests[i : i + size] for i in range(0, len(requests), size)]
     from tqdm import tqdm
 
+    began = time.perf_counter()
     with open(output, "a") as stream:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
@@ -154,6 +156,12 @@ def generate(config: Config, log=print) -> dict:
     decoder = asking.decoder
     graphs = f"; the decode step ran as a CUDA graph in {decoder.captured} batches" if decoder.graphs else ""
     log(f"wrote {written} rows ({len(done)} were already there) to {output}{graphs}")
+    seconds = time.perf_counter() - began
+    if written:  # where the time went: decoding (the decoder's own clock) or the rows around it
+        log(
+            f"{seconds:.1f} s for the batches: {decoder.seconds:.1f} s decoding {decoder.new_tokens} new tokens "
+            f"({decoder.new_tokens / max(decoder.seconds, 1e-9):.0f} tokens/s)"
+        )
     return dict(written=written, skipped=len(done), output=str(output))
 
 

@@ -60,6 +60,33 @@ def test_greedy_answers_equal_transformers_generate(saved, family):
     assert again == answers[:2] and decoder.prefix_forwards == 1  # the same prefix: its keys and values kept
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_steps_logits_equal_transformers_forward(saved, family, monkeypatch):
+    """The logits the decoder picks each token from, at every step, against transformers' own
+    forward over the whole prompt and answer so far (no cache, its own masks and windows): the
+    shared prefix read once and merged with each row's own keys, the windows cut across both
+    parts (the tiny Gemmas' windows of 8 end inside the shared 40 tokens), the holes and
+    positions of right-aligned questions."""
+    import spds.decode
+
+    model = load_teacher(saved[family], "float32", torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32, attn_implementation="eager")
+    seen = []
+    monkeypatch.setattr(spds.decode, "pick", lambda logits, *_: seen.append(logits) or logits.argmax(dim=-1))
+    batch = prompts(torch.Generator().manual_seed(4))
+    answers = Decoder(model, [END], pad_id=0).answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
+    worst = 0.0
+    for row, (prompt, answer) in enumerate(zip(batch, answers)):
+        picked = answer[: len(seen)]  # a cut answer's closing end token was never picked
+        with torch.no_grad():
+            reference = plain(torch.tensor([prompt + picked[:-1]])).logits[0, len(prompt) - 1 :]
+        for step in range(len(picked)):
+            worst = max(worst, (seen[step][row] - reference[step]).abs().max().item())
+    # fp32: the two-part softmax and another order of sums move logits by ~1e-6; a key missed or
+    # seen wrongly moves them by ~1e-2 and more
+    assert worst < 1e-4, (family, worst)
+
+
 def test_sampling_is_the_same_for_a_seed_and_the_prefix_is_the_batchs_own(saved):
     model = load_teacher(saved["qwen3"], "float32", torch.device("cpu"))
     batch = prompts(torch.Generator().manual_seed(5))

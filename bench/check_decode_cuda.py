@@ -1,0 +1,153 @@
+"""spds generate's decoding on CUDA, where its kernels differ from the CPU's (flash and
+memory-efficient attention with their log-sum-exps, the merge of the shared and own parts, the
+captured CUDA-graph step): every step's logits against transformers' own eager forward over the
+whole prompt and answer so far, for each decoder family of tests/fixtures/models/families.json
+(tiny shapes; Gemma's windows of 8 end inside the shared prefix). The CPU suite runs the same
+comparison (tests/test_decode.py) on PyTorch's math.
+
+    python3 bench/check_decode_cuda.py        (exits 1 when a family's logits stray)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import spds.decode
+from spds.decode import BatchCache, Decoder, decode_own, math_attention, shared_split
+from spds.generate import load_teacher
+
+FAMILIES = {k: v for k, v in json.loads(Path("tests/fixtures/models/families.json").read_text()).items() if k[0] != "_"}
+END, VOCAB = 1, 300
+torch.backends.cuda.matmul.allow_tf32 = False  # the reference in full fp32
+
+
+def check_decode_own() -> list:
+    """The decode step's variable-length flash attention over each row's own keys (bf16) against
+    plain fp32 attention over the same keys under an explicit mask: holes before each row's keys,
+    unwritten positions after, and a window; 4 query heads per key/value head."""
+    failed = []
+    torch.manual_seed(0)
+    rows, kv, groups, dim, capacity = 6, 2, 4, 64, 48
+    for window in (None, 5):
+        cache = BatchCache(1, rows, capacity, torch.device("cuda"))
+        holes = [0, 3, 1, 7, 0, 2]
+        cache.skip_holes(holes)
+        written_to = 20  # every row has written up to index 20 (the query's own key included)
+        cache.index = torch.arange(0, written_to + 1, device="cuda")
+        key = torch.randn(rows, kv, written_to + 1, dim, device="cuda", dtype=torch.bfloat16)
+        value = torch.randn_like(key)
+        cache.update(key, value, 0)
+        cache.written = (written_to + 1 - cache.own_from).to(torch.int32)
+        query = torch.randn(rows, kv * groups, 1, dim, device="cuda", dtype=torch.bfloat16)
+        output, lse = decode_own(query, cache, 0, window, dim**-0.5)
+        index = torch.arange(capacity, device="cuda")
+        visible = (index >= cache.own_from[:, None]) & (index <= written_to)
+        if window:
+            visible &= written_to - index < window
+        mask = visible[:, None, None, :]  # [rows, 1, 1, keys], the same for every head
+        keys = cache.keys[0].transpose(1, 2).repeat_interleave(groups, dim=1)
+        values = cache.values[0].transpose(1, 2).repeat_interleave(groups, dim=1)
+        expected, expected_lse = math_attention(query, keys, values, mask, dim**-0.5, None)
+        worst = (output.float() - expected).abs().max().item()
+        worst_lse = (lse - expected_lse).abs().max().item()
+        # bf16 outputs of values ~N(0, 1): their rounding is under 1e-2; a key read wrongly moves them ~0.1
+        print(json.dumps(dict(check="decode_own", window=window, worst_output=worst, worst_lse=worst_lse)))
+        if not (worst < 2e-2 and worst_lse < 1e-2):
+            failed.append(("decode_own", window))
+    return failed
+
+
+def check_shared_split() -> list:
+    """The shared part split into runs of keys (bf16), against plain fp32 attention."""
+    failed = []
+    torch.manual_seed(1)
+    for rows, length in ((2048, 4136), (96, 700), (40960, 4136)):
+        kv, dim = 8, 128
+        buffer = torch.randn(2, 1, length + 16, kv, dim, device="cuda", dtype=torch.bfloat16)
+        keys, values = (b[:, :length].transpose(1, 2) for b in buffer)  # the cache's views
+        query = torch.randn(1, kv, rows, dim, device="cuda", dtype=torch.bfloat16)
+        cache = BatchCache(1, 1, 16, torch.device("cuda"))
+        output, lse = shared_split(query, keys, values, dim**-0.5, cache)
+        expected, expected_lse = math_attention(query, keys, values, None, dim**-0.5, None)
+        worst, worst_lse = (output - expected).abs().max().item(), (lse - expected_lse).abs().max().item()
+        runs = next(iter(cache.splits.values()))[0]
+        print(
+            json.dumps(
+                dict(check="shared_split", rows=rows, keys=length, runs=runs, worst_output=worst, worst_lse=worst_lse)
+            )
+        )
+        if not (worst < 2e-2 and worst_lse < 1e-2):
+            failed.append(("shared_split", rows))
+    return failed
+
+
+def main() -> int:
+    generator = torch.Generator().manual_seed(4)
+    shared = torch.randint(2, VOCAB, (40,), generator=generator).tolist()
+    batch = [shared + torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (5, 1, 9, 3)]
+    failed = check_decode_own() + check_shared_split()
+    with tempfile.TemporaryDirectory() as root:
+        for family, entry in FAMILIES.items():
+            fields = dict(entry["config"])
+            config = AutoConfig.for_model(
+                fields.pop("model_type"),
+                vocab_size=VOCAB,
+                eos_token_id=END,
+                pad_token_id=0,
+                bos_token_id=None,
+                initializer_range=0.2,
+                **fields,
+            )
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).save_pretrained(Path(root) / family)
+            plain = AutoModelForCausalLM.from_pretrained(
+                Path(root) / family, dtype=torch.float32, attn_implementation="eager"
+            ).cuda()
+            plain16 = AutoModelForCausalLM.from_pretrained(
+                Path(root) / family, dtype=torch.bfloat16, attn_implementation="eager"
+            ).cuda()
+            for dtype in ("float32", "bfloat16"):
+                model = load_teacher(Path(root) / family, dtype, torch.device("cuda"))
+                seen = []
+                spds.decode.pick = lambda logits, *_: seen.append(logits) or logits.argmax(dim=-1)
+                decoder = Decoder(model, [END], pad_id=0)
+                answers = decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
+                worst = theirs = 0.0
+                for row, (prompt, answer) in enumerate(zip(batch, answers)):
+                    picked = answer[: len(seen)]
+                    with torch.no_grad():
+                        whole = torch.tensor([prompt + picked[:-1]], device="cuda")
+                        reference = plain(whole).logits[0, len(prompt) - 1 :]
+                        transformers16 = plain16(whole).logits[0, len(prompt) - 1 :].float()
+                    theirs = max(theirs, (transformers16 - reference).abs().max().item())
+                    for step in range(len(picked)):
+                        worst = max(worst, (seen[step][row] - reference[step].float()).abs().max().item())
+                # fp32: sums in another order (1e-6); bf16: rounding in every layer, as transformers'
+                # own bf16 forward of the same sequences has it (its distance from fp32 is the yardstick)
+                bound = 1e-3 if dtype == "float32" else 2 * theirs + 0.05
+                print(
+                    json.dumps(
+                        dict(
+                            family=family,
+                            dtype=dtype,
+                            worst_logit_difference=round(worst, 6),
+                            bound=round(bound, 6),
+                            transformers_bf16_difference=round(theirs, 6),
+                            graph_batches=decoder.captured,
+                        )
+                    )
+                )
+                if not worst < bound:
+                    failed.append((family, dtype))
+    print("FAILED" if failed else "ALL WITHIN BOUNDS", failed)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
