@@ -43,15 +43,20 @@ kv, head_dim, vocab = shape["num_key_value_heads"], shape.get("head_dim") or hid
 weights = 2 * (layers * (2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * shape["intermediate_size"])
                + vocab * hidden)  # bf16 bytes read once per decode step (lm_head included)
 batch, context = int(os.environ["BATCH"]), int(os.environ["CONTEXT_TOKENS"]) + 40  # + the template and the question
-mean_cache = context + int(os.environ["MAX_NEW"]) / 2  # positions each decode step reads, on average
-kv_bytes = batch * mean_cache * layers * 2 * kv * head_dim * 2
+per_token = layers * 2 * kv * head_dim * 2  # bf16 key and value bytes of one position, all layers
+own = 40 + int(os.environ["MAX_NEW"]) / 2  # a row's own positions each decode step reads, on average (question, answer)
 bandwidth = 4.8e12  # H200 HBM3e, bytes/s (NVIDIA's figure)
-bound = batch * bandwidth / (weights + kv_bytes)  # new tokens/s if every step only read weights and cache once
+# the bound: every step reads the weights once, the shared context's keys and values once, and each
+# row's own keys and values (spds's decoding reads exactly these); the earlier bound read the
+# context once per row, as decoding with a per-row cache must
+bound = batch * bandwidth / (weights + context * per_token + batch * own * per_token)
+per_row_bound = batch * bandwidth / (weights + batch * (context + own) * per_token)
 seconds = ended - began
 print(json.dumps(dict(model=model, rows=len(rows), new_tokens=new, seconds=round(seconds, 1),
                       rows_per_second=round(len(rows) / seconds, 3), new_tokens_per_second=round(new / seconds, 1),
                       batch=batch, context_tokens=context, bandwidth_bound_tokens_per_second=round(bound),
-                      fraction_of_bound=round(new / seconds / bound, 3))))
+                      fraction_of_bound=round(new / seconds / bound, 3),
+                      per_row_context_bound=round(per_row_bound), fraction_of_per_row_bound=round(new / seconds / per_row_bound, 3))))
 PY
   rm -rf "$work"
 done
