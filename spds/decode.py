@@ -79,7 +79,6 @@ class BatchCache:
         self.own_from = torch.zeros(rows, dtype=torch.long, device=device)
         self.key_starts = torch.arange(rows + 1, dtype=torch.int32, device=device) * self.capacity
         self.written = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.splits: dict[tuple[int, int], tuple] = {}  # shared_split's plans, made before a capture
         # windowed layers: the shared keys before window_from are outside every query's window; the
         # later ones' logical positions (window_keys, None when every query sees them all) and, for
         # the queries of the forward running now, which of them each sees (shared_mask [rows, n, keys])
@@ -399,10 +398,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
             if cache.shared_mask is not None:  # [B, Lq, keys] -> the folded rows' [1, 1, B x G x Lq, keys]
                 shared_mask = cache.shared_mask[:, None].expand(-1, groups, -1, -1).reshape(1, 1, -1, keys.shape[2])
         folded = own.transpose(0, 1).reshape(1, kv, batch * groups * count, dim)  # rows in (b, g, q) order
-        if shared_mask is None and flash_fits(query, softcap):
-            shared, shared_lse = shared_split(folded, keys, values, scale, cache)
-        else:
-            shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
+        shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
         shared = shared.reshape(kv, batch, groups * count, dim).transpose(0, 1).reshape(batch, heads, count, dim)
         shared_lse = shared_lse.reshape(kv, batch, groups * count).transpose(0, 1).reshape(batch, heads, count)
         output = merge(output, lse, shared, shared_lse)
@@ -449,49 +445,6 @@ def decode_own(query, cache: BatchCache, layer: int, window: int | None, scale: 
     if lse.dim() == 2:  # [heads, queries] (flash's variable-length layout), or [rows, heads, queries]
         lse = lse.reshape(heads // groups, rows, groups).transpose(0, 1)
     return output, lse.reshape(rows, heads, 1)
-
-
-def shared_split(query, key, value, scale: float, cache: BatchCache):
-    """`attend` for the shared part without a mask ([1, kv heads, m, D] queries, every row of the
-    batch folded in; keys [1, kv heads, n, D]), the keys split into runs that flash attention's
-    variable-length kernel takes as separate sequences, each against every query, then merged by
-    their log-sum-exps. A decode step has few query rows per head, so one run over all keys would
-    keep only a fraction of the GPU's multiprocessors busy, each reading thousands of keys."""
-    _, kv, rows, dim = query.shape
-    length = key.shape[2]
-    plan = cache.splits.get((length, rows))
-    if plan is None:  # made at the first (eager) run of a shape; a captured step reuses it
-        blocks = -(-rows // 128) * kv  # flash's work items per run: 128 query rows of one head
-        processors = torch.cuda.get_device_properties(query.device).multi_processor_count
-        runs = max(1, min(4 * processors // blocks, length // 512))  # about four waves, runs of >= 512 keys
-        bounds = [length * i // runs for i in range(runs + 1)]
-        plan = cache.splits[(length, rows)] = (
-            runs,
-            torch.arange(runs + 1, dtype=torch.int32, device=query.device) * rows,
-            torch.tensor(bounds, dtype=torch.int32, device=query.device),
-            max(b - a for a, b in zip(bounds, bounds[1:])),
-        )
-    runs, queries_at, keys_at, longest = plan
-    flat = query[0].transpose(0, 1)  # [m, kv heads, D]
-    output, lse = torch.ops.aten._flash_attention_forward(
-        flat.expand(runs, -1, -1, -1).reshape(runs * rows, kv, dim),
-        key[0].transpose(0, 1),  # [n, kv heads, D]: the cache's own layout, not copied
-        value[0].transpose(0, 1),
-        queries_at,
-        keys_at,
-        rows,
-        longest,
-        0.0,
-        False,
-        False,
-        scale=scale,
-    )[:2]
-    lse = lse.reshape(kv, runs, rows).transpose(0, 1) if lse.dim() == 2 else lse  # [runs, kv heads, m]
-    total = torch.logsumexp(lse, dim=0)
-    weights = torch.exp(lse - total)  # each run's share of the softmax mass
-    output = output.reshape(runs, rows, kv, dim).float()
-    output = (output * weights.transpose(1, 2)[..., None]).sum(dim=0)  # [m, kv heads, D]
-    return output.transpose(0, 1)[None], total[None]
 
 
 def attend(query, key, value, mask, scale: float, softcap: float | None):
