@@ -76,8 +76,7 @@ class BatchCache:
         # a row's own keys start after its holes (own_from, the number of holes); for the decode
         # step's variable-length kernel, where each row's keys start in the flat buffers
         # (key_starts, int32 [rows + 1]) and how many it has written (written, int32 [rows])
-        self.own_from = torch.zeros(rows, dtype=torch.long, device=device)
-        self.key_starts = torch.arange(rows + 1, dtype=torch.int32, device=device) * self.capacity
+        self.skip_holes([0] * rows)
         self.written = torch.zeros(rows, dtype=torch.int32, device=device)
         # windowed layers: the shared keys before window_from are outside every query's window; the
         # later ones' logical positions (window_keys, None when every query sees them all) and, for

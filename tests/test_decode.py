@@ -87,6 +87,31 @@ def test_every_steps_logits_equal_transformers_forward(saved, family, monkeypatc
     assert worst < 1e-4, (family, worst)
 
 
+def test_rows_hold_only_their_own_positions_and_read_the_prefix_in_place(saved, monkeypatch):
+    """What lets a batch hold a thousand rows under a long context: each row's cache is its
+    question and answer only, and every batch reads the prefix's one copy."""
+    import spds.decode
+
+    made = []
+
+    class Spied(spds.decode.BatchCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(spds.decode, "BatchCache", Spied)
+    decoder = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
+    batch = prompts(torch.Generator().manual_seed(3))  # a 40-token prefix, questions of up to 9
+    decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
+    decoder.answer(batch[1:], 12, temperature=0.0, top_p=1.0, seed=0)
+    prefix_run, first, second = made
+    assert [k.shape[:2] for k in first.keys] == [(4, 32)] * 2  # 9 + 12 positions, in rows of 16
+    assert [k.shape[:2] for k in second.keys] == [(3, 32)] * 2
+    held = [k.data_ptr() for k, _ in decoder.prefix_states]
+    assert [k.data_ptr() for k, _ in first.shared] == held == [k.data_ptr() for k, _ in second.shared]
+    assert [k.shape[2] for k, _ in first.shared] == [40, 40] and prefix_run.rows == 1
+
+
 def test_sampling_is_the_same_for_a_seed_and_the_prefix_is_the_batchs_own(saved):
     model = load_teacher(saved["qwen3"], "float32", torch.device("cpu"))
     batch = prompts(torch.Generator().manual_seed(5))
