@@ -224,20 +224,31 @@ def install(student) -> KernelChoice | None:
     config = student.config
     if config._attn_implementation not in ("sdpa", NAME):
         return None
+    choice = KernelChoice()
+    remedy = "set student.attn_implementation to eager"
+    install_attention(student, NAME, causal_attention, "spds_kernel", choice, remedy)
+    return choice
+
+
+def install_attention(model, name: str, function, attribute: str, value, remedy: str) -> None:
+    """Make `function` the attention of every layer of `model`: registered with transformers as
+    `name`, the model's attention implementation (a name transformers' mask builders do not know,
+    so they build no mask: a mask given goes in as given), and `value` set as `attribute` on each
+    layer's attention module, where the function finds its settings. `remedy`: what to do when the
+    modules are not found."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(NAME, causal_attention)
-    choice = KernelChoice()
-    modules = [m for m in student.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
-    if len(modules) != config.num_hidden_layers:  # transformers' attention modules, one per layer
+    modules = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
+    layers = model.config.num_hidden_layers
+    if len(modules) != layers:  # transformers' attention modules, one per layer
         raise SpdsError(
-            f"cannot find the attention modules of {type(student).__name__} (found {len(modules)} "
-            f"for {config.num_hidden_layers} layers): set student.attn_implementation to eager"
+            f"cannot find the attention modules of {type(model).__name__} (found {len(modules)} for {layers} "
+            f"layers): {remedy}"
         )
     for module in modules:
-        module.spds_kernel = choice
-    config._attn_implementation = NAME  # unknown to transformers' mask builders: they build no mask
-    return choice
+        setattr(module, attribute, value)
+    AttentionInterface.register(name, function)
+    model.config._attn_implementation = name
 
 
 def causal_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):

@@ -43,7 +43,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .errors import SpdsError
+from .attention import install_attention
 
 NAME = "spds_decode"
 
@@ -113,8 +113,6 @@ class Decoder:
     attention to `decode_attention` (the model is its own from then on)."""
 
     def __init__(self, model, end_ids: list[int], pad_id: int, graphs: bool = True):
-        from transformers import AttentionInterface
-
         self.model, self.end_ids, self.pad_id = model, end_ids, pad_id
         config = model.config
         self.layers = config.num_hidden_layers
@@ -128,16 +126,8 @@ class Decoder:
             bool(self.window) and (kinds[layer] == "sliding_attention" if kinds else True)
             for layer in range(self.layers)
         ]
-        modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
-        if len(modules) != self.layers:  # transformers' attention modules, one per layer
-            raise SpdsError(
-                f"spds generate cannot find the attention modules of {type(model).__name__} (found "
-                f"{len(modules)} for {self.layers} layers)"
-            )
-        for module in modules:
-            module.spds_decoder = self  # decode_attention reads the cache of the forward running now
-        AttentionInterface.register(NAME, decode_attention)
-        config._attn_implementation = NAME  # unknown to transformers' mask builders: masks go in as given
+        # decode_attention finds the decoder, and through it the cache of the forward running now
+        install_attention(model, NAME, decode_attention, "spds_decoder", self, "spds generate cannot decode it")
         self.active: BatchCache | None = None  # the cache of the forward running now
         self.graphs = graphs and model.device.type == "cuda"  # False: every step eagerly (the same numbers)
         self.prefix_ids: list[int] | None = None  # the prefix whose keys and values are kept
