@@ -44,6 +44,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import install_attention
+from .kernels import attend, flash_fits, math_attention, merge
 
 NAME = "spds_decode"
 
@@ -394,12 +395,6 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     return output.transpose(1, 2).contiguous().to(query.dtype), None
 
 
-def flash_fits(query: torch.Tensor, softcap: float | None) -> bool:
-    """Whether PyTorch's flash kernel computes this attention: on CUDA, in half precision, scores
-    not soft-capped."""
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and softcap is None
-
-
 def decode_own(query, cache: BatchCache, layer: int, window: int | None, scale: float):
     """A decode step's attention over each row's own keys ([B, Hq, 1, D] queries; the output and
     log-sum-exps as `attend` gives them, [B, Hq, 1, D] and [B, Hq, 1]) by flash attention's
@@ -436,51 +431,6 @@ def decode_own(query, cache: BatchCache, layer: int, window: int | None, scale: 
     return output, lse.reshape(rows, heads, 1)
 
 
-def attend(query, key, value, mask, scale: float, softcap: float | None):
-    """query [b, h, m, D] against key and value [b, h, n, D], each query row seeing the keys `mask`
-    marks (bool [b or 1, 1, m, n]; None: all of them): the output [b, h, m, D] and the log-sum-exp
-    of each row's scaled scores [b, h, m] (fp32; -inf for a row that sees no key)."""
-    if not query.is_cuda or softcap is not None:  # scores soft-capped before the softmax: no fused kernel
-        return math_attention(query, key, value, mask, scale, softcap)
-    if mask is None and flash_fits(query, softcap):
-        output, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, scale=scale)[:2]
-        return output, lse
-    bias = None
-    if mask is not None:  # additive, in rows padded to the kernel's alignment of 16 keys
-        b, _, m, n = mask.shape
-        bias = query.new_zeros(b, 1, m, -(-n // 16) * 16)[..., :n].masked_fill_(~mask, float("-inf"))
-        bias = bias.expand(-1, query.shape[1], -1, -1)
-    output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, scale=scale)[:2]
-    lse = lse[..., : query.shape[2]]  # the kernel pads its rows of log-sum-exps
-    if mask is not None:  # a row that sees no key (a window past the shared keys): the kernel's lse is not -inf
-        lse = lse.masked_fill(~mask.any(dim=-1), float("-inf"))
-    return output, lse
-
-
-def math_attention(query, key, value, mask, scale: float, softcap: float | None, causal: bool = False):
-    """`attend` in plain PyTorch (fp32), in chunks of query rows so that no chunk's scores pass
-    ~1 GiB. `causal`: query row i sees keys 0..i (and `mask` is None)."""
-    keys, values = key.float().transpose(-1, -2), value.float()
-    b, h, m, _ = query.shape
-    n = key.shape[2]
-    chunk = max(1, (1 << 28) // (b * h * n))
-    outputs, lses = [], []
-    for start in range(0, m, chunk):
-        scores = (query[:, :, start : start + chunk].float() @ keys) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if causal:
-            rows = torch.arange(start, start + scores.shape[2], device=query.device)
-            scores = scores.masked_fill(torch.arange(n, device=query.device) > rows[:, None], float("-inf"))
-        elif mask is not None:
-            scores = scores.masked_fill(~mask[:, :, start : start + chunk], float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])  # no key seen: 0
-        outputs.append(weights @ values)
-        lses.append(lse)
-    return torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
-
-
 def causal_attention(query, key, value, scale: float, softcap: float | None) -> torch.Tensor:
     """The prefix's own attention, query row i seeing keys 0..i: [B, Lq, Hq, D]. Equal lengths leave
     no doubt about where a kernel aligns the causal rule (top left in PyTorch's math, lower right in
@@ -498,15 +448,6 @@ def causal_attention(query, key, value, scale: float, softcap: float | None) -> 
                 query, key, value, is_causal=query.shape[2] > 1, scale=scale, enable_gqa=groups > 1
             )
     return output.transpose(1, 2).contiguous().to(query.dtype)
-
-
-def merge(output, lse, other, other_lse) -> torch.Tensor:
-    """Two attentions of the same queries over two disjoint sets of keys, as one over both: each
-    weighted by its share of the total softmax mass (exp(lse - total)). A part whose rows saw no
-    key has weight 0 (its output, perhaps NaN, is not read)."""
-    total = torch.logaddexp(lse, other_lse)
-    mine, theirs = torch.exp(lse - total)[..., None], torch.exp(other_lse - total)[..., None]
-    return output.float() * mine + torch.where(theirs > 0, other.float() * theirs, 0.0)
 
 
 def backend(query: torch.Tensor, *cuda_kernels):

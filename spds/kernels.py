@@ -4,6 +4,7 @@ runs a forward is spds/attention.py's decision (AttentionPlan); this module only
 
   sdpa_causal          PyTorch SDPA on a named backend (flash, efficient, cudnn, math) or its own choice
   lower_right_causal   queries after cached keys (the teacher's record after its context), forward only
+  attend, merge        one attention with its log-sum-exps, and two over disjoint keys merged into one
   packed_causal        records packed end to end in one row: FlashAttention-2's variable-length kernel
   fa4_causal           FlashAttention-4 (the flash-attn-4 package, CuTe DSL), padded rows or packed
   flex_causal          torch's flex_attention on a causal block mask built from block indices
@@ -71,18 +72,87 @@ def sdpa_causal(kernel: str, query, key, value, scaling):
 
 
 def lower_right_causal(query, key, value, scaling):
-    """Queries after cached keys (the teacher's record after its context), forward only."""
-    from torch.nn.attention.bias import causal_lower_right
+    """Queries after cached keys (the teacher's record after its context), forward only, in two
+    parts merged by their log-sum-exps: the cached keys, which every query sees (no mask), and the
+    queries' own keys, causal and square. FlashAttention-2 with one causal rule aligned to the
+    lower right over both ran at half the rate of a square causal call over as many positions
+    (bench/check_cached_attention.py); each part here is one of the kernel's fast cases."""
+    cached = key.shape[2] - query.shape[2]
+    output, lse = attend(query, key[:, :, cached:], value[:, :, cached:], scale=scaling, causal=True)
+    if cached:
+        before, before_lse = attend(query, key[:, :, :cached], value[:, :, :cached], scale=scaling)
+        output = merge(output, lse, before, before_lse)
+    return output.to(query.dtype)
 
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0:
-        # FlashAttention-2 aligns a causal mask to the lower right when keys outnumber queries and
-        # takes grouped-query keys as they are: the kernel torch's lower-right bias calls, without
-        # repeating the keys to the query heads first (bench/check_cached_attention.py).
-        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scaling)[0]
-    key, value = repeated_heads(query, key, value)  # the bias path takes equal head counts
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]), scale=scaling
-    )
+
+def flash_fits(query: torch.Tensor, softcap: float | None = None) -> bool:
+    """Whether PyTorch's flash kernel computes this attention: on CUDA, in half precision, scores
+    not soft-capped."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and softcap is None
+
+
+def attend(query, key, value, mask=None, scale: float | None = None, softcap: float | None = None, causal=False):
+    """query [b, hq, m, D] against key and value [b, hkv, n, D], each query row seeing the keys
+    `mask` marks (bool [b or 1, 1, m, n]; None: all of them), or with `causal` row i keys 0..i
+    (m == n): the output [b, hq, m, D] and the log-sum-exp of each row's scaled scores [b, hq, m]
+    (fp32; -inf for a row that sees no key), the pieces two attentions over disjoint keys are
+    merged from (`merge`). On CUDA flash attention where it fits (half precision, no mask, no soft
+    cap; grouped keys as they are), else the memory-efficient kernel; elsewhere plain PyTorch."""
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    if mask is None and flash_fits(query, softcap):
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, causal, False, scale=scale
+        )[:2]
+        return output, lse
+    if key.shape[1] != query.shape[1]:  # the other kernels take equal head counts
+        key, value = repeated_heads(query, key, value)
+    if not query.is_cuda or softcap is not None:  # scores soft-capped before the softmax: no fused kernel
+        return math_attention(query, key, value, mask, scale, softcap, causal)
+    bias = None
+    if mask is not None:  # additive, in rows padded to the kernel's alignment of 16 keys
+        b, _, m, n = mask.shape
+        bias = query.new_zeros(b, 1, m, -(-n // 16) * 16)[..., :n].masked_fill_(~mask, float("-inf"))
+        bias = bias.expand(-1, query.shape[1], -1, -1)
+    output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, True, 0.0, causal, scale=scale
+    )[:2]
+    lse = lse[..., : query.shape[2]]  # the kernel pads its rows of log-sum-exps
+    if mask is not None:  # a row that sees no key (a window past the shared keys): the kernel's lse is not -inf
+        lse = lse.masked_fill(~mask.any(dim=-1), float("-inf"))
+    return output, lse
+
+
+def math_attention(query, key, value, mask, scale: float, softcap: float | None, causal: bool = False):
+    """`attend` in plain PyTorch (fp32, equal head counts), in chunks of query rows so that no chunk's scores pass
+    ~1 GiB. `causal`: query row i sees keys 0..i (and `mask` is None)."""
+    keys, values = key.float().transpose(-1, -2), value.float()
+    b, h, m, _ = query.shape
+    n = key.shape[2]
+    chunk = max(1, (1 << 28) // (b * h * n))
+    outputs, lses = [], []
+    for start in range(0, m, chunk):
+        scores = (query[:, :, start : start + chunk].float() @ keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if causal:
+            rows = torch.arange(start, start + scores.shape[2], device=query.device)
+            scores = scores.masked_fill(torch.arange(n, device=query.device) > rows[:, None], float("-inf"))
+        elif mask is not None:
+            scores = scores.masked_fill(~mask[:, :, start : start + chunk], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])  # no key seen: 0
+        outputs.append(weights @ values)
+        lses.append(lse)
+    return torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
+
+
+def merge(output, lse, other, other_lse) -> torch.Tensor:
+    """Two attentions of the same queries over two disjoint sets of keys, as one over both: each
+    weighted by its share of the total softmax mass (exp(lse - total)). A part whose rows saw no
+    key has weight 0 (its output, perhaps NaN, is not read)."""
+    total = torch.logaddexp(lse, other_lse)
+    mine, theirs = torch.exp(lse - total)[..., None], torch.exp(other_lse - total)[..., None]
+    return output.float() * mine + torch.where(theirs > 0, other.float() * theirs, 0.0)
 
 
 def packed_causal(query, key, value, scaling, starts, longest: int):

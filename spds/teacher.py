@@ -20,10 +20,12 @@ reuse_context_kv   The context's keys and values computed once. The tokens befor
                    each teacher forward runs only context[-1:] ++ x[a:] against them (its first
                    row predicts x[a], so every response position is a row of its own output),
                    causal from the lower right (no [queries, keys] mask; spds/attention.py). The prefix's
-                   own keys and values are put back after each forward. Slower than the batched
-                   recompute on Hopper although it computes fewer positions: FlashAttention-2 with
-                   a lower-right causal mask runs far slower than the square one
-                   (bench/check_cached_attention.py, bench/RESULTS.md).
+                   own keys and values are put back after each forward. It was slower than the
+                   batched recompute on Hopper although it computes fewer positions, because
+                   FlashAttention-2 with a lower-right causal rule ran at half the rate of the
+                   square one; the attention now runs as two parts merged by log-sum-exp (the
+                   cached keys, then the record's own square causal one: kernels.lower_right_causal),
+                   which is not yet measured on a GPU (bench/check_cached_attention.py).
 
 Across epochs (loss.teacher_memo_gib > 0) each record's teacher states are kept on the host after
 its first visit: the frozen student and the fixed context make them a pure function of the record,
