@@ -44,6 +44,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import install_attention
+from .errors import SpdsError
 from .kernels import attend, flash_fits, math_attention, merge
 
 NAME = "spds_decode"
@@ -151,6 +152,7 @@ class Decoder:
         prefix = common_prefix(prompts)
         rows, longest = len(prompts), max(len(p) - prefix for p in prompts)
         shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
+        self.check_fits(rows, longest + max_new_tokens)
         cache = BatchCache(self.layers, rows, longest + max_new_tokens, device, shared)
         cache.skip_holes([longest - (len(p) - prefix) for p in prompts])
         self.plan_window(cache, prefix, max(len(p) for p in prompts) + max_new_tokens - 1)
@@ -184,6 +186,25 @@ class Decoder:
         self.seconds += time.perf_counter() - began  # answers.tolist() waited for the device
         self.new_tokens += sum(len(r) for r in result)
         return result
+
+    def check_fits(self, rows: int, positions: int) -> None:
+        """Refuse, before anything is allocated, a batch whose own keys and values and logits would
+        not fit the device's free memory: a message that says what fits, not an out-of-memory
+        error halfway through a batch."""
+        free = free_bytes(self.model.device)
+        if free is None:
+            return
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        cache = -(-positions // 16) * 16 * self.layers * 2 * config.num_key_value_heads * head_dim
+        per_row = cache * self.model.dtype.itemsize + 3 * 4 * config.vocab_size  # fp32 logits, probabilities, copy
+        if rows * per_row > 0.9 * free:  # a tenth for the forward's activations
+            raise SpdsError(
+                f"generate.batch_size: {rows} rows of up to {positions} positions of their own need about "
+                f"{rows * per_row / 2**30:.1f} GiB for their keys, values and logits ({per_row / 2**20:.1f} MiB a "
+                f"row), and the GPU has {free / 2**30:.1f} GiB free: set generate.batch_size to at most "
+                f"{max(1, int(0.9 * free // per_row))}"
+            )
 
     def shared_states(self, ids: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The keys and values of the prefix `ids`, per layer [1, kv heads, len(ids), head dim]:
@@ -338,6 +359,11 @@ def captured(step: Step):
             )
         decoder.graphs = False
         return None
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """The device's free memory in bytes; None off CUDA (host memory is not budgeted here)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:

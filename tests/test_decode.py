@@ -12,6 +12,7 @@ from test_families import FAMILIES, save_family
 from transformers import AutoModelForCausalLM
 
 from spds.decode import Decoder, common_prefix
+from spds.errors import SpdsError
 from spds.generate import load_teacher
 
 END = 1
@@ -110,6 +111,22 @@ def test_rows_hold_only_their_own_positions_and_read_the_prefix_in_place(saved, 
     held = [k.data_ptr() for k, _ in decoder.prefix_states]
     assert [k.data_ptr() for k, _ in first.shared] == held == [k.data_ptr() for k, _ in second.shared]
     assert [k.shape[2] for k, _ in first.shared] == [40, 40] and prefix_run.rows == 1
+
+
+def test_a_batch_too_large_for_the_gpu_is_refused_before_it_starts(saved, monkeypatch):
+    """A batch whose keys, values and logits would not fit is refused with what fits, before any
+    allocation, not by an out-of-memory error halfway through."""
+    import spds.decode
+
+    decoder = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
+    batch = prompts(torch.Generator().manual_seed(3))
+    # the tiny Qwen3: 2 layers x 2 (keys, values) x 1 kv head x 16 dims x 4 bytes = 256 bytes a
+    # position, 32 positions (9 + 12, in rows of 16) = 8 KiB a row, and 3 x 4 x 300 vocabulary bytes
+    per_row = 32 * 256 + 3 * 4 * 300
+    monkeypatch.setattr(spds.decode, "free_bytes", lambda device: int(per_row * 3 / 0.9) + 16)  # room for 3 rows
+    with pytest.raises(SpdsError, match=r"generate.batch_size: 4 rows .* set generate.batch_size to at most 3"):
+        decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
+    assert len(decoder.answer(batch[:3], 12, temperature=0.0, top_p=1.0, seed=0)) == 3
 
 
 def test_sampling_is_the_same_for_a_seed_and_the_prefix_is_the_batchs_own(saved):
