@@ -144,7 +144,21 @@ def distillation_rows(
         total += spec.ce_weight * (log_normaliser - logits.gather(1, targets[:, None]).squeeze(1)).sum()
         grad = torch.exp(logits - log_normaliser[:, None]).mul_(spec.ce_weight)
         grad[torch.arange(len(targets), device=grad.device), targets] -= spec.ce_weight
-    if spec.kl_weight:
+    if spec.kl_weight and teacher_logits is not None and spec.direction == "forward":
+        # forward KL over the whole vocabulary: D = sum p (log p - log q) and dD/ds = q - p (the
+        # bucket rule below with sum_b H_b = -sum p = -1). Half the vocabulary-wide passes of the
+        # general rule: on a GPU each is a kernel launch per chunk, and they made the KL step
+        # launch-bound (bench/RESULTS.md)
+        temperature = spec.temperature
+        log_q = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+        log_p = torch.log_softmax(teacher_logits if temperature == 1 else teacher_logits / temperature, dim=-1)
+        p = log_p.exp()
+        total += spec.kl_weight * (p * log_p.sub_(log_q)).sum()
+        grad_s = log_q.exp_().sub_(p)
+        if spec.kl_weight != temperature:
+            grad_s.mul_(spec.kl_weight / temperature)
+        grad = grad_s if grad is None else grad.add_(grad_s)
+    elif spec.kl_weight:
         s = logits / spec.temperature
         log_z = torch.logsumexp(s, dim=-1, keepdim=True)
         log_q = s - log_z
