@@ -137,6 +137,8 @@ def distillation_rows(
     spec: Divergence,
 ):
     """fp32 logits [n, V] of the student -> (summed loss, d loss / d logits [n, V])."""
+    if teacher_logits is not None and spec.direction == "forward" and (spec.temperature == 1 or not spec.ce_weight):
+        return forward_kl_rows(logits, targets, teacher_logits, spec)
     total = logits.new_zeros(())
     grad = None
     if spec.ce_weight:  # softmax - one-hot, in place: one vocabulary-wide block
@@ -144,21 +146,7 @@ def distillation_rows(
         total += spec.ce_weight * (log_normaliser - logits.gather(1, targets[:, None]).squeeze(1)).sum()
         grad = torch.exp(logits - log_normaliser[:, None]).mul_(spec.ce_weight)
         grad[torch.arange(len(targets), device=grad.device), targets] -= spec.ce_weight
-    if spec.kl_weight and teacher_logits is not None and spec.direction == "forward":
-        # forward KL over the whole vocabulary: D = sum p (log p - log q) and dD/ds = q - p (the
-        # bucket rule below with sum_b H_b = -sum p = -1). Half the vocabulary-wide passes of the
-        # general rule: on a GPU each is a kernel launch per chunk, and they made the KL step
-        # launch-bound (bench/RESULTS.md)
-        temperature = spec.temperature
-        log_q = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
-        log_p = torch.log_softmax(teacher_logits if temperature == 1 else teacher_logits / temperature, dim=-1)
-        p = log_p.exp()
-        total += spec.kl_weight * (p * log_p.sub_(log_q)).sum()
-        grad_s = log_q.exp_().sub_(p)
-        if spec.kl_weight != temperature:
-            grad_s.mul_(spec.kl_weight / temperature)
-        grad = grad_s if grad is None else grad.add_(grad_s)
-    elif spec.kl_weight:
+    if spec.kl_weight:
         s = logits / spec.temperature
         log_z = torch.logsumexp(s, dim=-1, keepdim=True)
         log_q = s - log_z
@@ -179,6 +167,30 @@ def distillation_rows(
         total += spec.kl_weight * value.sum()
         grad_s *= spec.kl_weight / spec.temperature
         grad = grad_s if grad is None else grad.add_(grad_s)
+    return total, grad
+
+
+def forward_kl_rows(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor, spec: Divergence):
+    """`distillation_rows` for a forward KL against the teacher's whole-vocabulary logits (plus CE
+    at temperature 1, where both share the student's q): one log-softmax a side, D = sum p (log p -
+    log q), dD/ds = q - p, and CE's gradient q - onehot. Half the vocabulary-wide operations of the
+    bucket rule, which it equals (there sum_b H_b = -sum p = -1): on a GPU each operation is a
+    kernel launch per chunk, and they made the KL step launch-bound (bench/RESULTS.md)."""
+    temperature = spec.temperature
+    log_q = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_logits if temperature == 1 else teacher_logits / temperature, dim=-1)
+    p = log_p.exp()
+    total = spec.kl_weight * (p * log_p.sub_(log_q)).sum()
+    rows = torch.arange(len(targets), device=logits.device)
+    if spec.ce_weight:
+        total = total - spec.ce_weight * log_q[rows, targets].sum()
+    kl_scale = spec.kl_weight / temperature
+    grad = log_q.exp_()  # q
+    if spec.ce_weight + kl_scale != 1:
+        grad.mul_(spec.ce_weight + kl_scale)
+    grad.sub_(p, alpha=kl_scale)
+    if spec.ce_weight:
+        grad[rows, targets] -= spec.ce_weight
     return total, grad
 
 

@@ -47,6 +47,8 @@ CASES = [  # objective, direction, temperature, teacher
     ("kl", "forward", 2.0, "context"),
     ("kl", "reverse", 0.5, "context"),
     ("mix", "jsd", 1.5, "context"),
+    ("mix", "forward", 1.0, "context"),  # CE and KL from one q (loss.forward_kl_rows)
+    ("mix", "forward", 2.0, "context"),  # two temperatures: the general rule
     ("kl", "forward", 1.0, "top_k"),
     ("kl", "reverse", 1.0, "top_k"),
     ("mix", "jsd", 1.0, "top_k"),
