@@ -35,17 +35,15 @@ graph, and the attention they need are one mechanism, each part shaped by the ot
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 import time
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .attention import install_attention
 from .errors import SpdsError
-from .kernels import attend, flash_fits, math_attention, merge
+from .kernels import attend, flash_fits, merge
 
 NAME = "spds_decode"
 
@@ -461,22 +459,5 @@ def causal_attention(query, key, value, scale: float, softcap: float | None) -> 
     """The prefix's own attention, query row i seeing keys 0..i: [B, Lq, Hq, D]. Equal lengths leave
     no doubt about where a kernel aligns the causal rule (top left in PyTorch's math, lower right in
     flash)."""
-    groups = query.shape[1] // key.shape[1]
-    if softcap is not None or (groups > 1 and query.is_cuda and not flash_fits(query, softcap)):
-        # soft caps: no fused kernel; an fp32 model on CUDA: the efficient kernel, without grouped keys
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        groups = 1
-    if softcap is not None:
-        output = math_attention(query, key, value, None, scale, softcap, causal=True)[0]
-    else:
-        with backend(query, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-            output = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, is_causal=query.shape[2] > 1, scale=scale, enable_gqa=groups > 1
-            )
+    output = attend(query, key, value, None, scale, softcap, causal=True)[0]
     return output.transpose(1, 2).contiguous().to(query.dtype)
-
-
-def backend(query: torch.Tensor, *cuda_kernels):
-    """The SDPA kernels to run on CUDA; on the CPU, PyTorch's choice (which
-    attention.avoid_cpu_flash_without_avx512 keeps off a kernel that CPU cannot run)."""
-    return sdpa_kernel(list(cuda_kernels)) if query.is_cuda else contextlib.nullcontext()
