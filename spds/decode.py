@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from .attention import install_attention
+from .attention import head_dim_of, install_attention
 from .errors import SpdsError
 from .kernels import attend, flash_fits, merge
 
@@ -165,7 +165,7 @@ class Decoder:
             positions[row, longest - len(own) : longest] = torch.arange(prefix, len(prompt))
         positions, ids = positions.to(device), ids.to(device)
         generator = torch.Generator(device=device).manual_seed(seed)
-        logits = self.forward(ids, positions, cache, start=0)
+        logits = self.forward(ids, positions, cache, start=0)[:, -1]
         step = Step(self, cache, positions, next_position=positions[:, longest - 1] + 1, write_at=longest)
         answers = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -185,6 +185,23 @@ class Decoder:
         self.new_tokens += sum(len(r) for r in result)
         return result
 
+    @torch.no_grad()
+    def scores(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        """The fp32 logits [len(continuation), vocabulary] that predicted each token of
+        `continuation` after `prompt`, reading the kept prefix's keys and values where `prompt`
+        begins with it (a generate run's context is not computed again per row)."""
+        device = self.model.device
+        prefix = len(self.prefix_ids or [])
+        if not (0 < prefix < len(prompt) and prompt[:prefix] == self.prefix_ids):
+            prefix = 0
+        own = prompt[prefix:] + continuation[:-1]
+        cache = BatchCache(self.layers, 1, len(own), device, self.prefix_states if prefix else [])
+        self.plan_window(cache, prefix, prefix + len(own) - 1)
+        positions = torch.full((1, cache.capacity), -1, dtype=torch.long)
+        positions[0, : len(own)] = torch.arange(prefix, prefix + len(own))
+        ids = torch.tensor([own], device=device)
+        return self.forward(ids, positions.to(device), cache, start=0, keep=len(continuation))[0]
+
     def check_fits(self, rows: int, positions: int) -> None:
         """Refuse, before anything is allocated, a batch whose own keys and values and logits would
         not fit the device's free memory: a message that says what fits, not an out-of-memory
@@ -193,8 +210,8 @@ class Decoder:
         if free is None:
             return
         config = self.model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        cache = -(-positions // 16) * 16 * self.layers * 2 * config.num_key_value_heads * head_dim
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        cache = -(-positions // 16) * 16 * self.layers * 2 * kv_heads * head_dim_of(config)
         per_row = cache * self.model.dtype.itemsize + 3 * 4 * config.vocab_size  # fp32 logits, probabilities, copy
         if rows * per_row > 0.9 * free:  # a tenth for the forward's activations
             raise SpdsError(
@@ -212,7 +229,7 @@ class Decoder:
             single = BatchCache(self.layers, 1, len(ids), device)
             positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
             positions[0, : len(ids)] = torch.arange(len(ids), device=device)
-            self.forward(torch.tensor([ids], device=device), positions, single, start=0, logits=False, causal=True)
+            self.forward(torch.tensor([ids], device=device), positions, single, start=0, keep=0, causal=True)
             self.prefix_states = [
                 (k[:, : len(ids)].transpose(1, 2), v[:, : len(ids)].transpose(1, 2))
                 for k, v in zip(single.keys, single.values)
@@ -237,24 +254,25 @@ class Decoder:
         positions: torch.Tensor,
         cache: BatchCache,
         start: int,
-        logits: bool = True,
+        keep: int = 1,
         causal: bool = False,
     ):
         """Run `ids` ([rows, n], written at the rows' own cache indices start..start+n-1) against
         the shared prefix and everything the rows' cache holds; the next-token logits (fp32) of each
-        row's last column. `causal`: one row with no holes from index 0 and nothing shared (the
-        prefix), where the kernel's own causal rule needs no mask."""
+        row's last `keep` columns, [rows, keep, vocabulary] (keep 0: none). `causal`: one row with no
+        holes from index 0 and nothing shared (the prefix), where the kernel's own causal rule needs
+        no mask."""
         count = ids.shape[1]
         cache.index = torch.arange(start, start + count, device=ids.device)
         cache.written = (start + count - cache.own_from).to(torch.int32)
         queries = positions[:, start : start + count]
         if causal and not self.window:  # no [n, n] mask: a 64k-token context fits
-            return self.run(ids, queries, None, cache, logits)
+            return self.run(ids, queries, None, cache, keep)
         # a query sees its row's keys at or before its own position; a hole sees only itself (its
         # outputs are never read, but must stay finite: they become keys the mask then hides)
         visible = (positions[:, None, :] >= 0) & (positions[:, None, :] <= queries[:, :, None])
         visible[:, torch.arange(count, device=ids.device), cache.index] = True
-        return self.run(ids, queries, self.masks(visible, queries, positions, cache), cache, logits)
+        return self.run(ids, queries, self.masks(visible, queries, positions, cache), cache, keep)
 
     def masks(self, visible: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, cache: BatchCache):
         """The attention mask(s) over the rows' own keys for queries at logical positions `queries`
@@ -270,9 +288,9 @@ class Decoder:
             return {"full_attention": visible[:, None], "sliding_attention": windowed[:, None]}
         return (windowed if self.window_everywhere else visible)[:, None]  # a 4D mask is used as given
 
-    def run(self, ids: torch.Tensor, queries: torch.Tensor, masks, cache: BatchCache, logits: bool = True):
+    def run(self, ids: torch.Tensor, queries: torch.Tensor, masks, cache: BatchCache, keep: int = 1):
         """The model over `ids` at logical positions `queries` under `masks` (None: causal),
-        writing its keys and values at cache.index."""
+        writing its keys and values at cache.index; the fp32 logits of the last `keep` columns."""
         arguments = dict(
             input_ids=ids,
             position_ids=queries.clamp(min=0),
@@ -283,10 +301,10 @@ class Decoder:
         )
         self.active = cache
         try:
-            if not logits:  # the prefix: its keys and values only, no vocabulary-sized work
+            if not keep:  # the prefix: its keys and values only, no vocabulary-sized work
                 self.model.base_model(**arguments)
                 return None
-            return self.model(**arguments, logits_to_keep=1).logits[:, -1].float()
+            return self.model(**arguments, logits_to_keep=keep).logits.float()
         finally:
             self.active = None
 
@@ -315,7 +333,7 @@ class Step:
         self.cache.written.copy_(index + 1 - self.cache.own_from)
         queries = self.next_position[:, None]
         masks = self.decoder.masks((positions >= 0)[:, None, :], queries, positions, self.cache)
-        return self.decoder.run(self.token[:, None], queries, masks, self.cache)
+        return self.decoder.run(self.token[:, None], queries, masks, self.cache)[:, -1]
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         self.token.copy_(token)

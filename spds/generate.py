@@ -146,7 +146,8 @@ def generate(config: Config, log=print) -> dict:
                 )
                 if settings.top_k_logprobs:
                     tops = [
-                        teacher_top_k(teacher, prompt, response, settings.top_k_logprobs) for prompt, response in asked
+                        teacher_top_k(asking.decoder, prompt, response, settings.top_k_logprobs)
+                        for prompt, response in asked
                     ]
                     row["top_logprobs"] = {key: [v for top in tops for v in top[key]] for key in ("ids", "logprobs")}
                 stream.write(json.dumps(row) + "\n")
@@ -278,13 +279,11 @@ def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list
 
 
 @torch.no_grad()
-def teacher_top_k(teacher, prompt: list[int], response: list[int], k: int) -> dict:
+def teacher_top_k(decoder: Decoder, prompt: list[int], response: list[int], k: int) -> dict:
     """The teacher's top-k next-token log-probabilities (temperature 1, its full distribution) at
-    every response token, from one forward pass over the finished sequence: every token has its
-    entry, the end token that closes a cut response included."""
-    ids = torch.tensor([prompt + response], device=teacher.device)
-    logits = teacher(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) + len(response) - 1]
-    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    every response token, from one forward pass over the finished sequence after the kept context
+    (Decoder.scores): every token has its entry, the end token that closes a cut response included."""
+    top = torch.log_softmax(decoder.scores(prompt, response), dim=-1).topk(k, dim=-1)
     return dict(ids=top.indices.tolist(), logprobs=top.values.tolist())
 
 

@@ -88,6 +88,25 @@ def test_every_steps_logits_equal_transformers_forward(saved, family, monkeypatc
     assert worst < 1e-4, (family, worst)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_scores_after_the_kept_prefix_equal_transformers_forward(saved, family):
+    """generate's top-k pass (Decoder.scores): the logits that predicted each response token,
+    read after the kept context instead of computing it again, equal a plain forward over the
+    whole sequence; a prompt that does not begin with the kept prefix is computed whole."""
+    model = load_teacher(saved[family], "float32", torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32, attn_implementation="eager")
+    batch = prompts(torch.Generator().manual_seed(7))
+    decoder = Decoder(model, [END], pad_id=0)
+    answers = decoder.answer(batch, 6, temperature=0.0, top_p=1.0, seed=0)
+    stranger = [5] + batch[2][1:]  # another first token: no kept prefix
+    for prompt, response in [*zip(batch, answers), (stranger, answers[2])]:
+        with torch.no_grad():
+            expected = plain(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        # fp32: the two-part softmax and another order of sums (~1e-6, as above)
+        assert (decoder.scores(prompt, response) - expected).abs().max() < 1e-4, family
+    assert decoder.prefix_forwards == 1
+
+
 def test_rows_hold_only_their_own_positions_and_read_the_prefix_in_place(saved, monkeypatch):
     """What lets a batch hold a thousand rows under a long context: each row's cache is its
     question and answer only, and every batch reads the prefix's one copy."""
