@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from .attention import avoid_cpu_flash_without_avx512
 from .config import Config
 from .data.chat import end_token_ids, render
 from .decode import Decoder
@@ -86,16 +85,12 @@ def repair_and_read(output: Path) -> set[str]:
 
 
 def load_teacher(path: Path, dtype: str, device: torch.device):
-    """The teacher for decoding, loaded with sdpa attention, or eager for a model that soft-caps
-    its attention scores (Gemma 2), which transformers will not load under sdpa; either way
-    spds.decode.Decoder then installs its own attention. Its config.json is read once, for both."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The teacher for decoding, loaded with transformers' eager attention, which every model
+    has: spds.decode.Decoder replaces it with its own in every layer before the first forward."""
+    from transformers import AutoModelForCausalLM
 
-    avoid_cpu_flash_without_avx512()
-    shape = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    attention = "eager" if getattr(shape, "attn_logit_softcapping", None) else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), config=shape, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attention
+        str(path), local_files_only=True, dtype=getattr(torch, dtype), attn_implementation="eager"
     )
     return model.to(device).eval()
 

@@ -163,9 +163,9 @@ def test_sampling_is_the_same_for_a_seed_and_the_prefix_is_the_batchs_own(saved)
 def test_the_demos_bf16_teacher_decodes_on_any_cpu(tiny_assets):
     """The demo's teacher (bf16, head dimension 16, a context of hundreds of tokens): PyTorch's CPU
     flash kernel for such a bf16 attention stops on a CPU without AVX-512 ("pack_vnni2 is only
-    supported when avx512 is supported"); loading the teacher keeps it off there
-    (attention.avoid_cpu_flash_without_avx512). Its greedy answers start as transformers' generate
-    of the same weights starts them."""
+    supported when avx512 is supported"); the decoder's attention never calls it (on the CPU its
+    sums are plain PyTorch). Its greedy answers start as transformers' generate of the same
+    weights starts them."""
     model = load_teacher(tiny_assets / "student", "bfloat16", torch.device("cpu"))
     # the reference in transformers' eager attention: no spds code between it and the weights
     student = tiny_assets / "student"
