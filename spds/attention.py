@@ -7,7 +7,8 @@ nothing, and no mask is needed), and its queries are the last positions of its k
 them in a training pass, the record after a cached context in the teacher's (spds/teacher.py).
 So the function is causal from the lower right, and takes no mask. Records packed end to end
 (optim.micro_batch_layout packed) arrive as one row with their cumulative lengths
-(`cu_seq_lens_q`, transformers' variable-length keywords), each attending only to itself.
+(`cu_seq_lens_q`, transformers' variable-length keywords), each attending only to itself, or
+to itself and to cached keys before them all (the teacher's context).
 
 The kernel is a per-forward choice: AttentionPlan resolves student.attention_kernel once and
 answers, for a micro-batch's length and layout, which kernel runs it and what memory that kernel
@@ -48,6 +49,7 @@ from .kernels import (
     flex_causal,
     import_fa4,
     lower_right_causal,
+    packed_after_cached,
     packed_causal,
     sdpa_causal,
     windowed_attention,
@@ -268,6 +270,8 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
         return output, None
     if kwargs.get("cu_seq_lens_q") is not None:  # records packed end to end (optim.micro_batch_layout)
         starts, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+        if key.shape[2] > query.shape[2]:  # after keys all of them see (the teacher's cached context)
+            return packed_after_cached(query, key, value, scaling, starts, longest)[None], None
         if kernel == "fa4":
             return fa4_causal(query, key, value, scaling, starts, longest)[None], None
         return packed_causal(query, key, value, scaling, starts, longest)[None], None

@@ -4,6 +4,7 @@ runs a forward is spds/attention.py's decision (AttentionPlan); this module only
 
   sdpa_causal          PyTorch SDPA on a named backend (flash, efficient, cudnn, math) or its own choice
   lower_right_causal   queries after cached keys (the teacher's record after its context), forward only
+  packed_after_cached  records packed end to end after keys all of them see (the teacher's), forward only
   attend, merge        one attention with its log-sum-exps, and two over disjoint keys merged into one
   packed_causal        records packed end to end in one row: FlashAttention-2's variable-length kernel
   fa4_causal           FlashAttention-4 (the flash-attn-4 package, CuTe DSL), padded rows or packed
@@ -83,6 +84,36 @@ def lower_right_causal(query, key, value, scaling):
         before, before_lse = attend(query, key[:, :, :cached], value[:, :, :cached], scale=scaling)
         output = merge(output, lse, before, before_lse)
     return output.to(query.dtype)
+
+
+def packed_after_cached(query, key, value, scaling, starts, longest: int):
+    """Records packed end to end in one row (batch 1) after keys every one of them sees: the
+    teacher's records after the cached system header and context. key and value hold the shared
+    keys first, then the records' own; `starts` (int32 [records + 1]) delimits the records among
+    the queries. Forward only. Returns [positions, Hq, D].
+
+    Two parts merged by their log-sum-exps: every query against the shared keys at once (no mask,
+    one call for all the records, so the shared keys are read once per block of queries rather
+    than once per record), and each record causally against its own keys (FlashAttention-2's
+    variable-length kernel on CUDA; a block-diagonal mask elsewhere)."""
+    cached = key.shape[2] - query.shape[2]
+    own_key, own_value = key[:, :, cached:], value[:, :, cached:]
+    if flash_fits(query) and query.shape[-1] % 8 == 0:
+        rows = [t[0].transpose(0, 1) for t in (query, own_key, own_value)]  # [positions, heads, D]
+        own, own_lse = torch.ops.aten._flash_attention_forward(
+            *rows, starts, starts, longest, longest, 0.0, True, False, scale=scaling
+        )[:2]
+        own, own_lse = own.transpose(0, 1)[None], own_lse[None]  # [1, Hq, positions, D], [1, Hq, positions]
+    else:
+        positions = query.shape[2]
+        record = torch.repeat_interleave(torch.arange(len(starts) - 1, device=query.device), starts.diff().long())
+        index = torch.arange(positions, device=query.device)
+        allowed = (record[:, None] == record[None]) & (index[:, None] >= index[None])
+        own, own_lse = attend(query, own_key, own_value, allowed[None, None], scale=scaling)
+    if cached:
+        shared, shared_lse = attend(query, key[:, :, :cached], value[:, :, :cached], scale=scaling)
+        own = merge(own, own_lse, shared, shared_lse)
+    return own[0].transpose(0, 1).to(query.dtype)
 
 
 def flash_fits(query: torch.Tensor, softcap: float | None = None) -> bool:

@@ -41,6 +41,7 @@ keeps no memo (the config check refuses one).
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Protocol
 
 import torch
@@ -106,7 +107,7 @@ class ContextTeacher:
         self.record_forwards += len(segments)
         if self.model.layout.lockstep or not self.reuse_context:
             return self.model.response_states(segments, inserted=self.context_embeddings())[0]
-        return torch.cat([self.cached_rows(segment) for segment in segments])
+        return self.cached_rows(segments)
 
     def remembered(self, segment) -> torch.Tensor:
         """One record's teacher states: from the memo, or computed alone (so that its bits do not
@@ -121,27 +122,100 @@ class ContextTeacher:
             self.memo[segment.index], self.memo_bytes = host, self.memo_bytes + rows.nbytes
         return rows
 
-    def cached_rows(self, segment) -> torch.Tensor:
-        student, a = self.model.student, segment.insert_at
-        embed = student.get_input_embeddings()
-        context = self.context_embeddings()
-        key = segment.ids[:a].cpu().numpy().tobytes()
+    def cached_rows(self, segments) -> torch.Tensor:
+        """The teacher's rows of `segments`, each record run after its prefix's cached keys and
+        values: the records of one prefix packed end to end in one forward where spds's attention
+        runs the student (kernels.packed_after_cached), else one forward per record."""
+        rows = {}
+        for group in self.by_prefix(segments):
+            if self.packs():
+                outputs = self.packed_forward(group)
+            else:
+                outputs = [self.forward_after_prefix(segment) for segment in group]
+            for segment, hidden in zip(group, outputs):
+                # Row r predicts x[a + r] (row 0 is the context's last token): token x[t] is row t - a.
+                rows[id(segment)] = segment.supervised_rows(hidden, 1 - segment.insert_at)
+        return torch.cat([rows[id(segment)] for segment in segments])
+
+    @staticmethod
+    def by_prefix(segments) -> list[list[Segment]]:
+        """`segments` grouped by the ids before their insertion point (the chat template's system
+        header: one group, unless token rows place the prompt elsewhere), in first-seen order."""
+        groups: dict[bytes, list[Segment]] = {}
+        for segment in segments:
+            groups.setdefault(segment.ids[: segment.insert_at].cpu().numpy().tobytes(), []).append(segment)
+        return list(groups.values())
+
+    def prefix(self, segment):
+        """(the cache of x[:a] ++ context[:-1], its length, each layer's own keys and values) for
+        `segment`'s prefix, computed on first use and kept."""
+        key = segment.ids[: segment.insert_at].cpu().numpy().tobytes()
         if key not in self.caches:
             if len(self.caches) >= self.max_prefixes:  # token rows may place the prompt anywhere: stay bounded
                 self.caches.pop(next(iter(self.caches)))
-            prefix = torch.cat([embed(segment.ids[:a]), context[:-1]])
+            embed = self.model.student.get_input_embeddings()
+            prefix = torch.cat([embed(segment.ids[: segment.insert_at]), self.context_embeddings()[:-1]])
             cache = self.forward(prefix, start=0, cache=None)[1]
             prefix_states = [(layer.keys, layer.values) for layer in cache.layers]
             self.caches[key] = (cache, len(prefix), prefix_states)
             self.prefix_forwards += 1
-        cache, cached, prefix_states = self.caches[key]
-        hidden, _ = self.forward(torch.cat([context[-1:], embed(segment.ids[a:])]), start=cached, cache=cache)
-        # Back to the prefix alone for the next record. A layer's update concatenates into a new
-        # tensor, so the prefix's own keys and values were never written to: put them back.
+        return self.caches[key]
+
+    def record_embeddings(self, segment) -> torch.Tensor:
+        """context[-1:] ++ embed(x[a:]): what runs after the cached prefix for one record."""
+        own = self.model.student.get_input_embeddings()(segment.ids[segment.insert_at :])
+        return torch.cat([self.context_embeddings()[-1:], own])
+
+    def packs(self) -> bool:
+        """Whether a prefix's records run packed in one forward: spds's attention runs the student
+        (an sdpa student) and no layer has a sliding window or a soft cap (their kernels take no
+        shared keys)."""
+        config = self.model.student.config
+        windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        return (
+            self.model.kernel_choice is not None
+            and not windowed
+            and not getattr(config, "attn_logit_softcapping", None)
+        )
+
+    def forward_after_prefix(self, segment) -> torch.Tensor:
+        """The final hidden states of one record after its cached prefix."""
+        cache, cached, prefix_states = self.prefix(segment)
+        hidden = self.forward(self.record_embeddings(segment), start=cached, cache=cache)[0]
+        self.crop(cache, prefix_states)
+        return hidden
+
+    def packed_forward(self, group: list[Segment]) -> list[torch.Tensor]:
+        """The final hidden states of each record of `group` (one prefix) after the cached prefix, in
+        one forward: the records end to end in one row, each at positions cached.. and attending to
+        the prefix and to itself (causal), nothing of the others."""
+        cache, cached, prefix_states = self.prefix(group[0])
+        joined = [self.record_embeddings(segment) for segment in group]
+        lengths = [len(j) for j in joined]
+        device = joined[0].device
+        starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        starts = (starts.pin_memory() if device.type == "cuda" else starts).to(device, non_blocking=True)
+        positions = torch.cat([torch.arange(cached, cached + n, device=device) for n in lengths])[None]
+        self.model.use_kernel(cached + max(lengths), packed=True)
+        output = self.model.student.base_model(
+            inputs_embeds=torch.cat(joined)[None],
+            position_ids=positions,
+            use_cache=True,
+            cu_seq_lens_q=starts,
+            cu_seq_lens_k=starts,
+            max_length_q=max(lengths),
+            max_length_k=max(lengths),
+            **{self.cache_argument: cache},
+        )
+        self.crop(cache, prefix_states)
+        return list(output.last_hidden_state[0].split(lengths))
+
+    @staticmethod
+    def crop(cache, prefix_states) -> None:
+        """Back to the prefix alone for the next forward. A layer's update concatenates into a new
+        tensor, so the prefix's own keys and values were never written to: put them back."""
         for layer, (keys, values) in zip(cache.layers, prefix_states):
             layer.keys, layer.values = keys, values
-        # Row r predicts x[a + r] (row 0 is the context's last token): token x[t] is row t - a.
-        return segment.supervised_rows(hidden, 1 - a)
 
     def forward(self, embeddings: torch.Tensor, start: int, cache):
         """(final hidden states, the cache) of `embeddings` at positions start.., after `cache`."""

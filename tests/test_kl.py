@@ -111,21 +111,29 @@ def test_a_different_teacher_moves_the_loss():
 
 
 @pytest.mark.numeric
-def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(tiny_assets, monkeypatch):
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(
+    tiny_assets, monkeypatch, attn_implementation
+):
+    """loss.reuse_context_kv: each prefix (header + context) runs once; a pass's records of one
+    prefix run packed in one forward against it (an sdpa student: spds's attention), or one by one
+    (eager: the student's own); either way each record's states are those of a plain forward over
+    header ++ context ++ record."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from spds import attention as attention_module
     from spds.model import Segment, SoftPromptModel
     from spds.teacher import ContextTeacher
 
-    calls = []  # the records' queries attend the cached keys causally from the lower right
-    attention = attention_module.lower_right_causal
+    calls = []  # the packed records' queries attend the cached keys, then their own
+    attention = attention_module.packed_after_cached
     monkeypatch.setattr(
-        attention_module, "lower_right_causal", lambda *args, **kwargs: calls.append(1) or attention(*args, **kwargs)
+        attention_module, "packed_after_cached", lambda *args, **kwargs: calls.append(1) or attention(*args, **kwargs)
     )
 
     path = tiny_assets / "student"
-    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    load = dict(dtype=torch.float32, attn_implementation=attn_implementation)
+    student = AutoModelForCausalLM.from_pretrained(path, **load).eval().requires_grad_(False)
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     context = torch.tensor(tokenizer.encode("Lumen Bay ferries leave at dawn and dusk.", add_special_tokens=False))
@@ -133,14 +141,18 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(t
     model = SoftPromptModel(student, torch.zeros(3, student.config.hidden_size), loss)
     teacher = ContextTeacher(model, context)
     generator = torch.Generator().manual_seed(2)
-    header = torch.tensor([1, 5, 9])  # the same tokens before the insertion point in every record
+    # Two headers (token rows may place the prompt anywhere): a group each, in the pass's order.
+    headers = {3: torch.tensor([1, 5, 9]), 2: torch.tensor([7, 2])}
     segments = [
-        Segment(ids=torch.cat([header, torch.randint(10, 60, (n,), generator=generator)]), prefix_tokens=p, insert_at=3)
-        for n, p in ((12, 7), (20, 3), (6, 4))
+        Segment(
+            ids=torch.cat([headers[a], torch.randint(10, 60, (n,), generator=generator)]), prefix_tokens=p, insert_at=a
+        )
+        for n, p, a in ((12, 7, 3), (20, 3, 3), (9, 4, 2), (6, 4, 3))
     ]
     rows = teacher.targets(segments).hidden
-    assert teacher.prefix_forwards == 1  # three records, one forward over header + context
-    assert len(calls) == 3 * student.config.num_hidden_layers
+    assert teacher.prefix_forwards == 2  # four records, one forward over each header + context
+    layers = student.config.num_hidden_layers
+    assert len(calls) == (2 * layers if attn_implementation == "sdpa" else 0)  # one packed forward per header
     embed = plain.get_input_embeddings()
     expected = []
     for segment in segments:
@@ -153,7 +165,7 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(t
     # Another record after a forward: the cache was cropped back to the prefix, not grown.
     again = teacher.targets(segments[:1]).hidden
     assert_rounding_close(again, expected[0], what="teacher states after the crop")
-    assert teacher.prefix_forwards == 1
+    assert teacher.prefix_forwards == 2
 
 
 def test_teacher_memo_keeps_each_records_states_and_changes_no_number(tiny_assets):
