@@ -195,12 +195,26 @@ DETERMINISTIC = {"liger-det", "liger-det-flash", "liger-packed-fa4-det"}
 # and values computed once (kl) or the whole sequence every time (kl-nocache).
 VARIANTS["liger-kl"] = VARIANTS["liger-kl-nocache"] = VARIANTS["liger"]
 VARIANTS["kl"] = VARIANTS["kl-nocache"] = VARIANTS["packed"]
+# the same on packed micro-batches: the cached-context teacher packs a pass's records in one forward
+VARIANTS["liger-packed-kl"] = VARIANTS["liger-packed-kl-nocache"] = VARIANTS["liger-packed"]
+VARIANTS["liger-packed-fa4-kl"] = VARIANTS["liger-packed-fa4"]
+# student.fp8_linear: the decoder's linear layers quantized in place (the shared student: list it last)
+VARIANTS["liger-packed-fp8"] = VARIANTS["liger-packed"]
+VARIANTS["liger-packed-fa4-fp8"] = VARIANTS["liger-packed-fa4"]
 CONTEXT = 4096
 
 
 def all_or_nothing(model) -> None:
     policy = model.recompute
     model.recompute = lambda *args, **kwargs: policy.layers if policy(*args, **kwargs) else 0
+
+
+def fp8_linears(model) -> None:
+    from spds.fp8 import FrozenFP8Linear, quantize_linears
+
+    if not any(isinstance(m, FrozenFP8Linear) for m in model.modules()):  # once: the student is shared
+        quantize_linears(model.student)
+    torch.cuda.empty_cache()
 
 
 def online_kl(reuse_context: bool, memo_gib: float = 0.0):
@@ -238,6 +252,11 @@ AFTER_BUILD = {
     "kl-nocache": online_kl(False),
     "liger-kl": online_kl(True),
     "liger-kl-nocache": online_kl(False),
+    "liger-packed-kl": online_kl(True),
+    "liger-packed-kl-nocache": online_kl(False),
+    "liger-packed-fa4-kl": online_kl(True),
+    "liger-packed-fp8": fp8_linears,
+    "liger-packed-fa4-fp8": fp8_linears,
     "liger-kl-memo": online_kl(True, memo_gib=64.0),
     "liger-kl-nocache-memo": online_kl(False, 64.0),
 }

@@ -1,6 +1,7 @@
 """ce vs kl vs mix at equal updates on the same teacher rows: held-out gap recovered and KL.
 
     python bench/compare_objectives.py [--tiny DIR] [--updates 30] [--out DIR]
+        [--objectives ce,kl,mix] [--seeds 1] [--fp8]
 
 Builds the tiny example (random 2-layer Qwen3 student, byte-level ChatML tokenizer) unless DIR
 already holds it, lets the teacher (the student with the context) answer the questions once
@@ -8,6 +9,11 @@ already holds it, lets the teacher (the student with the context) answer the que
 else equal (seed, initial prompt, batches, learning rate, updates) and evaluates each on the
 held-out questions with `eval.kl`. Runs the real CLI, on CUDA when there is one. Writes
 objectives.json and objectives.png (gap recovered and held-out KL per objective) to --out.
+
+--seeds N trains each objective from N seeds (the prompt's initialisation and the batches'
+order: optim.seed), which is the noise any other difference is read against. --fp8 trains each
+objective again with student.fp8_linear (the frozen student's linear layers in FP8), evaluated on
+the student as loaded, like every prompt.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ def main() -> None:
     parser.add_argument("--tiny", default=str(REPO / "examples" / "tiny" / "build-objectives"))
     parser.add_argument("--updates", type=int, default=30)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--objectives", default=",".join(OBJECTIVES))
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--fp8", action="store_true")
     args = parser.parse_args()
     tiny = Path(args.tiny).resolve()
     out = Path(args.out or tiny)
@@ -60,12 +69,20 @@ def main() -> None:
     if not (tiny / loop["generate"]["output"]).exists():
         spds("generate", str(tiny / "loop.json"))
     results = {}
-    for name, loss in OBJECTIVES.items():
+    runs = [
+        (objective, fp8, seed)
+        for objective in args.objectives.split(",")
+        for fp8 in ((False, True) if args.fp8 else (False,))
+        for seed in range(loop["optim"].get("seed", 0), loop["optim"].get("seed", 0) + args.seeds)
+    ]
+    for objective, fp8, seed in runs:
+        name = objective + ("-fp8" if fp8 else "") + (f"-seed{seed}" if args.seeds > 1 else "")
         config = dict(
             loop,
-            loss=dict(loop.get("loss", {}), **loss),
+            student=dict(loop["student"], fp8_linear=fp8),
+            loss=dict(loop.get("loss", {}), **OBJECTIVES[objective]),
             output_dir=f"objective-{name}",
-            optim=dict(loop["optim"], updates=args.updates),
+            optim=dict(loop["optim"], updates=args.updates, seed=seed),
             eval={"kl": True},
             train=dict(loop.get("train", {}), require_smoke=False),
         )
@@ -87,7 +104,7 @@ def main() -> None:
             supervised_tokens=report["supervised_tokens"],
         )
         print(
-            f"{name:4s}  gap recovered {report['gap_recovered']:.1%}  held-out KL {report['kl_to_teacher']:.4f}  "
+            f"{name:8s}  gap recovered {report['gap_recovered']:.1%}  held-out KL {report['kl_to_teacher']:.4f}  "
             f"NLL soft {report['nll']['soft']:.4f} (floor {report['nll']['floor']:.4f}, ceiling "
             f"{report['nll']['ceiling']:.4f})  train {seconds:.0f} s",
             flush=True,

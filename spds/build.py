@@ -32,6 +32,10 @@ def build_soft_prompt_model(
         student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
         if student_cfg.liger_kernels:
             apply_liger_kernels(student)
+        if training and student_cfg.fp8_linear:  # eval measures the prompt on the student as loaded
+            from .fp8 import quantize_linears
+
+            quantize_linears(student)
     attention_kernel = kernel_setting(student_cfg.attention_kernel, config.train.deterministic, student, device)
     if prompt is None:
         tokenizer = None

@@ -27,6 +27,7 @@ class StudentSettings:
     pad_to_multiple_of: int | None
     activation_checkpointing: bool | Literal["auto"]
     liger_kernels: bool
+    fp8_linear: bool
     activation_memory_gib: float | None
 
 
