@@ -10,7 +10,8 @@ only (the teacher has no backward):
   spds     spds.kernels.lower_right_causal as it stands (two calls merged by log-sum-exp)
   batched  what the batched teacher pays instead: causal SDPA over all C + L positions
 Each is checked against an fp32 reference with an explicit mask where that fits, and timed; the
-kernels the bias path launched are listed.
+kernels the bias path launched are listed. Then a pass of short records packed end to end after
+the context (spds.kernels.packed_after_cached), against each record alone and the reference.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spds.kernels import lower_right_causal  # noqa: E402
+from spds.kernels import lower_right_causal, packed_after_cached  # noqa: E402
 
 CONTEXT, HEAD_DIM = 4096, 128
 
@@ -103,6 +104,46 @@ def main() -> None:
                     torch.cuda.synchronize()
                 names = [e.key[:90] for e in prof.key_averages() if e.self_device_time_total > 0]
                 print(f"  kernels of the bias path: {names}", flush=True)
+
+    packed_records()
+
+
+@torch.no_grad()
+def packed_records(lengths=(512, 1024, 3000, 700, 2048, 900, 1500, 4000)) -> None:
+    for name, heads, kv_heads in (("1.7b", 16, 8), ("8b", 32, 8)):
+        g = torch.Generator(device="cuda").manual_seed(7)
+        total = sum(lengths)
+        q = torch.randn(1, heads, total, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (
+            torch.randn(1, kv_heads, CONTEXT + total, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2)
+        )
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        starts = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+
+        def alone(i):  # record i with the context's keys and its own
+            s, e = offsets[i], offsets[i + 1]
+            keys = torch.cat([k[:, :, :CONTEXT], k[:, :, CONTEXT + s : CONTEXT + e]], dim=2)
+            values = torch.cat([v[:, :, :CONTEXT], v[:, :, CONTEXT + s : CONTEXT + e]], dim=2)
+            return q[:, :, s:e], keys, values
+
+        packed = packed_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths))  # [total, Hq, D]
+        error = max(
+            float(
+                (packed[offsets[i] : offsets[i + 1]].transpose(0, 1)[None].float() - reference(*alone(i))).abs().max()
+            )
+            for i in range(len(lengths))
+        )
+        records = [alone(i) for i in range(len(lengths))]
+        packed_ms = timed(lambda: packed_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths)))
+        alone_ms = timed(lambda: [lower_right_causal(*r, None) for r in records])
+        print(
+            f"{name} C={CONTEXT}, {len(lengths)} records packed ({total} positions): max|err| vs fp32 {error:.2e}; "
+            f"packed {packed_ms:.2f} ms, each alone {alone_ms:.2f} ms",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

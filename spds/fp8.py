@@ -32,11 +32,12 @@ SMALLEST_SCALE = 1e-12  # an all-zero row keeps a finite scale (its quantized va
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as (e4m3 [M, K], fp32 scales [M, 1]) with x ~= q * scale, each row scaled so that
     its largest magnitude lands on e4m3's largest value. On CUDA one Triton kernel reads x once;
-    elsewhere the same arithmetic in PyTorch (fp32 division, round to nearest even, saturating)."""
+    elsewhere the same arithmetic in PyTorch (times the scale's fp32 reciprocal, rounded to nearest
+    even, saturating)."""
     if x.is_cuda and triton_available():
         return quantize_rows_triton(x)
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=SMALLEST_SCALE) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 @functools.cache
@@ -60,8 +61,9 @@ def quantize_kernel():
         offsets = tl.arange(0, BLOCK)
         inside = offsets < columns
         x = tl.load(x_ptr + row * row_stride + offsets, mask=inside, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0  # SMALLEST_SCALE, FP8_MAX
-        q = tl.clamp(x / scale, -448.0, 448.0)
+        # div_rn: IEEE division, as PyTorch's (Triton's `/` on fp32 is an approximation); once per row
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)  # SMALLEST_SCALE, FP8_MAX
+        q = tl.clamp(x * tl.math.div_rn(1.0, scale), -448.0, 448.0)
         tl.store(q_ptr + row * columns + offsets, q.to(tl.float8e4nv), mask=inside)
         tl.store(scale_ptr + row, scale)
 

@@ -73,17 +73,23 @@ def sdpa_causal(kernel: str, query, key, value, scaling):
 
 
 def lower_right_causal(query, key, value, scaling):
-    """Queries after cached keys (the teacher's record after its context), forward only, in two
-    parts merged by their log-sum-exps: the cached keys, which every query sees (no mask), and the
-    queries' own keys, causal and square. FlashAttention-2 with one causal rule aligned to the
-    lower right over both ran at half the rate of a square causal call over as many positions
-    (bench/check_cached_attention.py); each part here is one of the kernel's fast cases."""
-    cached = key.shape[2] - query.shape[2]
-    output, lse = attend(query, key[:, :, cached:], value[:, :, cached:], scale=scaling, causal=True)
-    if cached:
-        before, before_lse = attend(query, key[:, :, :cached], value[:, :, :cached], scale=scaling)
-        output = merge(output, lse, before, before_lse)
-    return output.to(query.dtype)
+    """Queries after cached keys (the teacher's record after its context), forward only: as one
+    record packed alone after keys all its queries see (packed_after_cached). Returns [B, Hq, Lq, D]."""
+    if query.shape[0] != 1:  # records of a padded batch, each after the same cached keys
+        return torch.cat(
+            [lower_right_causal(query[i : i + 1], key[i : i + 1], value[i : i + 1], scaling) for i in range(len(query))]
+        )
+    length = query.shape[2]
+    starts = torch.tensor([0, length], dtype=torch.int32, device=query.device)
+    return packed_after_cached(query, key, value, scaling, starts, length).transpose(0, 1)[None]
+
+
+# cuDNN builds an execution plan per shape: query and key lengths go in rounded up to this
+CUDNN_LENGTH_MULTIPLE = 256
+# A record this long runs its own (square, causal) part on cuDNN alone; shorter records of a pass
+# run theirs together in FlashAttention-2's variable-length kernel, which cuDNN's is not trusted
+# for in PyTorch yet (torch.nn.attention.varlen keeps it off).
+CUDNN_OWN_FROM = 4096
 
 
 def packed_after_cached(query, key, value, scaling, starts, longest: int):
@@ -93,27 +99,55 @@ def packed_after_cached(query, key, value, scaling, starts, longest: int):
     the queries. Forward only. Returns [positions, Hq, D].
 
     Two parts merged by their log-sum-exps: every query against the shared keys at once (no mask,
-    one call for all the records, so the shared keys are read once per block of queries rather
-    than once per record), and each record causally against its own keys (FlashAttention-2's
-    variable-length kernel on CUDA; a block-diagonal mask elsewhere)."""
-    cached = key.shape[2] - query.shape[2]
+    one call for all the records: the shared keys are read once per block of queries rather than
+    once per record), and each record causally against its own keys. On CUDA in half precision
+    the shared part and a lone long record's own part run on cuDNN, which computes attention at
+    about twice FlashAttention-2's rate on Hopper (bench/check_cached_attention.py), and several
+    records' own parts on FlashAttention-2's variable-length kernel; elsewhere plain PyTorch
+    under a block-diagonal mask."""
+    cached, positions = key.shape[2] - query.shape[2], query.shape[2]
     own_key, own_value = key[:, :, cached:], value[:, :, cached:]
-    if flash_fits(query) and query.shape[-1] % 8 == 0:
+    on_gpu = flash_fits(query) and query.shape[-1] % 8 == 0
+    if on_gpu and len(starts) == 2 and positions >= CUDNN_OWN_FROM:
+        own, own_lse = cudnn_attention(query, own_key, own_value, scaling, causal=True)
+    elif on_gpu:
         rows = [t[0].transpose(0, 1) for t in (query, own_key, own_value)]  # [positions, heads, D]
         own, own_lse = torch.ops.aten._flash_attention_forward(
             *rows, starts, starts, longest, longest, 0.0, True, False, scale=scaling
         )[:2]
         own, own_lse = own.transpose(0, 1)[None], own_lse[None]  # [1, Hq, positions, D], [1, Hq, positions]
     else:
-        positions = query.shape[2]
         record = torch.repeat_interleave(torch.arange(len(starts) - 1, device=query.device), starts.diff().long())
         index = torch.arange(positions, device=query.device)
         allowed = (record[:, None] == record[None]) & (index[:, None] >= index[None])
         own, own_lse = attend(query, own_key, own_value, allowed[None, None], scale=scaling)
     if cached:
-        shared, shared_lse = attend(query, key[:, :, :cached], value[:, :, :cached], scale=scaling)
+        shared_key, shared_value = key[:, :, :cached], value[:, :, :cached]
+        if on_gpu:
+            shared, shared_lse = cudnn_attention(query, shared_key, shared_value, scaling)
+        else:
+            shared, shared_lse = attend(query, shared_key, shared_value, scale=scaling)
         own = merge(own, own_lse, shared, shared_lse)
     return own[0].transpose(0, 1).to(query.dtype)
+
+
+def cudnn_attention(query, key, value, scale: float, causal: bool = False):
+    """`attend` on cuDNN (CUDA, half precision, no mask): [B, Hq, m, D] against [B, Hkv, n, D] (with
+    `causal`, m == n) -> the output [B, Hq, m, D] and the log-sum-exps [B, Hq, m]. Lengths go in
+    padded to CUDNN_LENGTH_MULTIPLE (padded queries are dropped; padded keys come after every real
+    query under the causal rule, and are never padded without it), and grouped keys repeated to
+    the query heads."""
+    m, n = query.shape[2], key.shape[2]
+    key, value = repeated_heads(query, key, value)
+    padded_m = -(-m // CUDNN_LENGTH_MULTIPLE) * CUDNN_LENGTH_MULTIPLE
+    if padded_m != m:
+        query = torch.nn.functional.pad(query, (0, 0, 0, padded_m - m))
+        if causal:
+            key, value = (torch.nn.functional.pad(t, (0, 0, 0, padded_m - n)) for t in (key, value))
+    output, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, None, True, 0.0, causal, False, scale=scale
+    )[:2]
+    return output[:, :, :m], lse.reshape(*output.shape[:3])[:, :, :m]
 
 
 def flash_fits(query: torch.Tensor, softcap: float | None = None) -> bool:

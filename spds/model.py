@@ -43,6 +43,15 @@ class Segment:
     # [start, end) of each supervised run when a record trains several assistant turns; None: the
     # one run from prefix_tokens to its end
     spans: tuple[tuple[int, int], ...] | None = None
+    header: bytes | None = None  # ids[:insert_at] as int64 bytes, from the host (None: read from ids)
+
+    @property
+    def header_key(self) -> bytes:
+        """The ids before the insertion point, as bytes: what the online teacher caches a prefix by.
+        From the host copy when the record came from the store (no device-to-host wait per record)."""
+        if self.header is None:
+            self.header = self.ids[: self.insert_at].cpu().numpy().astype("int64").tobytes()
+        return self.header
 
     @property
     def runs(self) -> tuple[tuple[int, int], ...]:
@@ -80,6 +89,7 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
             insert_at=int(store.insert_at[i]),
             index=int(i),
             spans=store.spans.get(int(i)),
+            header=np.asarray(store.ids(i)[: int(store.insert_at[i])], dtype=np.int64).tobytes(),
         )
         for i, own in zip(records, ids)
     }

@@ -143,13 +143,13 @@ class ContextTeacher:
         header: one group, unless token rows place the prompt elsewhere), in first-seen order."""
         groups: dict[bytes, list[Segment]] = {}
         for segment in segments:
-            groups.setdefault(segment.ids[: segment.insert_at].cpu().numpy().tobytes(), []).append(segment)
+            groups.setdefault(segment.header_key, []).append(segment)
         return list(groups.values())
 
     def prefix(self, segment):
         """(the cache of x[:a] ++ context[:-1], its length, each layer's own keys and values) for
         `segment`'s prefix, computed on first use and kept."""
-        key = segment.ids[: segment.insert_at].cpu().numpy().tobytes()
+        key = segment.header_key
         if key not in self.caches:
             if len(self.caches) >= self.max_prefixes:  # token rows may place the prompt anywhere: stay bounded
                 self.caches.pop(next(iter(self.caches)))
