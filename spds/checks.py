@@ -144,7 +144,7 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     for key, path, kind in named:
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
-    problems += output_problems(config) + determinism_problems(config) + teacher_memo_problems(config)
+    problems += output_problems(config) + determinism_problems(config) + sharded_student_problems(config)
     optim = config.optim
     if optim.warmup_updates > optim.updates:
         problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
@@ -160,13 +160,22 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     return problems
 
 
-def teacher_memo_problems(config: Config) -> list[str]:
-    if config.loss.teacher_memo_gib and config.shards_student:
-        return [
+def sharded_student_problems(config: Config) -> list[str]:
+    """What a student sharded over the ranks (ZeRO-3, fsdp) cannot do."""
+    if not config.shards_student:
+        return []
+    problems = []
+    if config.loss.teacher_memo_gib:
+        problems.append(
             "loss.teacher_memo_gib: a sharded student's ranks must make the same forward calls, and a memo "
             "skips the teacher's on some ranks and not others: set it to 0, or replicate the student"
-        ]
-    return []
+        )
+    if config.student.fp8_linear:
+        problems.append(
+            "student.fp8_linear: the FP8 weights are buffers, which ZeRO-3 and FSDP do not shard (every rank "
+            "would hold all of them): set it to false, or replicate the student"
+        )
+    return problems
 
 
 def determinism_problems(config: Config) -> list[str]:

@@ -10,22 +10,22 @@ top_k (offline)   The top-k log-probabilities the candidate rows carry (written 
 
 Two ways to run the online teacher, the same numbers (tested against a plain forward):
 
-batched (default)  The whole sequence x[:a] ++ context ++ x[a:], the records of a pass batched
-                   and padded like the student's, on the student's attention kernels. Measured
-                   faster on H200 for a 4k context and the 512-32k length mix (bench/RESULTS.md).
+batched (default)  The whole sequence x[:a] ++ context ++ x[a:], the records of a pass laid out
+                   like the student's (padded rows or packed), on the student's attention kernels.
+                   Measured faster on H200 for a 4k context and the 512-32k length mix
+                   (bench/RESULTS.md).
 reuse_context_kv   The context's keys and values computed once. The tokens before the insertion
                    point are the chat template's system header (the same for every record), the
                    context is the same, and the student is frozen: the keys and values of
                    x[:a] ++ context[:-1] are computed on first use of that prefix and kept, and
-                   each teacher forward runs only context[-1:] ++ x[a:] against them (its first
-                   row predicts x[a], so every response position is a row of its own output),
-                   causal from the lower right (no [queries, keys] mask; spds/attention.py). The prefix's
-                   own keys and values are put back after each forward. It was slower than the
-                   batched recompute on Hopper although it computes fewer positions, because
-                   FlashAttention-2 with a lower-right causal rule ran at half the rate of the
-                   square one; the attention now runs as two parts merged by log-sum-exp (the
-                   cached keys, then the record's own square causal one: kernels.lower_right_causal),
-                   which is not yet measured on a GPU (bench/check_cached_attention.py).
+                   the pass's records of one prefix run end to end in one forward, each as
+                   context[-1:] ++ x[a:] (its first row predicts x[a], so every response position
+                   is a row of its own output) attending to the cached keys and to itself
+                   (kernels.packed_after_cached; one forward per record for a student on its own
+                   attention, or with sliding windows or soft caps). The prefix's own keys and
+                   values are put back after each forward. It computes about a quarter fewer
+                   positions on the length mix, yet its step was slower than the batched
+                   recompute on H200 (bench/RESULTS.md), so it is not the default.
 
 Across epochs (loss.teacher_memo_gib > 0) each record's teacher states are kept on the host after
 its first visit: the frozen student and the fixed context make them a pure function of the record,

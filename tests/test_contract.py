@@ -256,6 +256,16 @@ def test_a_teacher_memo_is_refused_for_a_sharded_student(tiny):
     load_config(tiny / "config.json")
 
 
+def test_fp8_linear_is_refused_for_a_sharded_student(tiny):
+    """FP8 weights are buffers: ZeRO-3 and FSDP shard parameters only, so a sharded student in FP8
+    would hold every layer on every rank."""
+    edit_config(tiny, student={"fp8_linear": True}, sharding="fsdp")
+    with pytest.raises(SpdsError, match="student.fp8_linear: the FP8 weights are buffers"):
+        load_config(tiny / "config.json")
+    edit_config(tiny, sharding="deepspeed")
+    load_config(tiny / "config.json")
+
+
 def test_packed_micro_batches_are_refused_for_a_student_spds_cannot_attend_for(tiny):
     """Packed records rely on spds's attention keeping each record to itself; an eager student's
     own attention would read the boundaries as one long sequence and mix the records."""

@@ -95,3 +95,20 @@ def test_training_builds_fp8_and_eval_measures_the_student_as_loaded(tiny):
     # layers of a 64-wide student): the direction holds to within about 13 degrees; 1.0 would
     # mean that FP8 never ran
     assert 0.95 < cosine < 1.0
+
+
+@pytest.mark.slow
+def test_an_fp8_run_trains_on_two_ranks(prepared):
+    """The whole CLI with fp8_linear on 2 ranks (DeepSpeed's engine holds the FP8 buffers beside
+    the frozen student): the run completes, its loss falls, and its prompt is not the bf16 run's."""
+    from helpers import FAST, check, final_state, metrics, read_json, spds
+
+    prompts, losses = {}, {}
+    for name, fp8 in (("bf16", False), ("fp8", True)):
+        edit_config(prepared, output_dir=name, student={"dtype": "bfloat16", "fp8_linear": fp8})
+        check(spds(["train", "config.json"], prepared, world=2, launcher="torchrun"))
+        assert read_json(prepared / name / "terminal.json")["status"] == "complete"
+        prompts[name] = final_state(prepared / name)["prompt"].double()
+        losses[name] = [m["loss"] for m in metrics(prepared / name)]
+    assert len(losses["fp8"]) == FAST["optim"]["updates"] and losses["fp8"][-1] < losses["fp8"][0]
+    assert not torch.equal(prompts["fp8"], prompts["bf16"])  # FP8 ran
