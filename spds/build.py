@@ -7,6 +7,7 @@ from torch import nn
 
 from .attention import kernel_setting
 from .config import Config
+from .fp8 import quantize_linears
 from .loss import final_logit_softcap, make_loss
 from .model import SoftPromptModel
 from .student import apply_liger_kernels, initial_prompt, load_student, load_tokenizer
@@ -33,8 +34,6 @@ def build_soft_prompt_model(
         if student_cfg.liger_kernels:
             apply_liger_kernels(student)
         if training and student_cfg.fp8_linear:  # eval measures the prompt on the student as loaded
-            from .fp8 import quantize_linears
-
             quantize_linears(student)
     attention_kernel = kernel_setting(student_cfg.attention_kernel, config.train.deterministic, student, device)
     if prompt is None:
