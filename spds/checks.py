@@ -161,9 +161,9 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
 
 
 def sharded_student_problems(config: Config) -> list[str]:
-    """What a student sharded over the ranks (ZeRO-3, fsdp) cannot do."""
-    if not config.shards_student:
-        return []
+    """What a student sharded over the ranks (ZeRO-3, fsdp) cannot do. Whether it is sharded is asked
+    only when a setting needs it: the answer reads the DeepSpeed config, whose own problems are
+    reported under its key by the checks that read it."""
     problems = []
     if config.loss.teacher_memo_gib:
         problems.append(
@@ -175,7 +175,7 @@ def sharded_student_problems(config: Config) -> list[str]:
             "student.fp8_linear: the FP8 weights are buffers, which ZeRO-3 and FSDP do not shard (every rank "
             "would hold all of them): set it to false, or replicate the student"
         )
-    return problems
+    return problems if problems and config.shards_student else []
 
 
 def determinism_problems(config: Config) -> list[str]:

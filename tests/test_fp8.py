@@ -100,15 +100,12 @@ def test_training_builds_fp8_and_eval_measures_the_student_as_loaded(tiny):
 @pytest.mark.slow
 def test_an_fp8_run_trains_on_two_ranks(prepared):
     """The whole CLI with fp8_linear on 2 ranks (DeepSpeed's engine holds the FP8 buffers beside
-    the frozen student): the run completes, its loss falls, and its prompt is not the bf16 run's."""
-    from helpers import FAST, check, final_state, metrics, read_json, spds
+    the frozen student): the run completes and its loss falls. (That FP8 runs where training builds
+    the student: test_training_builds_fp8_and_eval_measures_the_student_as_loaded.)"""
+    from helpers import FAST, check, metrics, read_json, spds
 
-    prompts, losses = {}, {}
-    for name, fp8 in (("bf16", False), ("fp8", True)):
-        edit_config(prepared, output_dir=name, student={"dtype": "bfloat16", "fp8_linear": fp8})
-        check(spds(["train", "config.json"], prepared, world=2, launcher="torchrun"))
-        assert read_json(prepared / name / "terminal.json")["status"] == "complete"
-        prompts[name] = final_state(prepared / name)["prompt"].double()
-        losses[name] = [m["loss"] for m in metrics(prepared / name)]
-    assert len(losses["fp8"]) == FAST["optim"]["updates"] and losses["fp8"][-1] < losses["fp8"][0]
-    assert not torch.equal(prompts["fp8"], prompts["bf16"])  # FP8 ran
+    edit_config(prepared, output_dir="fp8", student={"dtype": "bfloat16", "fp8_linear": True})
+    check(spds(["train", "config.json"], prepared, world=2, launcher="torchrun"))
+    assert read_json(prepared / "fp8" / "terminal.json")["status"] == "complete"
+    losses = [m["loss"] for m in metrics(prepared / "fp8")]
+    assert len(losses) == FAST["optim"]["updates"] and losses[-1] < losses[0]

@@ -24,7 +24,7 @@ from spds.versions import TESTED
 
 # Imported under an optional feature and not installed on a CPU machine: packages_distributions()
 # cannot name them, so their distributions are written here.
-NOT_INSTALLED_HERE = {"flash_attn": "flash-attn-4", "liger_kernel": "liger-kernel"}
+NOT_INSTALLED_HERE = {"flash_attn": "flash-attn-4", "liger_kernel": "liger-kernel", "triton": "triton"}
 
 
 def pyproject() -> dict:

@@ -10,7 +10,7 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 "$python" -m pytest -q "$@" tests/test_multinode.py > "$log" 2>&1 &
 cluster=$!
-"$python" -m pytest -q -n 2 "$@" --ignore=tests/test_multinode.py tests
+"$python" -m pytest -q -n 2 --durations=15 "$@" --ignore=tests/test_multinode.py tests
 rest=$?
 wait "$cluster"
 multinode=$?
