@@ -7,7 +7,8 @@ from torch import nn
 
 from .attention import kernel_setting
 from .config import Config
-from .fp8 import quantize_linears
+from .errors import SpdsError
+from .fp8 import fp8_problem, quantize_linears
 from .loss import final_logit_softcap, make_loss
 from .model import SoftPromptModel
 from .student import apply_liger_kernels, initial_prompt, load_student, load_tokenizer
@@ -27,13 +28,16 @@ def build_soft_prompt_model(
     teacher, for a loss that needs one, is spds.teacher.build_teacher's: the step hands its
     targets to the model."""
     student_cfg, prompt_cfg = config.student, config.soft_prompt
+    fp8 = training and student_cfg.fp8_linear  # eval measures the prompt on the student as loaded
+    if fp8 and fp8_problem(device):  # before the student's weights are read
+        raise SpdsError(fp8_problem(device))
     if student is None:
         # A student to be sharded is loaded on the host; its layout puts each shard on the device.
         host = torch.device("cpu") if config.shards_student else device
         student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
         if student_cfg.liger_kernels:
             apply_liger_kernels(student)
-        if training and student_cfg.fp8_linear:  # eval measures the prompt on the student as loaded
+        if fp8:
             quantize_linears(student)
     attention_kernel = kernel_setting(student_cfg.attention_kernel, config.train.deterministic, student, device)
     if prompt is None:

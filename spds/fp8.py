@@ -129,6 +129,21 @@ class FP8Product(torch.autograd.Function):
         return product, None
 
 
+def fp8_problem(device: torch.device) -> str | None:
+    """Why student.fp8_linear cannot run on `device`, or None. On CUDA, torch._scaled_mm with a
+    scale per row and per column needs Hopper's FP8 matrix units (compute capability 9.0 or later);
+    the CPU runs the same products (slowly: for tests and the tiny example)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return (
+            f"student.fp8_linear: this GPU's compute capability is {major}.{minor}; FP8 products with a scale "
+            "per row and per column need 9.0 or later (Hopper, Blackwell): set it to false"
+        )
+    return None
+
+
 def quantize_linears(student: nn.Module) -> int:
     """Every nn.Linear of the student's decoder (not its output head) as a FrozenFP8Linear, in place;
     returns how many. _scaled_mm needs both dimensions to be multiples of 16: a layer that is not

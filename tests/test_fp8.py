@@ -8,7 +8,7 @@ import torch
 from conftest import edit_config
 from torch import nn
 
-from spds.fp8 import FrozenFP8Linear, quantize_rows
+from spds.fp8 import FrozenFP8Linear, fp8_problem, quantize_rows
 
 E4M3 = torch.float8_e4m3fn
 
@@ -95,6 +95,18 @@ def test_training_builds_fp8_and_eval_measures_the_student_as_loaded(tiny):
     # layers of a 64-wide student): the direction holds to within about 13 degrees; 1.0 would
     # mean that FP8 never ran
     assert 0.95 < cosine < 1.0
+
+
+def test_a_gpu_without_fp8_products_is_refused_before_the_student_loads(monkeypatch):
+    """torch._scaled_mm's row and column scales need compute capability 9.0; an A100 (8.0) would
+    fail inside the first forward with PyTorch's own error."""
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    problem = fp8_problem(torch.device("cuda"))
+    assert problem and "compute capability is 8.0" in problem and "student.fp8_linear" in problem
+    capability["value"] = (9, 0)
+    assert fp8_problem(torch.device("cuda")) is None
+    assert fp8_problem(torch.device("cpu")) is None
 
 
 @pytest.mark.slow
