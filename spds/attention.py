@@ -136,6 +136,19 @@ def kernel_setting(setting, deterministic: bool, student, device: torch.device):
     return setting
 
 
+def windowed_layers(config) -> list[bool]:
+    """Which layers attend within a sliding window: those transformers marks "sliding_attention"
+    in a model of two kinds of layers (Gemma 2 and 3, Qwen with sliding layers), every layer of a
+    model with a window and no kinds (Mistral v0.1), none without a window (transformers sets it
+    to None where a config's use_sliding_window is false)."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or []
+    return [
+        bool(window) and (kinds[layer] == "sliding_attention" if kinds else True)
+        for layer in range(config.num_hidden_layers)
+    ]
+
+
 def kernels_in(setting) -> set[str]:
     """The kernel names a student.attention_kernel setting can choose."""
     return {setting["short"], setting["long"]} if isinstance(setting, dict) else {setting}

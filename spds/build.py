@@ -29,8 +29,9 @@ def build_soft_prompt_model(
     targets to the model."""
     student_cfg, prompt_cfg = config.student, config.soft_prompt
     fp8 = training and student_cfg.fp8_linear  # eval measures the prompt on the student as loaded
-    if fp8 and fp8_problem(device):  # before the student's weights are read
-        raise SpdsError(fp8_problem(device))
+    problem = fp8 and fp8_problem(device)
+    if problem:  # before the student's weights are read
+        raise SpdsError(problem)
     if student is None:
         # A student to be sharded is loaded on the host; its layout puts each shard on the device.
         host = torch.device("cpu") if config.shards_student else device

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from .attention import head_dim_of, install_attention
+from .attention import head_dim_of, install_attention, windowed_layers
 from .errors import SpdsError
 from .kernels import attend, flash_fits, merge
 
@@ -122,10 +122,7 @@ class Decoder:
         self.layer_types = set(kinds)
         self.window = getattr(config, "sliding_window", None)
         self.window_everywhere = bool(self.window) and not self.layer_types
-        self.windowed = [
-            bool(self.window) and (kinds[layer] == "sliding_attention" if kinds else True)
-            for layer in range(self.layers)
-        ]
+        self.windowed = windowed_layers(config)
         # decode_attention finds the decoder, and through it the cache of the forward running now
         install_attention(model, NAME, decode_attention, "spds_decoder", self, "spds generate cannot decode it")
         self.active: BatchCache | None = None  # the cache of the forward running now

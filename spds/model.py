@@ -81,7 +81,8 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
         whole = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
         return list(whole.split([len(a) for a in arrays]))
 
-    ids = to_device([store.ids(i) for i in records])
+    host_ids = [store.ids(i) for i in records]
+    ids = to_device(host_ids)
     segments = {
         i: Segment(
             ids=own,
@@ -89,15 +90,34 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
             insert_at=int(store.insert_at[i]),
             index=int(i),
             spans=store.spans.get(int(i)),
-            header=np.asarray(store.ids(i)[: int(store.insert_at[i])], dtype=np.int64).tobytes(),
+            header=np.asarray(host[: int(store.insert_at[i])], dtype=np.int64).tobytes(),
         )
-        for i, own in zip(records, ids)
+        for i, own, host in zip(records, ids, host_ids)
     }
     if store.top_k:  # an offline teacher's top-k: [supervised tokens, K] per record, likewise in one copy each
         tops = [store.top_k_of(i) for i in records]
         for i, top_ids, top_logprobs in zip(records, to_device([t[0] for t in tops]), to_device([t[1] for t in tops])):
             segments[i].top_ids, segments[i].top_logprobs = top_ids, top_logprobs
     return segments
+
+
+def packed_keywords(lengths: list[int], device: torch.device, first_position: int = 0) -> dict:
+    """The keywords of a forward over sequences of `lengths` end to end in one row: each one's
+    positions from `first_position` on, and transformers' variable-length keywords, which spds's
+    attention reads (the cumulative lengths copied pinned and asynchronously: no host sync per
+    forward)."""
+    starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    if device.type == "cuda":
+        starts = starts.pin_memory().to(device, non_blocking=True)
+    positions = torch.cat([torch.arange(first_position, first_position + n, device=device) for n in lengths])
+    longest = max(lengths)
+    return dict(
+        position_ids=positions[None],
+        cu_seq_lens_q=starts,
+        cu_seq_lens_k=starts,
+        max_length_q=longest,
+        max_length_k=longest,
+    )
 
 
 class SoftPromptModel(nn.Module):
@@ -187,20 +207,10 @@ class SoftPromptModel(nn.Module):
         each gets the outputs it would get alone, with no padding computed."""
         lengths = [len(j) for j in joined]
         longest = max(lengths)
-        starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-        if self.prompt.device.type == "cuda":  # a pinned, asynchronous copy: no host sync per micro-batch
-            starts = starts.pin_memory().to(self.prompt.device, non_blocking=True)
-        positions = torch.cat([torch.arange(n, device=self.prompt.device) for n in lengths])[None]
         self.use_kernel(longest, packed=True)
         recompute_first(self.student, self.recompute(recompute_positions or sum(lengths), longest, packed=True))
         output = self.student.base_model(
-            inputs_embeds=torch.cat(joined)[None],
-            position_ids=positions,
-            use_cache=False,
-            cu_seq_lens_q=starts,
-            cu_seq_lens_k=starts,
-            max_length_q=longest,
-            max_length_k=longest,
+            inputs_embeds=torch.cat(joined)[None], use_cache=False, **packed_keywords(lengths, self.prompt.device)
         )
         return list(output.last_hidden_state[0].split(lengths))
 

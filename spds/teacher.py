@@ -41,16 +41,16 @@ keeps no memo (the config check refuses one).
 from __future__ import annotations
 
 import inspect
-import itertools
 from typing import Protocol
 
 import torch
 
+from .attention import windowed_layers
 from .config import Config
 from .data.packed import PackedStore
 from .errors import SpdsError
 from .loss import TeacherTargets
-from .model import Segment, SoftPromptModel
+from .model import Segment, SoftPromptModel, packed_keywords
 from .recompute import recompute_first
 from .student import load_tokenizer
 
@@ -170,12 +170,11 @@ class ContextTeacher:
         """Whether a prefix's records run packed in one forward: spds's attention runs the student
         (an sdpa student) and no layer has a sliding window or a soft cap (their kernels take no
         shared keys)."""
-        config = self.model.student.config
-        windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        model = self.model
         return (
-            self.model.kernel_choice is not None
-            and not windowed
-            and not getattr(config, "attn_logit_softcapping", None)
+            model.kernel_choice is not None
+            and not any(windowed_layers(model.student.config))
+            and not model.attention.materialised
         )
 
     def forward_after_prefix(self, segment) -> torch.Tensor:
@@ -192,19 +191,11 @@ class ContextTeacher:
         cache, cached, prefix_states = self.prefix(group[0])
         joined = [self.record_embeddings(segment) for segment in group]
         lengths = [len(j) for j in joined]
-        device = joined[0].device
-        starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-        starts = (starts.pin_memory() if device.type == "cuda" else starts).to(device, non_blocking=True)
-        positions = torch.cat([torch.arange(cached, cached + n, device=device) for n in lengths])[None]
         self.model.use_kernel(cached + max(lengths), packed=True)
         output = self.model.student.base_model(
             inputs_embeds=torch.cat(joined)[None],
-            position_ids=positions,
             use_cache=True,
-            cu_seq_lens_q=starts,
-            cu_seq_lens_k=starts,
-            max_length_q=max(lengths),
-            max_length_k=max(lengths),
+            **packed_keywords(lengths, joined[0].device, first_position=cached),
             **{self.cache_argument: cache},
         )
         self.crop(cache, prefix_states)
