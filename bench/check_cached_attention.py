@@ -11,7 +11,10 @@ only (the teacher has no backward):
   batched  what the batched teacher pays instead: causal SDPA over all C + L positions
 Each is checked against an fp32 reference with an explicit mask where that fits, and timed; the
 kernels the bias path launched are listed. Then a pass of short records packed end to end after
-the context (spds.kernels.packed_after_cached), against each record alone and the reference.
+the context (spds.kernels.packed_after_cached, and fa4_after_cached where flash-attn-4 imports),
+against each record alone and the reference; and one 32k record packed alone.
+
+    python bench/check_cached_attention.py [--packed-only]
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spds.kernels import lower_right_causal, packed_after_cached  # noqa: E402
+from spds.kernels import fa4_after_cached, lower_right_causal, packed_after_cached  # noqa: E402
 
 CONTEXT, HEAD_DIM = 4096, 128
 
@@ -74,6 +77,10 @@ def timed(fn, *args, repeats: int = 5) -> float:
 @torch.no_grad()
 def main() -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
+    if "--packed-only" in sys.argv:
+        packed_records()
+        packed_records((32768,))
+        return
     for name, heads, kv_heads in (("1.7b", 16, 8), ("8b", 32, 8)):
         for length in (1024, 8192, 32768):
             g = torch.Generator(device="cuda").manual_seed(length)
@@ -130,18 +137,46 @@ def packed_records(lengths=(512, 1024, 3000, 700, 2048, 900, 1500, 4000)) -> Non
             return q[:, :, s:e], keys, values
 
         packed = packed_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths))  # [total, Hq, D]
-        error = max(
-            float(
-                (packed[offsets[i] : offsets[i + 1]].transpose(0, 1)[None].float() - reference(*alone(i))).abs().max()
+        checked = max(lengths) <= 8192  # the fp32 reference holds [heads, L, C + L] scores
+        error = (
+            float("nan")
+            if not checked
+            else max(
+                float(
+                    (packed[offsets[i] : offsets[i + 1]].transpose(0, 1)[None].float() - reference(*alone(i)))
+                    .abs()
+                    .max()
+                )
+                for i in range(len(lengths))
             )
-            for i in range(len(lengths))
         )
         records = [alone(i) for i in range(len(lengths))]
         packed_ms = timed(lambda: packed_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths)))
         alone_ms = timed(lambda: [lower_right_causal(*r, None) for r in records])
+        fa4 = ""
+        try:
+            import flash_attn.cute  # noqa: F401
+        except ImportError:
+            fa4 = "; fa4: not installed"
+        if not fa4:
+            on_fa4 = fa4_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths))
+            fa4_error = (
+                float("nan")
+                if not checked
+                else max(
+                    float(
+                        (on_fa4[offsets[i] : offsets[i + 1]].transpose(0, 1)[None].float() - reference(*alone(i)))
+                        .abs()
+                        .max()
+                    )
+                    for i in range(len(lengths))
+                )
+            )
+            fa4_ms = timed(lambda: fa4_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths)))
+            fa4 = f"; fa4_after_cached {fa4_ms:.2f} ms, max|err| vs fp32 {fa4_error:.2e}"
         print(
             f"{name} C={CONTEXT}, {len(lengths)} records packed ({total} positions): max|err| vs fp32 {error:.2e}; "
-            f"packed {packed_ms:.2f} ms, each alone {alone_ms:.2f} ms",
+            f"packed {packed_ms:.2f} ms, each alone {alone_ms:.2f} ms{fa4}",
             flush=True,
         )
 

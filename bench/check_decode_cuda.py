@@ -1,9 +1,10 @@
-"""spds generate's decoding on CUDA, where its kernels differ from the CPU's (flash and
-memory-efficient attention with their log-sum-exps, the merge of the shared and own parts, the
-captured CUDA-graph step): every step's logits against transformers' own eager forward over the
-whole prompt and answer so far, for each decoder family of tests/fixtures/models/families.json
-(tiny shapes; Gemma's windows of 8 end inside the shared prefix). The CPU suite runs the same
-comparison (tests/test_decode.py) on PyTorch's math.
+"""spds generate's decoding on CUDA, where its kernels differ from the CPU's (cuDNN, flash and
+memory-efficient attention with their log-sum-exps, FlashAttention-4's shared part where it
+imports, the Triton merge of the shared and own parts, the captured CUDA-graph step): every
+step's logits against transformers' own eager forward over the whole prompt and answer so far,
+for each decoder family of tests/fixtures/models/families.json (tiny shapes; Gemma's windows of
+8 end inside the shared prefix). The CPU suite runs the same comparison (tests/test_decode.py)
+on PyTorch's math.
 
     python3 bench/check_decode_cuda.py        (exits 1 when a family's logits stray)
 """
@@ -19,8 +20,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import spds.decode
-from spds.decode import BatchCache, Decoder, decode_own, math_attention
+from spds.decode import BatchCache, Decoder, decode_own
 from spds.generate import load_teacher
+from spds.kernels import math_attention
 
 FAMILIES = {k: v for k, v in json.loads(Path("tests/fixtures/models/families.json").read_text()).items() if k[0] != "_"}
 END, VOCAB = 1, 300
@@ -45,7 +47,8 @@ def check_decode_own() -> list:
         cache.update(key, value, 0)
         cache.written = (written_to + 1 - cache.own_from).to(torch.int32)
         query = torch.randn(rows, kv * groups, 1, dim, device="cuda", dtype=torch.bfloat16)
-        output, lse = decode_own(query, cache, 0, window, dim**-0.5)
+        output, lse = decode_own(query, cache, 0, window, dim**-0.5)  # [rows, kv, G, D] views
+        output, lse = output.reshape(query.shape), lse.reshape(rows, kv * groups, 1)
         index = torch.arange(capacity, device="cuda")
         visible = (index >= cache.own_from[:, None]) & (index <= written_to)
         if window:
@@ -61,6 +64,14 @@ def check_decode_own() -> list:
         if not (worst < 2e-2 and worst_lse < 1e-2):
             failed.append(("decode_own", window))
     return failed
+
+
+def fa4_imports() -> bool:
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main() -> int:
@@ -88,11 +99,12 @@ def main() -> int:
             plain16 = AutoModelForCausalLM.from_pretrained(
                 Path(root) / family, dtype=torch.bfloat16, attn_implementation="eager"
             ).cuda()
-            for dtype in ("float32", "bfloat16"):
+            runs = [("float32", False), ("bfloat16", False)] + ([("bfloat16", True)] if fa4_imports() else [])
+            for dtype, fa4 in runs:
                 model = load_teacher(Path(root) / family, dtype, torch.device("cuda"))
                 seen = []
                 spds.decode.pick = lambda logits, *_: seen.append(logits) or logits.argmax(dim=-1)
-                decoder = Decoder(model, [END], pad_id=0)
+                decoder = Decoder(model, [END], pad_id=0, fa4=fa4)
                 answers = decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
                 worst = theirs = 0.0
                 for row, (prompt, answer) in enumerate(zip(batch, answers)):
@@ -112,6 +124,7 @@ def main() -> int:
                         dict(
                             family=family,
                             dtype=dtype,
+                            shared_part="fa4" if fa4 else "default",
                             worst_logit_difference=round(worst, 6),
                             bound=round(bound, 6),
                             transformers_bf16_difference=round(theirs, 6),
@@ -120,7 +133,7 @@ def main() -> int:
                     )
                 )
                 if not worst < bound:
-                    failed.append((family, dtype))
+                    failed.append((family, dtype, fa4))
     print("FAILED" if failed else "ALL WITHIN BOUNDS", failed)
     return 1 if failed else 0
 

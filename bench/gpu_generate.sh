@@ -5,11 +5,12 @@
 # QUESTIONS questions x SAMPLES samples, MAX_NEW tokens each, sampling at temperature 1 (random
 # weights rarely sample the end token, so every response runs to MAX_NEW).
 #   bash bench/gpu_generate.sh 1.7b [8b ...]
-#   QUESTIONS=32 SAMPLES=4 MAX_NEW=512 BATCH=16 CONTEXT_TOKENS=4096 (the defaults)
+#   QUESTIONS=32 SAMPLES=4 MAX_NEW=512 BATCH=16 CONTEXT_TOKENS=4096 LIGER=0 (the defaults;
+#   LIGER=1: student.liger_kernels true, the teacher decoding on Liger's kernels)
 set -euo pipefail
 QUESTIONS=${QUESTIONS:-32} SAMPLES=${SAMPLES:-4} MAX_NEW=${MAX_NEW:-512} BATCH=${BATCH:-16}
-CONTEXT_TOKENS=${CONTEXT_TOKENS:-4096}
-export QUESTIONS SAMPLES MAX_NEW BATCH CONTEXT_TOKENS
+CONTEXT_TOKENS=${CONTEXT_TOKENS:-4096} LIGER=${LIGER:-0}
+export QUESTIONS SAMPLES MAX_NEW BATCH CONTEXT_TOKENS LIGER
 for model in "$@"; do
   work=$(mktemp -d)
   python3 bench/make_synthetic.py "$work" --model "$model" --records 2 --min-tokens 256 --max-tokens 512 | tail -1
@@ -26,6 +27,7 @@ with open(work / "questions.jsonl", "w") as stream:
 c["generate"] = dict(questions="questions.jsonl", output="generated.jsonl", samples_per_question=int(os.environ["SAMPLES"]),
                      temperature=1.0, top_p=1.0, max_new_tokens=int(os.environ["MAX_NEW"]),
                      batch_size=int(os.environ["BATCH"]), seed=0)
+c["student"]["liger_kernels"] = os.environ["LIGER"] == "1"
 (work / "config.json").write_text(json.dumps(c, indent=2))
 PY
   began=$(date +%s.%N)

@@ -1,46 +1,120 @@
-"""Where a decode step of spds generate goes, on one GPU: a random-weight student (a model
-directory), ROWS prompts of a shared CONTEXT-token context and a 20-token question.
+"""Where a decode step of spds generate goes, on one GPU, and what each of its kernels buys: a
+random-weight student (a model directory), ROWS prompts of a shared 4,096-token context and a
+20-token question, every row decoding to the last step (no end token).
 
-    python3 bench/profile_decode.py DIR [ROWS]
+    python3 bench/profile_decode.py DIR [ROWS] [STEPS] [SETS]
 
-Prints the step's time with CUDA graphs (the difference of two runs, so the prefix, the
-questions' forward and the capture drop out), then the kernels of a few eager steps by GPU time.
+For each kernel set of SETS (a comma list, default flash+torch,cudnn,merge-kernel,liger), each on
+top of the ones before it (one process, the same prompts):
+  flash+torch   the shared part on FlashAttention-2, the two parts merged in PyTorch (spds before)
+  cudnn         the shared part on cuDNN
+  merge-kernel  the parts merged by one Triton kernel (spds.kernels.merge_parts)
+  liger         Liger's RMSNorm, RoPE and SwiGLU in the teacher (student.liger_kernels)
+  fa4           the shared part on FlashAttention-4 (student.attention_kernel fa4)
+it prints the step's time with CUDA graphs over steps 32..STEPS (the difference of a 32-step and
+a STEPS-step batch, so the prefix, the questions' forward and the capture drop out), then checks
+that two batches with one seed sample the same tokens, then profiles 32 eager steps of the last
+set by kernel class.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import spds.decode
+import spds.kernels
 from spds.decode import Decoder
 from spds.generate import load_teacher
+from spds.student import apply_liger_kernels
 
 
-def timed(decoder: Decoder, prompts, new: int) -> float:
+def timed(decoder: Decoder, prompts, new: int, seed: int = 0) -> tuple[float, list]:
     torch.cuda.synchronize()
     began = time.perf_counter()
-    decoder.answer(prompts, new, temperature=1.0, top_p=1.0, seed=0)
+    answers = decoder.answer(prompts, new, temperature=1.0, top_p=1.0, seed=seed)
     torch.cuda.synchronize()
-    return time.perf_counter() - began
+    return time.perf_counter() - began, answers
+
+
+def torch_merge(output, lse, other, other_lse, dtype):
+    return spds.kernels.merge(output, lse, other, other_lse).to(dtype).contiguous()
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    for key, label in (
+        ("cudnn", "cuDNN attention (shared part)"),
+        ("flash_fwd", "flash attention"),
+        ("fmha", "memory-efficient attention"),
+        ("merge_rows", "merge kernel"),
+        ("liger", "Liger kernels"),
+        ("_rms_norm", "Liger kernels"),
+        ("_rope", "Liger kernels"),
+        ("swiglu", "Liger kernels"),
+        ("nvjet", "GEMMs"),
+        ("gemm", "GEMMs"),
+        ("softmax", "sampling (softmax, multinomial)"),
+        ("multinomial", "sampling (softmax, multinomial)"),
+        ("distribution", "sampling (softmax, multinomial)"),
+    ):
+        if key in lowered:
+            return label
+    return "other (elementwise, copies, reductions)"
 
 
 def main() -> None:
-    directory, rows = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1024
+    directory = sys.argv[1]
+    rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 512
+    sets = (sys.argv[4] if len(sys.argv) > 4 else "flash+torch,cudnn,merge-kernel,liger").split(",")
     model = load_teacher(directory, "bfloat16", torch.device("cuda"))
     generator = torch.Generator().manual_seed(0)
     shared = torch.randint(2, 250, (4096,), generator=generator).tolist()
     prompts = [shared + torch.randint(2, 250, (20,), generator=generator).tolist() for _ in range(rows)]
     decoder = Decoder(model, [-1], pad_id=0)  # no end token: every row runs to the last step
+    cudnn_fits, merge_parts = spds.kernels.cudnn_fits, spds.decode.merge_parts
+    if "flash+torch" in sets:
+        spds.kernels.cudnn_fits = lambda *args, **kwargs: False
+        spds.decode.merge_parts = torch_merge
     timed(decoder, prompts, 4)  # the prefix, once
-    short, long = timed(decoder, prompts, 32), timed(decoder, prompts, 160)
-    print(f"rows {rows}: {(long - short) / 128 * 1e3:.2f} ms a step with graphs; a 32-step batch {short:.2f} s")
+    for label in sets:
+        if label == "cudnn":
+            spds.kernels.cudnn_fits = cudnn_fits
+        elif label == "merge-kernel":
+            spds.decode.merge_parts = merge_parts
+        elif label == "liger":
+            apply_liger_kernels(model)
+        elif label == "fa4":
+            decoder.fa4 = True
+        timed(decoder, prompts, 8)  # this set's kernels compiled and its plans built before the clock
+        short, _ = timed(decoder, prompts, 32)
+        long, _ = timed(decoder, prompts, steps)
+        print(
+            f"{label:13s} rows {rows}: {(long - short) / (steps - 32) * 1e3:.2f} ms a step over steps 32..{steps} "
+            f"(graphs in {decoder.captured} batches); a {steps}-step batch {long:.2f} s",
+            flush=True,
+        )
+    _, first = timed(decoder, prompts, 64, seed=7)
+    _, again = timed(decoder, prompts, 64, seed=7)
+    print(f"two 64-step batches with one seed sampled the same tokens: {first == again}", flush=True)
     decoder.graphs = False
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        decoder.answer(prompts, 9, temperature=1.0, top_p=1.0, seed=0)
-    print(trace.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+        decoder.answer(prompts, 33, temperature=1.0, top_p=1.0, seed=0)
+    by_class, calls = defaultdict(float), defaultdict(int)
+    for event in trace.key_averages():
+        time_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        by_class[kernel_class(event.key)] += time_us
+        calls[kernel_class(event.key)] += event.count
+    total = sum(by_class.values())
+    print(f"# eager: the questions' forward and 32 decode steps, GPU time by kernel class ({total / 1e3:.1f} ms)")
+    for name, value in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        print(f"  {value / 1e3:8.1f} ms {100 * value / total:5.1f}%  {calls[name]:6d} calls  {name}")
+    print(trace.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":

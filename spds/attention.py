@@ -45,6 +45,7 @@ import torch
 
 from .errors import SpdsError
 from .kernels import (
+    fa4_after_cached,
     fa4_causal,
     flex_causal,
     import_fa4,
@@ -128,12 +129,15 @@ def kernel_setting(setting, deterministic: bool, student, device: torch.device):
         return "fa4" if fa4_unavailable(head_dim_of(config)) is None else "flex"
     # FlashAttention-4 is asked about only where it is named: its import takes seconds of start-up
     if "fa4" in kernels_in(setting) and config._attn_implementation in ("sdpa", NAME):
-        problem = fa4_unavailable(head_dim_of(config)) if device.type == "cuda" else "there is no CUDA device"
-        if problem:
-            raise SpdsError(
-                f"student.attention_kernel names fa4 (FlashAttention-4), but {problem}; choose another kernel"
-            )
+        require_fa4(head_dim_of(config), device)
     return setting
+
+
+def require_fa4(head_dim: int, device: torch.device) -> None:
+    """Stop, saying what to change, where student.attention_kernel names fa4 and it cannot run."""
+    problem = fa4_unavailable(head_dim) if device.type == "cuda" else "there is no CUDA device"
+    if problem:
+        raise SpdsError(f"student.attention_kernel names fa4 (FlashAttention-4), but {problem}; choose another kernel")
 
 
 def windowed_layers(config) -> list[bool]:
@@ -284,7 +288,8 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
     if kwargs.get("cu_seq_lens_q") is not None:  # records packed end to end (optim.micro_batch_layout)
         starts, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
         if key.shape[2] > query.shape[2]:  # after keys all of them see (the teacher's cached context)
-            return packed_after_cached(query, key, value, scaling, starts, longest)[None], None
+            after_cached = fa4_after_cached if kernel == "fa4" else packed_after_cached
+            return after_cached(query, key, value, scaling, starts, longest)[None], None
         if kernel == "fa4":
             return fa4_causal(query, key, value, scaling, starts, longest)[None], None
         return packed_causal(query, key, value, scaling, starts, longest)[None], None

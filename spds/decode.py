@@ -13,8 +13,9 @@ whole cache). Here:
     shared prefix, with every row's queries folded into one batch, so its keys are read once per
     step, not once per row; and over each row's own keys. The query heads that share a key/value
     head are folded into its query rows, so grouped-query keys are read as they are. On CUDA the
-    parts run on PyTorch's flash and memory-efficient kernels; soft-capped scores (Gemma 2) and
-    the CPU run the same sums in plain PyTorch;
+    shared part runs on cuDNN (or FlashAttention-4, where student.attention_kernel names it), a
+    row's own part on flash's variable-length kernel, and one Triton kernel merges them;
+    soft-capped scores (Gemma 2) and the CPU run the same sums in plain PyTorch;
   * each batch gets one cache allocated once for its whole length ([rows, kv heads, longest
     question + max_new_tokens, head dim] per layer), written in place (`BatchCache`);
   * the questions, of different lengths, are right-aligned, so that every row writes its next
@@ -43,7 +44,7 @@ import torch
 
 from .attention import head_dim_of, install_attention, windowed_layers
 from .errors import SpdsError
-from .kernels import attend, flash_fits, merge
+from .kernels import attend, fa4_shared_step, flash_fits, merge_parts
 
 NAME = "spds_decode"
 
@@ -112,8 +113,9 @@ class Decoder:
     prefix it ran (a generate run's context, shared by all its batches). It sets the model's
     attention to `decode_attention` (the model is its own from then on)."""
 
-    def __init__(self, model, end_ids: list[int], pad_id: int, graphs: bool = True):
+    def __init__(self, model, end_ids: list[int], pad_id: int, graphs: bool = True, fa4: bool = False):
         self.model, self.end_ids, self.pad_id = model, end_ids, pad_id
+        self.fa4 = fa4  # a decode step's shared part on FlashAttention-4 (student.attention_kernel names it)
         config = model.config
         self.layers = config.num_hidden_layers
         # layers of two kinds (Gemma 2 and 3, Qwen with sliding layers) take a mask per kind; a model
@@ -410,6 +412,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         return causal_attention(query, key[:, :, :count], value[:, :, :count], scale, softcap), None
     decoder = getattr(module, "spds_decoder", None)
     cache = decoder.active if decoder is not None else None
+    # the G query heads of a key/value head as its G x Lq rows: every part below is [B, Hkv, G x Lq, ...]
     own = query.reshape(batch, kv, groups * count, dim)
     if count == 1 and cache is not None and flash_fits(query, softcap):  # a decode step
         window = decoder.window if decoder.windowed[module.layer_idx] else None
@@ -417,7 +420,6 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     else:
         mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * count, -1)
         output, lse = attend(own, key, value, mask, scale, softcap)
-        output, lse = output.reshape(batch, heads, count, dim), lse.reshape(batch, heads, count)
     if cache is not None and cache.shared:
         layer = module.layer_idx
         keys, values = cache.shared[layer]
@@ -426,17 +428,21 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
             keys, values = keys[:, :, cache.window_from :], values[:, :, cache.window_from :]
             if cache.shared_mask is not None:  # [B, Lq, keys] -> the folded rows' [1, 1, B x G x Lq, keys]
                 shared_mask = cache.shared_mask[:, None].expand(-1, groups, -1, -1).reshape(1, 1, -1, keys.shape[2])
-        folded = own.transpose(0, 1).reshape(1, kv, batch * groups * count, dim)  # rows in (b, g, q) order
-        shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
-        shared = shared.reshape(kv, batch, groups * count, dim).transpose(0, 1).reshape(batch, heads, count, dim)
-        shared_lse = shared_lse.reshape(kv, batch, groups * count).transpose(0, 1).reshape(batch, heads, count)
-        output = merge(output, lse, shared, shared_lse)
+        if count == 1 and decoder.fa4 and shared_mask is None and flash_fits(query, softcap):
+            shared, shared_lse = fa4_shared_step(query, keys, values, scale)
+        else:
+            folded = own.transpose(0, 1).reshape(1, kv, batch * groups * count, dim)  # rows in (b, g, q) order
+            shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
+            shared = shared[0].reshape(kv, batch, groups * count, dim).transpose(0, 1)  # views, merged where they lie
+            shared_lse = shared_lse[0].reshape(kv, batch, groups * count).transpose(0, 1)
+        output = merge_parts(output, lse, shared, shared_lse, query.dtype)
+    output = output.reshape(batch, heads, count, dim)
     return output.transpose(1, 2).contiguous().to(query.dtype), None
 
 
 def decode_own(query, cache: BatchCache, layer: int, window: int | None, scale: float):
-    """A decode step's attention over each row's own keys ([B, Hq, 1, D] queries; the output and
-    log-sum-exps as `attend` gives them, [B, Hq, 1, D] and [B, Hq, 1]) by flash attention's
+    """A decode step's attention over each row's own keys ([B, Hq, 1, D] queries; the output
+    [B, Hkv, G, D] and log-sum-exps [B, Hkv, G], views in flash's layout) by flash attention's
     variable-length kernel: row r reads only the cache.written[r] keys it has, from after its
     holes on, so neither the holes nor the unwritten end of the cache are read and no mask is
     built. In a layer without a window, the G query heads of a key/value head go in as G queries
@@ -445,16 +451,20 @@ def decode_own(query, cache: BatchCache, layer: int, window: int | None, scale: 
     keys, values = cache.keys[layer], cache.values[layer]  # [rows, capacity, kv heads, D]
     rows, capacity, kv, dim = keys.shape
     heads = query.shape[1]
-    groups = 1 if window else heads // kv  # queries per row; heads // groups heads each
-    folded = query.reshape(rows, heads // groups, groups, dim).transpose(1, 2).reshape(rows * groups, -1, dim)
-    queries_at = torch.arange(rows + 1, dtype=torch.int32, device=query.device) * groups
+    groups = heads // kv
+    per_row = 1 if window else groups  # queries per row, each with heads // per_row heads
+    folded = query.reshape(rows, kv, groups, dim)
+    if per_row > 1:
+        folded = folded.transpose(1, 2)
+    folded = folded.reshape(rows * per_row, heads // per_row, dim)
+    queries_at = torch.arange(rows + 1, dtype=torch.int32, device=query.device) * per_row
     output, lse = torch.ops.aten._flash_attention_forward(
         folded,
         keys.view(rows * capacity, kv, dim),
         values.view(rows * capacity, kv, dim),
         queries_at,
         cache.key_starts,
-        groups,
+        per_row,
         2 * capacity,  # the longest span between two rows' starts (a row's own, plus the next row's holes)
         0.0,
         False,
@@ -464,10 +474,10 @@ def decode_own(query, cache: BatchCache, layer: int, window: int | None, scale: 
         window_size_right=-1,
         seqused_k=cache.written,
     )[:2]
-    output = output.reshape(rows, groups, heads // groups, dim).transpose(1, 2).reshape(rows, heads, 1, dim)
-    if lse.dim() == 2:  # [heads, queries] (flash's variable-length layout), or [rows, heads, queries]
-        lse = lse.reshape(heads // groups, rows, groups).transpose(0, 1)
-    return output, lse.reshape(rows, heads, 1)
+    lse = lse.reshape(heads // per_row, rows, per_row)  # flash's variable-length layout: [heads, queries]
+    if per_row > 1:  # query (row, g) of head k
+        return output.view(rows, groups, kv, dim).transpose(1, 2), lse.permute(1, 0, 2)
+    return output.view(rows, kv, groups, dim), lse.reshape(kv, groups, rows).permute(2, 0, 1)
 
 
 def causal_attention(query, key, value, scale: float, softcap: float | None) -> torch.Tensor:

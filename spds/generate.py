@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .attention import head_dim_of, kernels_in, require_fa4
 from .config import Config
 from .data.chat import end_token_ids, render
 from .decode import Decoder
@@ -32,7 +33,7 @@ from .errors import SpdsError
 from .fsio import MAX_LINE_BYTES, open_regular, parse_json
 from .preflight import require_preflight
 from .settings import GenerateSettings
-from .student import load_tokenizer
+from .student import apply_liger_kernels, load_tokenizer
 
 
 def read_questions(path: Path) -> list[dict]:
@@ -95,6 +96,15 @@ def load_teacher(path: Path, dtype: str, device: torch.device):
     return model.to(device).eval()
 
 
+def fa4_named(setting, teacher, device: torch.device) -> bool:
+    """Whether the decode step's shared part runs on FlashAttention-4: where student.attention_kernel
+    names it, as training would, and refused as training refuses it where it cannot run."""
+    if "fa4" not in kernels_in(setting):
+        return False
+    require_fa4(head_dim_of(teacher.config), device)
+    return True
+
+
 def generate(config: Config, log=print) -> dict:
     settings = config.generate
     if not settings.questions:
@@ -109,8 +119,11 @@ def generate(config: Config, log=print) -> dict:
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     teacher = load_teacher(config.teacher_path, config.student.dtype, device)
+    if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
+        apply_liger_kernels(teacher)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
-    asking = Asking(Decoder(teacher, end_ids, pad), tokenizer, context, context_in_user_turn, settings, kwargs)
+    decoder = Decoder(teacher, end_ids, pad, fa4=fa4_named(config.student.attention_kernel, teacher, device))
+    asking = Asking(decoder, tokenizer, context, context_in_user_turn, settings, kwargs)
     questions = read_questions(config.resolve(settings.questions))
     requests = [
         dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)

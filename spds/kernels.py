@@ -5,7 +5,10 @@ runs a forward is spds/attention.py's decision (AttentionPlan); this module only
   sdpa_causal          PyTorch SDPA on a named backend (flash, efficient, cudnn, math) or its own choice
   lower_right_causal   queries after cached keys (the teacher's record after its context), forward only
   packed_after_cached  records packed end to end after keys all of them see (the teacher's), forward only
+  fa4_after_cached     the same on FlashAttention-4
+  fa4_shared_step      a decode step's queries against the shared context, on FlashAttention-4
   attend, merge        one attention with its log-sum-exps, and two over disjoint keys merged into one
+  merge_parts          merge, as one Triton kernel on CUDA
   packed_causal        records packed end to end in one row: FlashAttention-2's variable-length kernel
   fa4_causal           FlashAttention-4 (the flash-attn-4 package, CuTe DSL), padded rows or packed
   flex_causal          torch's flex_attention on a causal block mask built from block indices
@@ -122,13 +125,38 @@ def packed_after_cached(query, key, value, scaling, starts, longest: int):
         allowed = (record[:, None] == record[None]) & (index[:, None] >= index[None])
         own, own_lse = attend(query, own_key, own_value, allowed[None, None], scale=scaling)
     if cached:
-        shared_key, shared_value = key[:, :, :cached], value[:, :, :cached]
-        if on_gpu:
-            shared, shared_lse = cudnn_attention(query, shared_key, shared_value, scaling)
-        else:
-            shared, shared_lse = attend(query, shared_key, shared_value, scale=scaling)
-        own = merge(own, own_lse, shared, shared_lse)
+        shared, shared_lse = attend(query, key[:, :, :cached], value[:, :, :cached], scale=scaling)
+        own = merge_parts(own, own_lse, shared, shared_lse, query.dtype)
     return own[0].transpose(0, 1).to(query.dtype)
+
+
+def fa4_after_cached(query, key, value, scaling, starts, longest: int):
+    """packed_after_cached on FlashAttention-4 (a student whose attention_kernel is fa4): both
+    parts on its Hopper and Blackwell kernels, which return their log-sum-exps and take
+    grouped-query keys as they are (no repeated heads, no padded lengths, no per-shape plans to
+    build on the host). Forward only. Returns [positions, Hq, D]."""
+    fa4 = import_fa4()
+    cached = key.shape[2] - query.shape[2]
+    rows = [t[0].transpose(0, 1) for t in (query, key, value)]  # [positions, heads, D], as FA4 takes them
+    own, own_lse = fa4.flash_attn_varlen_func(
+        rows[0],
+        rows[1][cached:],
+        rows[2][cached:],
+        cu_seqlens_q=starts,
+        cu_seqlens_k=starts,
+        max_seqlen_q=longest,
+        max_seqlen_k=longest,
+        softmax_scale=scaling,
+        causal=True,
+        return_lse=True,
+    )  # [positions, Hq, D], [Hq, positions]
+    if not cached:
+        return own
+    shared, shared_lse = fa4.flash_attn_func(
+        rows[0][None], rows[1][None, :cached], rows[2][None, :cached], softmax_scale=scaling, return_lse=True
+    )  # [1, positions, Hq, D], [1, Hq, positions]
+    merged = merge_parts(own.transpose(0, 1)[None], own_lse[None], shared.transpose(1, 2), shared_lse, query.dtype)
+    return merged[0].transpose(0, 1)
 
 
 def cudnn_attention(query, key, value, scale: float, causal: bool = False):
@@ -150,6 +178,15 @@ def cudnn_attention(query, key, value, scale: float, causal: bool = False):
     return output[:, :, :m], lse.reshape(*output.shape[:3])[:, :, :m]
 
 
+def cudnn_fits(query: torch.Tensor, key: torch.Tensor, causal: bool, softcap: float | None = None) -> bool:
+    """Whether `attend` runs on cuDNN: where flash fits, with a head size a multiple of 8 up to 128
+    (the sizes measured here; Gemma 3's 256 stays on flash) and, when causal, as many queries as
+    keys (cudnn_attention pads both alike)."""
+    dim = query.shape[-1]
+    square = not causal or query.shape[2] == key.shape[2]
+    return flash_fits(query, softcap) and dim % 8 == 0 and dim <= 128 and square
+
+
 def flash_fits(query: torch.Tensor, softcap: float | None = None) -> bool:
     """Whether PyTorch's flash kernel computes this attention: on CUDA, in half precision, scores
     not soft-capped."""
@@ -161,9 +198,12 @@ def attend(query, key, value, mask=None, scale: float | None = None, softcap: fl
     `mask` marks (bool [b or 1, 1, m, n]; None: all of them), or with `causal` row i keys 0..i
     (m == n): the output [b, hq, m, D] and the log-sum-exp of each row's scaled scores [b, hq, m]
     (fp32; -inf for a row that sees no key), the pieces two attentions over disjoint keys are
-    merged from (`merge`). On CUDA flash attention where it fits (half precision, no mask, no soft
-    cap; grouped keys as they are), else the memory-efficient kernel; elsewhere plain PyTorch."""
+    merged from (`merge`). On CUDA without a mask or a soft cap cuDNN (Hopper's kernel: 2-4x
+    FlashAttention-2's rate on H200 for the shapes spds gives it, bench/RESULTS.md), else flash
+    attention, else the memory-efficient kernel; elsewhere plain PyTorch."""
     scale = scale if scale is not None else query.shape[-1] ** -0.5
+    if mask is None and cudnn_fits(query, key, causal, softcap):
+        return cudnn_attention(query, key, value, scale, causal)
     if mask is None and flash_fits(query, softcap):
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, causal, False, scale=scale
@@ -218,6 +258,81 @@ def merge(output, lse, other, other_lse) -> torch.Tensor:
     total = torch.logaddexp(lse, other_lse)
     mine, theirs = torch.exp(lse - total)[..., None], torch.exp(other_lse - total)[..., None]
     return output.float() * mine + torch.where(theirs > 0, other.float() * theirs, 0.0)
+
+
+def fa4_shared_step(query, key, value, scale: float):
+    """A decode step's attention over keys every row sees (the shared context) on FlashAttention-4:
+    one query per row ([B, Hq, 1, D]) against [1, Hkv, n, D], the B rows going in as one sequence
+    of B queries (FA4 packs a key/value head's query heads itself: nothing is copied). Returns the
+    output [B, Hkv, G, D] and log-sum-exps [B, Hkv, G], views for merge_parts."""
+    fa4 = import_fa4()
+    rows, heads, _, dim = query.shape
+    kv = key.shape[1]
+    output, lse = fa4.flash_attn_func(
+        query.reshape(1, rows, heads, dim),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        softmax_scale=scale,
+        return_lse=True,
+    )  # [1, B, Hq, D], [1, Hq, B]
+    return output.view(rows, kv, heads // kv, dim), lse[0].view(kv, heads // kv, rows).permute(2, 0, 1)
+
+
+def merge_parts(output, lse, other, other_lse, dtype: torch.dtype) -> torch.Tensor:
+    """`merge` of two parts given as [b, h, m, D] outputs and [b, h, m] log-sum-exps (views, any
+    strides), written as one contiguous [b, h, m, D] tensor in `dtype`. On CUDA one Triton kernel
+    reads each part once where it lies: a decode step merges in every layer, and as a dozen
+    PyTorch operations (casts, exps, the layout copies) that was hundreds of small kernels a step.
+    Elsewhere `merge` itself."""
+    if not (output.is_cuda and triton_available()):
+        return merge(output, lse, other, other_lse).to(dtype).contiguous()
+    import triton
+
+    b, h, m, dim = output.shape
+    merged = torch.empty(b, h, m, dim, dtype=dtype, device=output.device)
+    merge_kernel()[(b * h * m,)](
+        output, lse, other, other_lse, merged, h, m, *output.stride()[:3], *lse.stride(),
+        *other.stride()[:3], *other_lse.stride(), dim, BLOCK=triton.next_power_of_2(dim), num_warps=1,
+    )  # fmt: skip
+    return merged
+
+
+@functools.cache
+def merge_kernel():
+    """The Triton kernel of merge_parts: one program per query row, `merge`'s arithmetic in fp32."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def merge_rows(
+        o1, l1, o2, l2, out, heads, m,
+        o1_b, o1_h, o1_m, l1_b, l1_h, l1_m, o2_b, o2_h, o2_m, l2_b, l2_h, l2_m,
+        dim, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        i, j, b = row % m, (row // m) % heads, row // (m * heads)
+        a = tl.load(l1 + b * l1_b + j * l1_h + i * l1_m)
+        c = tl.load(l2 + b * l2_b + j * l2_h + i * l2_m)
+        total = tl.maximum(a, c)
+        total = total + tl.log(tl.exp(a - total) + tl.exp(c - total))  # logaddexp; NaN only when both saw nothing
+        mine, theirs = tl.exp(a - total), tl.exp(c - total)
+        d = tl.arange(0, BLOCK)
+        inside = d < dim
+        x = tl.load(o1 + b * o1_b + j * o1_h + i * o1_m + d, mask=inside, other=0.0).to(tl.float32)
+        y = tl.load(o2 + b * o2_b + j * o2_h + i * o2_m + d, mask=inside, other=0.0).to(tl.float32)
+        merged = x * mine + tl.where(theirs > 0, y * theirs, 0.0)
+        tl.store(out + row * dim + d, merged.to(out.dtype.element_ty), mask=inside)
+
+    return merge_rows
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def packed_causal(query, key, value, scaling, starts, longest: int):

@@ -176,3 +176,28 @@ def test_the_demos_bf16_teacher_decodes_on_any_cpu(tiny_assets):
     # bf16 rounds the logits to 8 bits, so another summation order may flip a later near-tie: the
     # first answer token, after identical prompts, is compared; the rest need only be well formed
     assert [a[0] for a in answers] == [reference_greedy(plain, p, 8)[0] for p in batch]
+
+
+@pytest.mark.parametrize(
+    "student, refusal",
+    [
+        ({"attention_kernel": "fa4"}, "student.attention_kernel names fa4 (FlashAttention-4), but there is no CUDA"),
+        ({"liger_kernels": True}, "student.liger_kernels is true but liger-kernel is not importable or there is no"),
+    ],
+)
+def test_generate_runs_the_kernels_the_student_names_or_refuses(tiny, student, refusal):
+    """The teacher decodes on the kernels training would run (student.attention_kernel's fa4 for the
+    shared part, student.liger_kernels), and a kernel that cannot run here stops generate before
+    any row is written, naming the setting, as it stops training."""
+    from conftest import edit_config
+
+    from spds.contract import load_config
+    from spds.generate import generate
+
+    (tiny / "questions.jsonl").write_text('{"question_id": "q0", "question": "Where is the archive?"}\n')
+    edit_config(tiny, student=student, context={"text": "The archive is in Lumen Bay."})
+    edit_config(tiny, generate={"questions": "questions.jsonl", "output": "rows.jsonl"})
+    with pytest.raises(SpdsError) as refused:
+        generate(load_config(tiny / "config.json"), log=lambda *_: None)
+    assert refusal in str(refused.value)
+    assert not (tiny / "rows.jsonl").exists() or not (tiny / "rows.jsonl").read_text()
