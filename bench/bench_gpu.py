@@ -197,7 +197,7 @@ VARIANTS["liger-kl"] = VARIANTS["liger-kl-nocache"] = VARIANTS["liger"]
 VARIANTS["kl"] = VARIANTS["kl-nocache"] = VARIANTS["packed"]
 # the same on packed micro-batches: the cached-context teacher packs a pass's records in one forward
 VARIANTS["liger-packed-kl"] = VARIANTS["liger-packed-kl-nocache"] = VARIANTS["liger-packed"]
-VARIANTS["liger-packed-fa4-kl"] = VARIANTS["liger-packed-fa4"]
+VARIANTS["liger-packed-fa4-kl"] = VARIANTS["liger-packed-fa4-kl-nocache"] = VARIANTS["liger-packed-fa4"]
 # student.fp8_linear: the decoder's linear layers quantized in place (the shared student: list it last)
 VARIANTS["liger-packed-fp8"] = VARIANTS["liger-packed"]
 VARIANTS["liger-packed-fa4-fp8"] = VARIANTS["liger-packed-fa4"]
@@ -255,6 +255,7 @@ AFTER_BUILD = {
     "liger-packed-kl": online_kl(True),
     "liger-packed-kl-nocache": online_kl(False),
     "liger-packed-fa4-kl": online_kl(True),
+    "liger-packed-fa4-kl-nocache": online_kl(False),
     "liger-packed-fp8": fp8_linears,
     "liger-packed-fa4-fp8": fp8_linears,
     "liger-kl-memo": online_kl(True, memo_gib=64.0),
@@ -497,11 +498,23 @@ def profiled(enabled: bool):
 # ---------------------------------------------------------------- HF + PEFT
 
 
-def time_peft(student, lengths: list[int], warm_lengths: list[int], second_visit: bool = False) -> dict:
+def time_peft(
+    student, lengths: list[int], warm_lengths: list[int], second_visit: bool = False, peer: str = "ckpt"
+) -> dict:
+    """peer ckpt: gradient checkpointing, the model's own kernels. liger: the strongest peer a user
+    gets in one line, Liger's kernels patched in (its fused linear cross-entropy included, as
+    apply_liger_kernel_to_qwen3 does by default) and no checkpointing; Liger's RoPE on its Triton
+    kernel, the faster of its two (bench/RESULTS.md, the RoPE section)."""
     from peft import PromptTuningConfig, TaskType, get_peft_model
 
+    if peer == "liger":
+        os.environ["LIGER_KERNEL_IMPL_ROPE"] = "nvidia-triton"
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        apply_liger_kernel_to_qwen3(model=student)
     model = get_peft_model(student, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=PROMPT))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if peer == "ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     rng = np.random.default_rng(0)
@@ -558,6 +571,13 @@ def main() -> None:
     )
     parser.add_argument("--variants", default="default", help="comma list of spds variants: " + ", ".join(VARIANTS))
     parser.add_argument("--no-peft", action="store_true")
+    parser.add_argument(
+        "--peer",
+        choices=("ckpt", "liger"),
+        default="ckpt",
+        help="HF+PEFT with gradient checkpointing (ckpt), or with Liger patched in and no checkpointing "
+        "(liger: it patches the student in place, so only with spds's Liger variants)",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--profile",
@@ -587,6 +607,8 @@ def main() -> None:
     liger = [v for v in args.variants.split(",") if VARIANTS[v][0].get("liger_kernels")]
     if liger and len(liger) < len(args.variants.split(",")):
         parser.error(f"{liger} patch the student in place: run them in an invocation of their own")
+    if args.peer == "liger" and len(liger) < len(args.variants.split(",")):
+        parser.error("--peer liger patches the student in place: run it with spds's Liger variants only")
     import transformers
 
     global DEVICE
@@ -623,9 +645,10 @@ def main() -> None:
         cases += [(label, lengths, warm_lengths or lengths) for label, lengths in groups]
     # HF+PEFT first, on the student as built: spds's Liger variants patch it in place.
     for label, lengths, warm in cases if not args.no_peft else []:
-        result = guarded(time_peft, student, lengths, warm, args.second_visit)
+        result = guarded(time_peft, student, lengths, warm, args.second_visit, args.peer)
         flops = useful_flops(args.model, [n + PROMPT for n in lengths])
-        rows.append(dict(model=args.model, case=label, system="HF+PEFT ckpt", **result, flops=flops))
+        system = "HF+PEFT ckpt" if args.peer == "ckpt" else "HF+PEFT + Liger, no ckpt"
+        rows.append(dict(model=args.model, case=label, system=system, **result, flops=flops))
         print(json.dumps(rows[-1]), flush=True)
     for label, lengths, warm in cases:
         flops = useful_flops(args.model, [n + PROMPT for n in lengths])

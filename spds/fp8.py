@@ -4,7 +4,8 @@ The student is frozen, so its weights are quantized once, when the model is buil
 layer of the decoder (attention projections, MLP) keeps two e4m3 copies of its weight in place of
 the bf16 one (the same bytes in all), one scaled per output channel for the forward and one per
 input channel for the backward, the only backward a frozen layer has (d(input) = d(output) @ W).
-Activations and their gradients are quantized as they come, one scale per row (token), and every
+Activations and their gradients are quantized as they come, one scale per row (token; the
+projections that read one input share its quantization), and every
 product runs on torch._scaled_mm with those row and column scales, its accumulation in fp32 and
 its output in the student's dtype. The embeddings, the norms, attention itself and the output
 head (the loss's vocabulary-sized products) stay in the student's dtype.
@@ -24,6 +25,8 @@ import functools
 import torch
 from torch import nn
 
+from .kernels import triton_available
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 SMALLEST_SCALE = 1e-12  # an all-zero row keeps a finite scale (its quantized values are 0)
@@ -38,15 +41,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_rows_triton(x)
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=SMALLEST_SCALE) / FP8_MAX
     return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache
@@ -84,11 +78,35 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+class SharedInput:
+    """The quantized input of the projections that read one tensor (a layer's q, k and v; its
+    MLP's gate and up): quantized by the first of them, reused by the others, dropped after the
+    last, so that no quantized copy outlives its layer. A projection called with another tensor
+    (or the same one changed in place) quantizes its own: sharing only ever skips a recomputation
+    of the same values."""
+
+    def __init__(self, readers: int):
+        self.readers = readers
+        self.entry: tuple | None = None  # (input, its version, e4m3 rows, scales)
+        self.uses = 0
+
+    def quantized(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self.entry
+        if entry is None or entry[0] is not x or entry[1] != x._version:
+            entry = self.entry = (x, x._version, *quantize_rows(x.reshape(-1, x.shape[-1])))
+            self.uses = 0
+        self.uses += 1
+        if self.uses == self.readers:
+            self.entry = None
+        return entry[2], entry[3]
+
+
 class FrozenFP8Linear(nn.Module):
     """A frozen nn.Linear whose products run in FP8 (see the module's docstring)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, shared: SharedInput | None = None):
         super().__init__()
+        self.shared = shared  # with the other projections of its input, or None
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = weight.dtype
@@ -103,8 +121,9 @@ class FrozenFP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = FP8Product.apply(x.reshape(-1, self.in_features), self)
-        y = y.reshape(*shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        q, scale = self.shared.quantized(x) if self.shared is not None else quantize_rows(rows)
+        y = FP8Product.apply(rows, self, q, scale).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -115,9 +134,9 @@ class FP8Product(torch.autograd.Function):
     """x @ W^T in FP8; its backward d(x) = d(y) @ W in FP8 (the weight is frozen: no d(W))."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: FrozenFP8Linear) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, layer: FrozenFP8Linear, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (for autograd), quantized by the caller as (q, scale)."""
         ctx.layer = layer
-        q, scale = quantize_rows(x)
         # _scaled_mm takes its second operand column-major: [N, K] row-major, transposed
         return torch._scaled_mm(q, layer.weight_fp8.t(), scale, layer.weight_scale, out_dtype=layer.out_dtype)
 
@@ -126,7 +145,7 @@ class FP8Product(torch.autograd.Function):
         layer = ctx.layer
         q, scale = quantize_rows(grad.contiguous())
         product = torch._scaled_mm(q, layer.weight_t_fp8.t(), scale, layer.weight_t_scale, out_dtype=grad.dtype)
-        return product, None
+        return product, None, None, None
 
 
 def fp8_problem(device: torch.device) -> str | None:
@@ -144,14 +163,28 @@ def fp8_problem(device: torch.device) -> str | None:
     return None
 
 
+# Projections of one module that transformers' decoders call on one input tensor, in this order
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 def quantize_linears(student: nn.Module) -> int:
     """Every nn.Linear of the student's decoder (not its output head) as a FrozenFP8Linear, in place;
     returns how many. _scaled_mm needs both dimensions to be multiples of 16: a layer that is not
-    stays as it is."""
+    stays as it is. The projections of SHARED_INPUTS share their input's quantization."""
     replaced = 0
     for parent in list(student.base_model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0:
-                setattr(parent, name, FrozenFP8Linear(child))
-                replaced += 1
+        children = dict(parent.named_children())
+        fits = {
+            name
+            for name, child in children.items()
+            if type(child) is nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0
+        }
+        shared = {}
+        for group in SHARED_INPUTS:
+            members = [name for name in group if name in fits]
+            if len(members) > 1:
+                shared.update(dict.fromkeys(members, SharedInput(len(members))))
+        for name in sorted(fits):
+            setattr(parent, name, FrozenFP8Linear(children[name], shared.get(name)))
+            replaced += 1
     return replaced

@@ -97,6 +97,40 @@ def test_training_builds_fp8_and_eval_measures_the_student_as_loaded(tiny):
     assert 0.95 < cosine < 1.0
 
 
+def test_the_projections_of_one_input_quantize_it_once(tiny_assets, monkeypatch):
+    """A layer's q, k and v projections read one tensor, as do its MLP's gate and up: it is quantized
+    once for each group (4 quantizations a layer, not 7), and the logits and input gradients are
+    bit for bit those of every projection quantizing its own input."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import spds.fp8 as fp8
+
+    shared = AutoModelForCausalLM.from_pretrained(tiny_assets / "student", dtype=torch.float32).requires_grad_(False)
+    alone = copy.deepcopy(shared)
+    for model in (shared, alone):
+        fp8.quantize_linears(model)
+    for module in alone.modules():
+        if isinstance(module, FrozenFP8Linear):
+            module.shared = None
+    calls = []
+    quantize = fp8.quantize_rows
+    monkeypatch.setattr(fp8, "quantize_rows", lambda x: calls.append(x.shape) or quantize(x))
+    ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(3))
+    results = []
+    for model in (shared, alone):
+        calls.clear()
+        embeddings = model.get_input_embeddings()(ids).detach().requires_grad_()
+        logits = model(inputs_embeds=embeddings).logits
+        forward_calls = len(calls)
+        logits.square().sum().backward()
+        results.append((logits, embeddings.grad, forward_calls))
+    layers = shared.config.num_hidden_layers
+    assert [r[2] for r in results] == [4 * layers, 7 * layers]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_a_gpu_without_fp8_products_is_refused_before_the_student_loads(monkeypatch):
     """torch._scaled_mm's row and column scales need compute capability 9.0; an A100 (8.0) would
     fail inside the first forward with PyTorch's own error."""
