@@ -20,49 +20,63 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import spds.decode
-from spds.decode import BatchCache, Decoder, decode_own
+from spds.decode import BatchCache, Decoder
 from spds.generate import load_teacher
-from spds.kernels import math_attention
+from spds.kernels import math_attention, own_keys_step
 
 FAMILIES = {k: v for k, v in json.loads(Path("tests/fixtures/models/families.json").read_text()).items() if k[0] != "_"}
 END, VOCAB = 1, 300
 torch.backends.cuda.matmul.allow_tf32 = False  # the reference in full fp32
 
 
-def check_decode_own() -> list:
-    """The decode step's variable-length flash attention over each row's own keys (bf16) against
+def check_own_keys() -> list:
+    """The decode step's attention over each row's own keys (kernels.own_keys_step, bf16) against
     plain fp32 attention over the same keys under an explicit mask: holes before each row's keys,
-    unwritten positions after, and a window; 4 query heads per key/value head."""
+    unwritten positions after, several blocks of keys, windows inside one block and across blocks;
+    head sizes a power of 2 and not (Phi-3's 96), 1 to 4 query heads per key/value head."""
     failed = []
     torch.manual_seed(0)
-    rows, kv, groups, dim, capacity = 6, 2, 4, 64, 48
-    for window in (None, 5):
-        cache = BatchCache(1, rows, capacity, torch.device("cuda"))
-        holes = [0, 3, 1, 7, 0, 2]
-        cache.skip_holes(holes)
-        written_to = 20  # every row has written up to index 20 (the query's own key included)
-        cache.index = torch.arange(0, written_to + 1, device="cuda")
-        key = torch.randn(rows, kv, written_to + 1, dim, device="cuda", dtype=torch.bfloat16)
-        value = torch.randn_like(key)
-        cache.update(key, value, 0)
-        cache.written = (written_to + 1 - cache.own_from).to(torch.int32)
-        query = torch.randn(rows, kv * groups, 1, dim, device="cuda", dtype=torch.bfloat16)
-        output, lse = decode_own(query, cache, 0, window, dim**-0.5)  # [rows, kv, G, D] views
-        output, lse = output.reshape(query.shape), lse.reshape(rows, kv * groups, 1)
-        index = torch.arange(capacity, device="cuda")
-        visible = (index >= cache.own_from[:, None]) & (index <= written_to)
-        if window:
-            visible &= written_to - index < window
-        mask = visible[:, None, None, :]  # [rows, 1, 1, keys], the same for every head
-        keys = cache.keys[0].transpose(1, 2).repeat_interleave(groups, dim=1)
-        values = cache.values[0].transpose(1, 2).repeat_interleave(groups, dim=1)
-        expected, expected_lse = math_attention(query, keys, values, mask, dim**-0.5, None)
-        worst = (output.float() - expected).abs().max().item()
-        worst_lse = (lse - expected_lse).abs().max().item()
-        # bf16 outputs of values ~N(0, 1): their rounding is under 1e-2; a key read wrongly moves them ~0.1
-        print(json.dumps(dict(check="decode_own", window=window, worst_output=worst, worst_lse=worst_lse)))
-        if not (worst < 2e-2 and worst_lse < 1e-2):
-            failed.append(("decode_own", window))
+    rows, kv, capacity = 6, 2, 304
+    for dim, groups in ((64, 4), (96, 3), (128, 2), (128, 1)):
+        for window in (None, 5, 70):
+            cache = BatchCache(1, rows, capacity, torch.device("cuda"))
+            holes = [0, 3, 1, 7, 0, 2]
+            cache.skip_holes(holes)
+            written_to = 200  # every row has written up to index 200 (the query's own key included)
+            cache.index = torch.arange(0, written_to + 1, device="cuda")
+            key = torch.randn(rows, kv, written_to + 1, dim, device="cuda", dtype=torch.bfloat16)
+            value = torch.randn_like(key)
+            cache.update(key, value, 0)
+            cache.written = (written_to + 1 - cache.own_from).to(torch.int32)
+            query = torch.randn(rows, kv * groups, 1, dim, device="cuda", dtype=torch.bfloat16)
+            keys, values = cache.keys[0], cache.values[0]
+            output, lse = own_keys_step(query, keys, values, cache.own_from, cache.written, dim**-0.5, window)
+            output, lse = output.reshape(query.shape), lse.reshape(rows, kv * groups, 1)
+            index = torch.arange(cache.capacity, device="cuda")
+            visible = (index >= cache.own_from[:, None]) & (index <= written_to)
+            if window:
+                visible &= written_to - index < window
+            mask = visible[:, None, None, :]  # [rows, 1, 1, keys], the same for every head
+            keys = keys.transpose(1, 2).repeat_interleave(groups, dim=1)
+            values = values.transpose(1, 2).repeat_interleave(groups, dim=1)
+            expected, expected_lse = math_attention(query, keys, values, mask, dim**-0.5, None)
+            worst = (output.float() - expected).abs().max().item()
+            worst_lse = (lse - expected_lse).abs().max().item()
+            # bf16 outputs of values ~N(0, 1): their rounding is under 1e-2; a key read wrongly moves them ~0.1
+            print(
+                json.dumps(
+                    dict(
+                        check="own_keys_step",
+                        dim=dim,
+                        groups=groups,
+                        window=window,
+                        worst_output=worst,
+                        worst_lse=worst_lse,
+                    )
+                )
+            )
+            if not (worst < 2e-2 and worst_lse < 1e-2):
+                failed.append(("own_keys_step", dim, groups, window))
     return failed
 
 
@@ -78,7 +92,7 @@ def main() -> int:
     generator = torch.Generator().manual_seed(4)
     shared = torch.randint(2, VOCAB, (40,), generator=generator).tolist()
     batch = [shared + torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (5, 1, 9, 3)]
-    failed = check_decode_own()
+    failed = check_own_keys()
     with tempfile.TemporaryDirectory() as root:
         for family, entry in FAMILIES.items():
             fields = dict(entry["config"])

@@ -4,12 +4,14 @@ random-weight student (a model directory), ROWS prompts of a shared 4,096-token 
 
     python3 bench/profile_decode.py DIR [ROWS] [STEPS] [SETS]
 
-For each kernel set of SETS (a comma list, default flash+torch,cudnn,merge-kernel,liger), each on
-top of the ones before it (one process, the same prompts):
-  flash+torch   the shared part on FlashAttention-2, the two parts merged in PyTorch (spds before)
+For each kernel set of SETS (a comma list, default flash+torch,cudnn,merge-kernel,liger,triton-own),
+each on top of the ones before it (one process, the same prompts):
+  flash+torch   the shared part on FlashAttention-2, the two parts merged in PyTorch, each row's own
+                part on FlashAttention-2's variable-length kernel (spds before)
   cudnn         the shared part on cuDNN
   merge-kernel  the parts merged by one Triton kernel (spds.kernels.merge_parts)
   liger         Liger's RMSNorm, RoPE and SwiGLU in the teacher (student.liger_kernels)
+  triton-own    each row's own part on spds.kernels.own_keys_step
   fa4           the shared part on FlashAttention-4 (student.attention_kernel fa4)
 it prints the step's time with CUDA graphs over steps 32..STEPS (the difference of a 32-step and
 a STEPS-step batch, so the prefix, the questions' forward and the capture drop out), then checks
@@ -45,6 +47,22 @@ def torch_merge(output, lse, other, other_lse, dtype):
     return spds.kernels.merge(output, lse, other, other_lse).to(dtype).contiguous()
 
 
+def flash_own(query, keys, values, first, counts, scale, window):
+    """The own part as spds ran it before own_keys_step: FlashAttention-2's variable-length kernel
+    over the flat cache, the G query heads of a key/value head as G queries of a row."""
+    rows, capacity, kv, dim = keys.shape
+    heads = query.shape[1]
+    groups = heads // kv
+    folded = query.reshape(rows, kv, groups, dim).transpose(1, 2).reshape(rows * groups, kv, dim)
+    queries_at = torch.arange(rows + 1, dtype=torch.int32, device=query.device) * groups
+    key_starts = torch.arange(rows + 1, device=query.device) * capacity + torch.cat([first, first[:1] * 0])
+    output, lse = torch.ops.aten._flash_attention_forward(
+        folded, keys.view(rows * capacity, kv, dim), values.view(rows * capacity, kv, dim), queries_at,
+        key_starts.to(torch.int32), groups, 2 * capacity, 0.0, False, False, scale=scale, seqused_k=counts,
+    )[:2]  # fmt: skip
+    return output.view(rows, groups, kv, dim).transpose(1, 2), lse.reshape(kv, rows, groups).permute(1, 0, 2)
+
+
 def kernel_class(name: str) -> str:
     lowered = name.lower()
     for key, label in (
@@ -52,6 +70,7 @@ def kernel_class(name: str) -> str:
         ("flash_fwd", "flash attention"),
         ("fmha", "memory-efficient attention"),
         ("merge_rows", "merge kernel"),
+        ("own_keys", "own part (Triton)"),
         ("liger", "Liger kernels"),
         ("_rms_norm", "Liger kernels"),
         ("_rope", "Liger kernels"),
@@ -71,16 +90,17 @@ def main() -> None:
     directory = sys.argv[1]
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 512
-    sets = (sys.argv[4] if len(sys.argv) > 4 else "flash+torch,cudnn,merge-kernel,liger").split(",")
+    sets = (sys.argv[4] if len(sys.argv) > 4 else "flash+torch,cudnn,merge-kernel,liger,triton-own").split(",")
     model = load_teacher(directory, "bfloat16", torch.device("cuda"))
     generator = torch.Generator().manual_seed(0)
     shared = torch.randint(2, 250, (4096,), generator=generator).tolist()
     prompts = [shared + torch.randint(2, 250, (20,), generator=generator).tolist() for _ in range(rows)]
     decoder = Decoder(model, [-1], pad_id=0)  # no end token: every row runs to the last step
-    cudnn_fits, merge_parts = spds.kernels.cudnn_fits, spds.decode.merge_parts
+    cudnn_fits, merge_parts, own_keys_step = spds.kernels.cudnn_fits, spds.decode.merge_parts, spds.decode.own_keys_step
     if "flash+torch" in sets:
         spds.kernels.cudnn_fits = lambda *args, **kwargs: False
         spds.decode.merge_parts = torch_merge
+        spds.decode.own_keys_step = flash_own
     timed(decoder, prompts, 4)  # the prefix, once
     for label in sets:
         if label == "cudnn":
@@ -89,6 +109,8 @@ def main() -> None:
             spds.decode.merge_parts = merge_parts
         elif label == "liger":
             apply_liger_kernels(model)
+        elif label == "triton-own":
+            spds.decode.own_keys_step = own_keys_step
         elif label == "fa4":
             decoder.fa4 = True
         timed(decoder, prompts, 8)  # this set's kernels compiled and its plans built before the clock

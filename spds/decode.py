@@ -14,7 +14,8 @@ whole cache). Here:
     step, not once per row; and over each row's own keys. The query heads that share a key/value
     head are folded into its query rows, so grouped-query keys are read as they are. On CUDA the
     shared part runs on cuDNN (or FlashAttention-4, where student.attention_kernel names it), a
-    row's own part on flash's variable-length kernel, and one Triton kernel merges them;
+    row's own part on a Triton kernel that reads each row's written keys once
+    (kernels.own_keys_step), and another Triton kernel merges them;
     soft-capped scores (Gemma 2) and the CPU run the same sums in plain PyTorch;
   * each batch gets one cache allocated once for its whole length ([rows, kv heads, longest
     question + max_new_tokens, head dim] per layer), written in place (`BatchCache`);
@@ -44,7 +45,7 @@ import torch
 
 from .attention import head_dim_of, install_attention, windowed_layers
 from .errors import SpdsError
-from .kernels import attend, fa4_shared_step, flash_fits, merge_parts
+from .kernels import attend, fa4_shared_step, flash_fits, merge_parts, own_keys_step, triton_available
 
 NAME = "spds_decode"
 
@@ -74,9 +75,8 @@ class BatchCache:
         self.capacity = -(-capacity // 16) * 16  # the efficient kernel's alignment for the mask's rows
         self.index = torch.zeros(1, dtype=torch.long, device=device)
         self.shared: list[tuple[torch.Tensor, torch.Tensor]] = shared or []
-        # a row's own keys start after its holes (own_from, the number of holes); for the decode
-        # step's variable-length kernel, where each row's keys start in the flat buffers
-        # (key_starts, int32 [rows + 1]) and how many it has written (written, int32 [rows])
+        # a row's own keys start after its holes (own_from, the number of holes), and the decode
+        # step reads the `written` (int32 [rows]) it has
         self.skip_holes([0] * rows)
         self.written = torch.zeros(rows, dtype=torch.int32, device=device)
         # windowed layers: the shared keys before window_from are outside every query's window; the
@@ -88,8 +88,8 @@ class BatchCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_, **__):  # the rest: per version
         if self.keys[layer] is None:  # the first write of a layer: its buffers, now that its shapes are known
-            # [rows, positions, kv heads, head dim]: each row's keys one run of memory, as the
-            # variable-length kernel reads them; attention elsewhere takes the transposed view
+            # [rows, positions, kv heads, head dim]: a row's keys one run of memory, as the decode
+            # step reads them; attention elsewhere takes the transposed view
             shape = (self.rows, self.capacity, key.shape[1], key.shape[3])
             # zeros, not garbage: a masked key's weight is 0, and 0 x NaN would still be NaN
             self.keys[layer] = key.new_zeros(shape)
@@ -101,8 +101,6 @@ class BatchCache:
     def skip_holes(self, holes: list[int]) -> None:
         """Each row's number of holes (left padding), which its own keys start after."""
         self.own_from = torch.tensor(holes, device=self.index.device)
-        starts = torch.arange(self.rows + 1) * self.capacity + torch.tensor(holes + [0])
-        self.key_starts = starts.to(device=self.index.device, dtype=torch.int32)
 
     def get_seq_length(self, layer: int = 0) -> int:
         return 0  # never asked: every forward passes its cache_position
@@ -414,9 +412,12 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     cache = decoder.active if decoder is not None else None
     # the G query heads of a key/value head as its G x Lq rows: every part below is [B, Hkv, G x Lq, ...]
     own = query.reshape(batch, kv, groups * count, dim)
-    if count == 1 and cache is not None and flash_fits(query, softcap):  # a decode step
-        window = decoder.window if decoder.windowed[module.layer_idx] else None
-        output, lse = decode_own(query, cache, module.layer_idx, window, scale)
+    if count == 1 and cache is not None and flash_fits(query, softcap) and triton_available():  # a decode step
+        # each row reads only the keys it has written, from after its holes: no mask, nothing unwritten
+        layer = module.layer_idx
+        window = decoder.window if decoder.windowed[layer] else None
+        keys, values = cache.keys[layer], cache.values[layer]
+        output, lse = own_keys_step(query, keys, values, cache.own_from, cache.written, scale, window)
     else:
         mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * count, -1)
         output, lse = attend(own, key, value, mask, scale, softcap)
@@ -438,46 +439,6 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         output = merge_parts(output, lse, shared, shared_lse, query.dtype)
     output = output.reshape(batch, heads, count, dim)
     return output.transpose(1, 2).contiguous().to(query.dtype), None
-
-
-def decode_own(query, cache: BatchCache, layer: int, window: int | None, scale: float):
-    """A decode step's attention over each row's own keys ([B, Hq, 1, D] queries; the output
-    [B, Hkv, G, D] and log-sum-exps [B, Hkv, G], views in flash's layout) by flash attention's
-    variable-length kernel: row r reads only the cache.written[r] keys it has, from after its
-    holes on, so neither the holes nor the unwritten end of the cache are read and no mask is
-    built. In a layer without a window, the G query heads of a key/value head go in as G queries
-    of that head (a row's keys are then read once, not G times); a windowed layer keeps one query
-    per head, so that flash's window (counted from the last key back) is each query's own."""
-    keys, values = cache.keys[layer], cache.values[layer]  # [rows, capacity, kv heads, D]
-    rows, capacity, kv, dim = keys.shape
-    heads = query.shape[1]
-    groups = heads // kv
-    per_row = 1 if window else groups  # queries per row, each with heads // per_row heads
-    folded = query.reshape(rows, kv, groups, dim)
-    if per_row > 1:
-        folded = folded.transpose(1, 2)
-    folded = folded.reshape(rows * per_row, heads // per_row, dim)
-    queries_at = torch.arange(rows + 1, dtype=torch.int32, device=query.device) * per_row
-    output, lse = torch.ops.aten._flash_attention_forward(
-        folded,
-        keys.view(rows * capacity, kv, dim),
-        values.view(rows * capacity, kv, dim),
-        queries_at,
-        cache.key_starts,
-        per_row,
-        2 * capacity,  # the longest span between two rows' starts (a row's own, plus the next row's holes)
-        0.0,
-        False,
-        False,
-        scale=scale,
-        window_size_left=window - 1 if window else -1,  # transformers: seen while query - key < window
-        window_size_right=-1,
-        seqused_k=cache.written,
-    )[:2]
-    lse = lse.reshape(heads // per_row, rows, per_row)  # flash's variable-length layout: [heads, queries]
-    if per_row > 1:  # query (row, g) of head k
-        return output.view(rows, groups, kv, dim).transpose(1, 2), lse.permute(1, 0, 2)
-    return output.view(rows, kv, groups, dim), lse.reshape(kv, groups, rows).permute(2, 0, 1)
 
 
 def causal_attention(query, key, value, scale: float, softcap: float | None) -> torch.Tensor:

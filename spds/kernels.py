@@ -9,6 +9,7 @@ runs a forward is spds/attention.py's decision (AttentionPlan); this module only
   fa4_shared_step      a decode step's queries against the shared context, on FlashAttention-4
   attend, merge        one attention with its log-sum-exps, and two over disjoint keys merged into one
   merge_parts          merge, as one Triton kernel on CUDA
+  own_keys_step        a decode step's queries against each row's own keys (Triton, CUDA)
   packed_causal        records packed end to end in one row: FlashAttention-2's variable-length kernel
   fa4_causal           FlashAttention-4 (the flash-attn-4 package, CuTe DSL), padded rows or packed
   flex_causal          torch's flex_attention on a causal block mask built from block indices
@@ -324,6 +325,91 @@ def merge_kernel():
         tl.store(out + row * dim + d, merged.to(out.dtype.element_ty), mask=inside)
 
     return merge_rows
+
+
+def own_keys_step(query, keys, values, first, counts, scale: float, window: int | None):
+    """A decode step's attention of each row's query heads over the row's own keys, on CUDA: row r
+    (query [B, Hq, 1, D]) reads keys[r, first[r] : first[r] + counts[r]] of its kv head (keys and
+    values [B, capacity, Hkv, D]; first and counts int tensors [B], read on the device, so a CUDA
+    graph replays with each step's counts), only the last `window` of them in a windowed layer.
+    Returns the output [B, Hkv, G, D] in the query's dtype and the log-sum-exps [B, Hkv, G] (fp32).
+
+    One Triton program per (row, kv head) streams the row's keys once, its G query heads together
+    (the flash-decoding loop: running max, sum and output). Flash attention's kernels tile 64-128
+    queries, so with G = 2-4 queries per row they compute tens of times the products a step needs,
+    and were the larger part of a decode step (bench/RESULTS.md)."""
+    import triton
+
+    rows, heads, _, dim = query.shape
+    kv = keys.shape[2]
+    groups = heads // kv
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    output = torch.empty(rows, kv, groups, dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(rows, kv, groups, dtype=torch.float32, device=query.device)
+    own_keys_kernel()[(rows, kv)](
+        query, keys, values, output, lse, first, counts, scale, window or 0,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), dim,
+        GROUPS=groups, GROUPS_PADDED=max(16, triton.next_power_of_2(groups)),
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=64, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return output, lse
+
+
+@functools.cache
+def own_keys_kernel():
+    """The Triton kernel of own_keys_step. tl.dot takes at least 16 rows: the G query heads are
+    padded to 16 (the padding's products are a few percent of the bytes' time)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def own_keys(
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, first_ptr, counts_ptr, scale, window,
+        q_row, q_head, k_row, k_position, k_head, dim,
+        GROUPS: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        row, head = tl.program_id(0), tl.program_id(1)
+        start = tl.load(first_ptr + row).to(tl.int32)
+        end = start + tl.load(counts_ptr + row).to(tl.int32)
+        if window > 0:
+            start = tl.maximum(start, end - window)
+        g = tl.arange(0, GROUPS_PADDED)
+        d = tl.arange(0, BLOCK_D)
+        in_d = d < dim
+        q = tl.load(
+            q_ptr + row * q_row + (head * GROUPS + g)[:, None] * q_head + d[None, :],
+            mask=(g[:, None] < GROUPS) & in_d[None, :],
+            other=0.0,
+        )
+        running_max = tl.full([GROUPS_PADDED], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([GROUPS_PADDED], dtype=tl.float32)
+        accumulated = tl.zeros([GROUPS_PADDED, BLOCK_D], dtype=tl.float32)
+        base = row * k_row + head * k_head
+        for block in range(start, end, BLOCK_N):
+            n = block + tl.arange(0, BLOCK_N)
+            in_n = n < end
+            offsets = base + n[:, None] * k_position + d[None, :]
+            k = tl.load(k_ptr + offsets, mask=in_n[:, None] & in_d[None, :], other=0.0)
+            v = tl.load(v_ptr + offsets, mask=in_n[:, None] & in_d[None, :], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(in_n[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp(running_max - new_max)
+            weights = tl.exp(scores - new_max[:, None])
+            total = total * correction + tl.sum(weights, axis=1)
+            accumulated = accumulated * correction[:, None] + tl.dot(weights.to(v.dtype), v)
+            running_max = new_max
+        output = accumulated / total[:, None]
+        at = (row * tl.num_programs(1) + head) * GROUPS + g
+        tl.store(
+            out_ptr + at[:, None] * dim + d[None, :],
+            output.to(out_ptr.dtype.element_ty),
+            mask=(g[:, None] < GROUPS) & in_d[None, :],
+        )
+        tl.store(lse_ptr + at, running_max + tl.log(total), mask=g < GROUPS)
+
+    return own_keys
 
 
 @functools.cache
