@@ -7,11 +7,11 @@ right, grouped-query heads (Qwen3 1.7B: 16 query, 8 key heads; 8B: 32, 8). Four 
 only (the teacher has no backward):
   bias     SDPA with torch's causal_lower_right bias, keys repeated to the query heads
   one      one FlashAttention-2 call, causal from the lower right over context + record
-  spds     spds.kernels.lower_right_causal as it stands (two calls merged by log-sum-exp)
+  spds     spds.shared_keys.lower_right_causal as it stands (two calls merged by log-sum-exp)
   batched  what the batched teacher pays instead: causal SDPA over all C + L positions
 Each is checked against an fp32 reference with an explicit mask where that fits, and timed; the
 kernels the bias path launched are listed. Then a pass of short records packed end to end after
-the context (spds.kernels.packed_after_cached, and fa4_after_cached where flash-attn-4 imports),
+the context (spds.shared_keys.packed_after_cached, and fa4_after_cached where flash-attn-4 imports),
 against each record alone and the reference; and one 32k record packed alone.
 
     python bench/check_cached_attention.py [--packed-only]
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spds.kernels import fa4_after_cached, lower_right_causal, packed_after_cached  # noqa: E402
+from spds.shared_keys import fa4_after_cached, lower_right_causal, packed_after_cached  # noqa: E402
 
 CONTEXT, HEAD_DIM = 4096, 128
 

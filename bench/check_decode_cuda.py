@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import spds.decode
 from spds.decode import BatchCache, Decoder
 from spds.generate import load_teacher
-from spds.kernels import math_attention, own_keys_step
+from spds.shared_keys import math_attention, own_keys_step
 
 FAMILIES = {k: v for k, v in json.loads(Path("tests/fixtures/models/families.json").read_text()).items() if k[0] != "_"}
 END, VOCAB = 1, 300
@@ -30,7 +30,7 @@ torch.backends.cuda.matmul.allow_tf32 = False  # the reference in full fp32
 
 
 def check_own_keys() -> list:
-    """The decode step's attention over each row's own keys (kernels.own_keys_step, bf16) against
+    """The decode step's attention over each row's own keys (shared_keys.own_keys_step, bf16) against
     plain fp32 attention over the same keys under an explicit mask: holes before each row's keys,
     unwritten positions after, several blocks of keys, windows inside one block and across blocks;
     head sizes a power of 2 and not (Phi-3's 96), 1 to 4 query heads per key/value head."""

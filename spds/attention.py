@@ -14,10 +14,10 @@ The kernel is a per-forward choice: AttentionPlan resolves student.attention_ker
 answers, for a micro-batch's length and layout, which kernel runs it and what memory that kernel
 needs beyond the layer's activations; the forward (SoftPromptModel sets `KernelChoice.kernel`
 before each one) and the recompute planner (spds/recompute.py) both ask it, so they never
-disagree. The kernels themselves are spds/kernels.py's. A checkpointed layer recomputes its forward during
-backward, after any `with sdpa_kernel(...)` around the forward has ended; reading the choice
-from the module makes the recompute run the forward's kernel (with a context manager it ran
-PyTorch's default one).
+disagree. The kernels themselves are spds/kernels.py's (spds/shared_keys.py's after cached
+keys). A checkpointed layer recomputes its forward during backward, after any `with
+sdpa_kernel(...)` around the forward has ended; reading the choice from the module makes the
+recompute run the forward's kernel (with a context manager it ran PyTorch's default one).
 
 Kernels:
   auto, flash, efficient, cudnn, math   PyTorch SDPA (grouped-query heads passed through where
@@ -44,17 +44,8 @@ import os
 import torch
 
 from .errors import SpdsError
-from .kernels import (
-    fa4_after_cached,
-    fa4_causal,
-    flex_causal,
-    import_fa4,
-    lower_right_causal,
-    packed_after_cached,
-    packed_causal,
-    sdpa_causal,
-    windowed_attention,
-)
+from .kernels import fa4_causal, flex_causal, import_fa4, packed_causal, sdpa_causal, windowed_attention
+from .shared_keys import fa4_after_cached, lower_right_causal, packed_after_cached
 
 NAME = "spds_causal"
 

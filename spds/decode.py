@@ -15,7 +15,7 @@ whole cache). Here:
     head are folded into its query rows, so grouped-query keys are read as they are. On CUDA the
     shared part runs on cuDNN (or FlashAttention-4, where student.attention_kernel names it), a
     row's own part on a Triton kernel that reads each row's written keys once
-    (kernels.own_keys_step), and another Triton kernel merges them;
+    (shared_keys.own_keys_step), and another Triton kernel merges them;
     soft-capped scores (Gemma 2) and the CPU run the same sums in plain PyTorch;
   * each batch gets one cache allocated once for its whole length ([rows, kv heads, longest
     question + max_new_tokens, head dim] per layer), written in place (`BatchCache`);
@@ -45,7 +45,8 @@ import torch
 
 from .attention import head_dim_of, install_attention, windowed_layers
 from .errors import SpdsError
-from .kernels import attend, fa4_shared_step, flash_fits, merge_parts, own_keys_step, triton_available
+from .kernels import triton_available
+from .shared_keys import attend, fa4_shared_step, flash_fits, merge_parts, own_keys_step
 
 NAME = "spds_decode"
 

@@ -21,7 +21,7 @@ reuse_context_kv   The context's keys and values computed once. The tokens befor
                    the pass's records of one prefix run end to end in one forward, each as
                    context[-1:] ++ x[a:] (its first row predicts x[a], so every response position
                    is a row of its own output) attending to the cached keys and to itself
-                   (kernels.packed_after_cached; one forward per record for a student on its own
+                   (shared_keys.packed_after_cached; one forward per record for a student on its own
                    attention, or with sliding windows or soft caps). The prefix's own keys and
                    values are put back after each forward. It computes about a quarter fewer
                    positions on the length mix, yet its step was slower than the batched
@@ -125,7 +125,7 @@ class ContextTeacher:
     def cached_rows(self, segments) -> torch.Tensor:
         """The teacher's rows of `segments`, each record run after its prefix's cached keys and
         values: the records of one prefix packed end to end in one forward where spds's attention
-        runs the student (kernels.packed_after_cached), else one forward per record."""
+        runs the student (shared_keys.packed_after_cached), else one forward per record."""
         rows = {}
         for group in self.by_prefix(segments):
             if self.packs():
