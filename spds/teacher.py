@@ -12,8 +12,6 @@ Two ways to run the online teacher, the same numbers (tested against a plain for
 
 batched (default)  The whole sequence x[:a] ++ context ++ x[a:], the records of a pass laid out
                    like the student's (padded rows or packed), on the student's attention kernels.
-                   Measured faster on H200 for a 4k context and the 512-32k length mix
-                   (bench/RESULTS.md).
 reuse_context_kv   The context's keys and values computed once. The tokens before the insertion
                    point are the chat template's system header (the same for every record), the
                    context is the same, and the student is frozen: the keys and values of
@@ -24,8 +22,8 @@ reuse_context_kv   The context's keys and values computed once. The tokens befor
                    (shared_keys.packed_after_cached; one forward per record for a student on its own
                    attention, or with sliding windows or soft caps). The prefix's own keys and
                    values are put back after each forward. It computes about a quarter fewer
-                   positions on the length mix, yet its step was slower than the batched
-                   recompute on H200 (bench/RESULTS.md), so it is not the default.
+                   positions on the length mix; until its GPU step is measured on records that
+                   share their header (bench/RESULTS.md) it is not the default.
 
 Across epochs (loss.teacher_memo_gib > 0) each record's teacher states are kept on the host after
 its first visit: the frozen student and the fixed context make them a pure function of the record,
