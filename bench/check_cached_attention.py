@@ -136,12 +136,10 @@ def packed_records(lengths=(512, 1024, 3000, 700, 2048, 900, 1500, 4000)) -> Non
             values = torch.cat([v[:, :, :CONTEXT], v[:, :, CONTEXT + s : CONTEXT + e]], dim=2)
             return q[:, :, s:e], keys, values
 
-        packed = packed_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths))  # [total, Hq, D]
-        checked = max(lengths) <= 8192  # the fp32 reference holds [heads, L, C + L] scores
-        error = (
-            float("nan")
-            if not checked
-            else max(
+        def worst(packed) -> float:  # [total, Hq, D] against each record's fp32 reference
+            if max(lengths) > 8192:  # the fp32 reference holds [heads, L, C + L] scores
+                return float("nan")
+            return max(
                 float(
                     (packed[offsets[i] : offsets[i + 1]].transpose(0, 1)[None].float() - reference(*alone(i)))
                     .abs()
@@ -149,7 +147,8 @@ def packed_records(lengths=(512, 1024, 3000, 700, 2048, 900, 1500, 4000)) -> Non
                 )
                 for i in range(len(lengths))
             )
-        )
+
+        error = worst(packed_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths)))
         records = [alone(i) for i in range(len(lengths))]
         packed_ms = timed(lambda: packed_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths)))
         alone_ms = timed(lambda: [lower_right_causal(*r, None) for r in records])
@@ -159,19 +158,7 @@ def packed_records(lengths=(512, 1024, 3000, 700, 2048, 900, 1500, 4000)) -> Non
         except ImportError:
             fa4 = "; fa4: not installed"
         if not fa4:
-            on_fa4 = fa4_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths))
-            fa4_error = (
-                float("nan")
-                if not checked
-                else max(
-                    float(
-                        (on_fa4[offsets[i] : offsets[i + 1]].transpose(0, 1)[None].float() - reference(*alone(i)))
-                        .abs()
-                        .max()
-                    )
-                    for i in range(len(lengths))
-                )
-            )
+            fa4_error = worst(fa4_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths)))
             fa4_ms = timed(lambda: fa4_after_cached(q, k, v, HEAD_DIM**-0.5, starts, max(lengths)))
             fa4 = f"; fa4_after_cached {fa4_ms:.2f} ms, max|err| vs fp32 {fa4_error:.2e}"
         print(

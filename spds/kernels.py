@@ -104,16 +104,19 @@ def packed_causal(query, key, value, scaling, starts, longest: int):
     return output[0].transpose(0, 1)
 
 
-def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = None):
+def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = None, with_lse: bool = False):
     """FlashAttention-4, causal, grouped-query keys as they are. Returns [B, L, Hq, D], or with
-    `starts` (records packed end to end in one row) [positions, Hq, D]. Its backward is the
-    deterministic one whenever PyTorch's deterministic algorithms are on (train.deterministic)."""
+    `starts` (records packed end to end in one row) [positions, Hq, D]; `with_lse`: and the
+    log-sum-exps ([B, Hq, L], or [Hq, positions]). Its backward is the deterministic one whenever
+    PyTorch's deterministic algorithms are on (train.deterministic)."""
     fa4 = import_fa4()
     flash_attn_func, flash_attn_varlen_func = fa4.flash_attn_func, fa4.flash_attn_varlen_func
     deterministic = torch.are_deterministic_algorithms_enabled()
     rows = [t.transpose(1, 2) for t in (query, key, value)]  # [B, L, heads, D], the layout it takes
     if starts is None:
-        output = flash_attn_func(*rows, softmax_scale=scaling, causal=True, deterministic=deterministic)
+        output = flash_attn_func(
+            *rows, softmax_scale=scaling, causal=True, deterministic=deterministic, return_lse=with_lse
+        )
     else:
         output = flash_attn_varlen_func(
             *(t[0] for t in rows),
@@ -124,7 +127,10 @@ def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = No
             softmax_scale=scaling,
             causal=True,
             deterministic=deterministic,
+            return_lse=with_lse,
         )
+    if with_lse:
+        return output
     return output[0] if isinstance(output, tuple) else output  # (output, lse) in some versions
 
 

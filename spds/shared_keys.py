@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from .kernels import import_fa4, repeated_heads, triton_available
+from .kernels import fa4_causal, import_fa4, repeated_heads, triton_available
 
 
 def lower_right_causal(query, key, value, scaling):
@@ -87,25 +87,15 @@ def fa4_after_cached(query, key, value, scaling, starts, longest: int):
     parts on its Hopper and Blackwell kernels, which return their log-sum-exps and take
     grouped-query keys as they are (no repeated heads, no padded lengths, no per-shape plans to
     build on the host). Forward only. Returns [positions, Hq, D]."""
-    fa4 = import_fa4()
     cached = key.shape[2] - query.shape[2]
-    rows = [t[0].transpose(0, 1) for t in (query, key, value)]  # [positions, heads, D], as FA4 takes them
-    own, own_lse = fa4.flash_attn_varlen_func(
-        rows[0],
-        rows[1][cached:],
-        rows[2][cached:],
-        cu_seqlens_q=starts,
-        cu_seqlens_k=starts,
-        max_seqlen_q=longest,
-        max_seqlen_k=longest,
-        softmax_scale=scaling,
-        causal=True,
-        return_lse=True,
+    own, own_lse = fa4_causal(
+        query, key[:, :, cached:], value[:, :, cached:], scaling, starts, longest, with_lse=True
     )  # [positions, Hq, D], [Hq, positions]
     if not cached:
         return own
-    shared, shared_lse = fa4.flash_attn_func(
-        rows[0][None], rows[1][None, :cached], rows[2][None, :cached], softmax_scale=scaling, return_lse=True
+    rows = [t.transpose(1, 2) for t in (query, key[:, :, :cached], value[:, :, :cached])]  # [1, L, heads, D]
+    shared, shared_lse = import_fa4().flash_attn_func(
+        *rows, softmax_scale=scaling, return_lse=True
     )  # [1, positions, Hq, D], [1, Hq, positions]
     merged = merge_parts(own.transpose(0, 1)[None], own_lse[None], shared.transpose(1, 2), shared_lse, query.dtype)
     return merged[0].transpose(0, 1)
