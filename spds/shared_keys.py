@@ -222,14 +222,17 @@ def fa4_shared_step(query, key, value, scale: float):
 
 def merge_parts(output, lse, other, other_lse, dtype: torch.dtype) -> torch.Tensor:
     """`merge` of two parts given as [b, h, m, D] outputs and [b, h, m] log-sum-exps (views, any
-    strides), written as one contiguous [b, h, m, D] tensor in `dtype`. On CUDA one Triton kernel
-    reads each part once where it lies: a decode step merges in every layer, and as a dozen
-    PyTorch operations (casts, exps, the layout copies) that was hundreds of small kernels a step.
-    Elsewhere `merge` itself."""
+    strides but a unit one along D), written as one contiguous [b, h, m, D] tensor in `dtype`. On
+    CUDA one Triton kernel reads each part once where it lies: a decode step merges in every layer,
+    and as a dozen PyTorch operations (casts, exps, the layout copies) that was hundreds of small
+    kernels a step. Elsewhere `merge` itself."""
     if not (output.is_cuda and triton_available()):
         return merge(output, lse, other, other_lse).to(dtype).contiguous()
     import triton
 
+    output, other = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (output, other)
+    )  # the kernel's D is unit-strided
     b, h, m, dim = output.shape
     merged = torch.empty(b, h, m, dim, dtype=dtype, device=output.device)
     merge_kernel()[(b * h * m,)](
