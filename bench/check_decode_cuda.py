@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import spds.decode
 from spds.decode import BatchCache, Decoder
 from spds.generate import load_teacher
-from spds.shared_keys import math_attention, own_keys_step
+from spds.shared_keys import own_keys_step
 
 FAMILIES = {k: v for k, v in json.loads(Path("tests/fixtures/models/families.json").read_text()).items() if k[0] != "_"}
 END, VOCAB = 1, 300
@@ -31,7 +31,7 @@ torch.backends.cuda.matmul.allow_tf32 = False  # the reference in full fp32
 
 def check_own_keys() -> list:
     """The decode step's attention over each row's own keys (shared_keys.own_keys_step, bf16) against
-    plain fp32 attention over the same keys under an explicit mask: holes before each row's keys,
+    plain fp64 attention (written out here) over the same keys under an explicit mask: holes before each row's keys,
     unwritten positions after, several blocks of keys, windows inside one block and across blocks;
     head sizes a power of 2 and not (Phi-3's 96), 1 to 4 query heads per key/value head."""
     failed = []
@@ -59,9 +59,13 @@ def check_own_keys() -> list:
             mask = visible[:, None, None, :]  # [rows, 1, 1, keys], the same for every head
             keys = keys.transpose(1, 2).repeat_interleave(groups, dim=1)
             values = values.transpose(1, 2).repeat_interleave(groups, dim=1)
-            expected, expected_lse = math_attention(query, keys, values, mask, dim**-0.5, None)
+            # the reference in plain PyTorch (fp64), nothing of spds's attention
+            scores = (query.double() @ keys.double().transpose(-1, -2)) * dim**-0.5
+            scores = scores.masked_fill(~mask, float("-inf"))
+            expected_lse = torch.logsumexp(scores, dim=-1)
+            expected = (torch.softmax(scores, dim=-1) @ values.double()).float()
             worst = (output.float() - expected).abs().max().item()
-            worst_lse = (lse - expected_lse).abs().max().item()
+            worst_lse = (lse.double() - expected_lse).abs().max().item()
             # bf16 outputs of values ~N(0, 1): their rounding is under 1e-2; a key read wrongly moves them ~0.1
             print(
                 json.dumps(

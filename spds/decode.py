@@ -411,11 +411,11 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         return causal_attention(query, key[:, :, :count], value[:, :, :count], scale, softcap), None
     decoder = getattr(module, "spds_decoder", None)
     cache = decoder.active if decoder is not None else None
+    layer = module.layer_idx
     # the G query heads of a key/value head as its G x Lq rows: every part below is [B, Hkv, G x Lq, ...]
     own = query.reshape(batch, kv, groups * count, dim)
     if count == 1 and cache is not None and flash_fits(query, softcap) and triton_available():  # a decode step
         # each row reads only the keys it has written, from after its holes: no mask, nothing unwritten
-        layer = module.layer_idx
         window = decoder.window if decoder.windowed[layer] else None
         keys, values = cache.keys[layer], cache.values[layer]
         output, lse = own_keys_step(query, keys, values, cache.own_from, cache.written, scale, window)
@@ -423,7 +423,6 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * count, -1)
         output, lse = attend(own, key, value, mask, scale, softcap)
     if cache is not None and cache.shared:
-        layer = module.layer_idx
         keys, values = cache.shared[layer]
         shared_mask = None
         if decoder.windowed[layer]:

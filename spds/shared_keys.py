@@ -140,7 +140,7 @@ def attend(query, key, value, mask=None, scale: float | None = None, softcap: fl
     `mask` marks (bool [b or 1, 1, m, n]; None: all of them), or with `causal` row i keys 0..i
     (m == n): the output [b, hq, m, D] and the log-sum-exp of each row's scaled scores [b, hq, m]
     (fp32; -inf for a row that sees no key), the pieces two attentions over disjoint keys are
-    merged from (`merge`). On CUDA without a mask or a soft cap cuDNN (Hopper's kernel: 2-4x
+    merged from (`merge`). On CUDA without a mask or a soft cap cuDNN (Hopper's kernel: 1.6-3.8x
     FlashAttention-2's rate on H200 for the shapes spds gives it, bench/RESULTS.md), else flash
     attention, else the memory-efficient kernel; elsewhere plain PyTorch."""
     scale = scale if scale is not None else query.shape[-1] ** -0.5
