@@ -18,7 +18,8 @@ echo "== spds validate"; quiet "$spds" validate "$config"
 echo "== spds prepare";  quiet "$spds" prepare "$config"
 echo "== spds smoke";    quiet "$spds" smoke "$config" | tail -2
 echo "== spds train";    quiet "$spds" train "$config" | grep -E "^update (1|5|10|15|20|25|30)/|spds train"
-echo "== spds eval";     quiet "$spds" eval "$config"
+echo "== spds eval (the student has random weights: read the NLL line; its sample answers are noise)"
+quiet "$spds" eval "$config"
 echo "== spds export";   quiet "$spds" export "$config"
 echo "== outputs"
 find "$tiny/loop-run" -maxdepth 2 -not -path '*/checkpoints/*' -not -path '*/smoke/*' | sort
