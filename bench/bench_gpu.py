@@ -124,16 +124,27 @@ def measure_peak_tflops() -> float:
 # ---------------------------------------------------------------- spds
 
 
-def write_store(directory: Path, lengths: list[int], seed: int = 0):
+def write_store(directory: Path, lengths: list[int], seed: int = 0, top_k: int = 0):
+    """A packed store of random records of `lengths` (with `top_k`, each supervised token carries an
+    offline teacher's top-k: distinct ids, log-probabilities summing below 1)."""
     from spds.data.packed import PackedStore, PackedWriter
     from spds.data.rows import Record
 
     rng = np.random.default_rng(seed)
     writer = PackedWriter(directory)
     header = rng.integers(0, VOCAB - 1000, HEADER).astype(np.uint32)
+    shares = np.log(0.9 * np.arange(top_k, 0, -1) / (top_k * (top_k + 1) / 2)).astype(np.float32)
     for i, length in enumerate(lengths):
         ids = rng.integers(0, VOCAB - 1000, length).astype(np.uint32)
         ids[:HEADER] = header  # every record opens with the same system header, as a chat template's do
+        supervised = length - min(PREFIX, length // 2)
+        top = {}
+        if top_k:
+            first = rng.integers(0, VOCAB - top_k, supervised)[:, None]
+            top = dict(
+                top_ids=(first + np.arange(top_k)).astype(np.int32),
+                top_logprobs=np.broadcast_to(shares, (supervised, top_k)).copy(),
+            )
         writer.add(
             Record(
                 request_id=f"r{i}",
@@ -145,11 +156,14 @@ def write_store(directory: Path, lengths: list[int], seed: int = 0):
                 response_sha256="0" * 64,
                 added_system=False,
                 source=f"synthetic:{i}",
+                **top,
             ),
             "train",
         )
     files = writer.close_files()
-    writer.commit(dict(format="spds-packed-v1", records=len(lengths), tokens=int(sum(lengths)), files=files))
+    writer.commit(
+        dict(format="spds-packed-v1", records=len(lengths), tokens=int(sum(lengths)), files=files, top_k=top_k)
+    )
     return PackedStore.open(directory)
 
 
@@ -205,6 +219,12 @@ VARIANTS["kl"] = VARIANTS["kl-nocache"] = VARIANTS["packed"]
 VARIANTS["liger-packed-kl"] = VARIANTS["liger-packed-kl-nocache"] = VARIANTS["liger-packed"]
 VARIANTS["liger-packed-fa4-kl"] = VARIANTS["liger-packed-fa4-kl-nocache"] = VARIANTS["liger-packed-fa4"]
 # student.fp8_linear: the decoder's linear layers quantized in place (the shared student: list it last)
+# loss.teacher top_k: KL against an offline teacher's top-k that every record carries (spds generate
+# with generate.top_k_logprobs writes them): no teacher forward in the step
+VARIANTS["packed-topk"] = VARIANTS["packed"]
+VARIANTS["liger-packed-topk"] = VARIANTS["liger-packed"]
+VARIANTS["liger-packed-fa4-topk"] = VARIANTS["liger-packed-fa4"]
+TOPK = 20
 VARIANTS["liger-packed-fp8"] = VARIANTS["liger-packed"]
 VARIANTS["liger-packed-fa4-fp8"] = VARIANTS["liger-packed-fa4"]
 CONTEXT = 4096
@@ -236,6 +256,25 @@ def online_kl(reuse_context: bool, memo_gib: float = 0.0):
     return attach
 
 
+def offline_kl(model):
+    from spds.contract import section
+    from spds.loss import make_loss
+    from spds.teacher import TopKTeacher
+
+    model.loss_fn = make_loss(section("loss", objective="kl", teacher="top_k"))
+    return TopKTeacher()
+
+
+def teacher_flops(name: str, lengths: list[int]) -> float:
+    """The least the online teacher must compute for records of `lengths` after a cached CONTEXT:
+    a forward (2 x matmul parameters a position) with causal attention over the context and the
+    record's own earlier positions. Against useful_flops (the step's forward and input-gradient
+    backward), 1 + this / that is the KL step's floor at the CE step's FLOP rate."""
+    hidden, layers, heads, *_ = SHAPES[name]
+    p = matmul_parameters(name)
+    return float(sum(2 * p * n + 2 * layers * heads * HEAD_DIM * (n * n + 2 * n * CONTEXT) for n in lengths))
+
+
 # loss.teacher_memo_gib: the teacher's states kept per record. Timed on a second visit of the same
 # records (a later epoch), after a timed first visit (first_visit_seconds).
 VARIANTS["liger-kl-memo"] = VARIANTS["liger-kl-nocache-memo"] = VARIANTS["liger"]
@@ -262,6 +301,9 @@ AFTER_BUILD = {
     "liger-packed-kl-nocache": online_kl(False),
     "liger-packed-fa4-kl": online_kl(True),
     "liger-packed-fa4-kl-nocache": online_kl(False),
+    "packed-topk": offline_kl,
+    "liger-packed-topk": offline_kl,
+    "liger-packed-fa4-topk": offline_kl,
     "liger-packed-fp8": fp8_linears,
     "liger-packed-fa4-fp8": fp8_linears,
     "liger-kl-memo": online_kl(True, memo_gib=64.0),
@@ -302,7 +344,7 @@ def time_spds(
 
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
-        store = write_store(directory / "packed", warm_lengths + lengths)
+        store = write_store(directory / "packed", warm_lengths + lengths, top_k=TOPK if "topk" in variant else 0)
         config = spds_config(directory, len(lengths), variant)
         if not torch.distributed.is_initialized():
             init_distributed(config.distributed)
@@ -337,9 +379,9 @@ def time_spds(
                 train_step(engine, teacher, store, plan, plan.step_of(2, batch), 0, device, stop, None)
                 torch.cuda.synchronize()
             extra = dict(first_visit_seconds=time.perf_counter() - started)
-            if teacher is not None:
+            if hasattr(teacher, "memo_bytes"):
                 extra["teacher_memo_gib"] = teacher.memo_bytes / 2**30
-        if teacher is not None:  # the cached teacher computes a header's context once
+        if hasattr(teacher, "prefix_forwards"):  # the cached teacher computes a header's context once
             extra["teacher_prefix_forwards"] = teacher.prefix_forwards
         recomputed.clear()
         started = time.perf_counter()
@@ -681,6 +723,10 @@ def main() -> None:
         first = f"{r['positions'] / r['first_visit_seconds']:,.0f}" if "first_visit_seconds" in r else ""
         cells = [r["model"], r["case"], r["system"], f"{rate:,.0f}", f"{r['peak_gib']:.1f}", f"{mfu:.0%}", ratio, first]
         print("| " + " | ".join(map(str, cells)) + " |")
+    for label, lengths, _ in cases:  # what an online teacher cannot go below, whatever its kernels
+        floor = 1 + teacher_flops(args.model, lengths) / useful_flops(args.model, [n + PROMPT for n in lengths])
+        print(f"{label}: the online teacher's forward (context cached) is {floor - 1:.2f} of the step's useful FLOPs: "
+              f"a KL step at the CE step's FLOP rate takes at least {floor:.2f}x the CE step")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(header=header, peak_tflops=peak, rows=rows), indent=1))
 

@@ -5,12 +5,13 @@
 # QUESTIONS questions x SAMPLES samples, MAX_NEW tokens each, sampling at temperature 1 (random
 # weights rarely sample the end token, so every response runs to MAX_NEW).
 #   bash bench/gpu_generate.sh 1.7b [8b ...]
-#   QUESTIONS=32 SAMPLES=4 MAX_NEW=512 BATCH=16 CONTEXT_TOKENS=4096 LIGER=0 (the defaults;
-#   LIGER=1: student.liger_kernels true, the teacher decoding on Liger's kernels)
+#   QUESTIONS=32 SAMPLES=4 MAX_NEW=512 BATCH=16 CONTEXT_TOKENS=4096 LIGER=0 TOPK=0 (the defaults;
+#   LIGER=1: student.liger_kernels true, the teacher decoding on Liger's kernels; TOPK=20: every row
+#   also carries the teacher's top-20 log-probabilities, generate.top_k_logprobs)
 set -euo pipefail
 QUESTIONS=${QUESTIONS:-32} SAMPLES=${SAMPLES:-4} MAX_NEW=${MAX_NEW:-512} BATCH=${BATCH:-16}
-CONTEXT_TOKENS=${CONTEXT_TOKENS:-4096} LIGER=${LIGER:-0}
-export QUESTIONS SAMPLES MAX_NEW BATCH CONTEXT_TOKENS LIGER
+CONTEXT_TOKENS=${CONTEXT_TOKENS:-4096} LIGER=${LIGER:-0} TOPK=${TOPK:-0}
+export QUESTIONS SAMPLES MAX_NEW BATCH CONTEXT_TOKENS LIGER TOPK
 for model in "$@"; do
   work=$(mktemp -d)
   python3 bench/make_synthetic.py "$work" --model "$model" --records 2 --min-tokens 256 --max-tokens 512 | tail -1
@@ -26,7 +27,7 @@ with open(work / "questions.jsonl", "w") as stream:
         stream.write(json.dumps(dict(question_id=f"q{i}", question=f"What does entry {i} of the archive say?")) + "\n")
 c["generate"] = dict(questions="questions.jsonl", output="generated.jsonl", samples_per_question=int(os.environ["SAMPLES"]),
                      temperature=1.0, top_p=1.0, max_new_tokens=int(os.environ["MAX_NEW"]),
-                     batch_size=int(os.environ["BATCH"]), seed=0)
+                     batch_size=int(os.environ["BATCH"]), seed=0, top_k_logprobs=int(os.environ["TOPK"]))
 c["student"]["liger_kernels"] = os.environ["LIGER"] == "1"
 (work / "config.json").write_text(json.dumps(c, indent=2))
 PY
@@ -39,26 +40,20 @@ from pathlib import Path
 work, model, began, ended = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 rows = [json.loads(line) for line in open(work / "generated.jsonl")]
 new = sum(row["supervised_tokens"] for row in rows)
-shape = json.loads((work / "student" / "config.json").read_text())
-hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
-kv, head_dim, vocab = shape["num_key_value_heads"], shape.get("head_dim") or hidden // heads, shape["vocab_size"]
-weights = 2 * (layers * (2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * shape["intermediate_size"])
-               + vocab * hidden)  # bf16 bytes read once per decode step (lm_head included)
+sys.path.insert(0, "bench")
+from decode_bound import shape_of, step_bounds
 batch, context = int(os.environ["BATCH"]), int(os.environ["CONTEXT_TOKENS"]) + 40  # + the template and the question
-per_token = layers * 2 * kv * head_dim * 2  # bf16 key and value bytes of one position, all layers
 own = 40 + int(os.environ["MAX_NEW"]) / 2  # a row's own positions each decode step reads, on average (question, answer)
-bandwidth = 4.8e12  # H200 HBM3e, bytes/s (NVIDIA's figure)
-# the bound: every step reads the weights once, the shared context's keys and values once, and each
-# row's own keys and values (spds's decoding reads exactly these); the earlier bound read the
-# context once per row, as decoding with a per-row cache must
-bound = batch * bandwidth / (weights + context * per_token + batch * own * per_token)
-per_row_bound = batch * bandwidth / (weights + batch * (context + own) * per_token)
+# bench/decode_bound.py: the bytes a step must read (the weights, the shared context's keys and
+# values once, each row's own) over the bandwidth; and the roofline, each part at the slower of bytes and FLOPs
+bounds = step_bounds(shape_of(str(work / "student" / "config.json")), batch, context, own)
+bound, roofline = batch / bounds["bandwidth"], batch / bounds["roofline"]
 seconds = ended - began
 print(json.dumps(dict(model=model, rows=len(rows), new_tokens=new, seconds=round(seconds, 1),
                       rows_per_second=round(len(rows) / seconds, 3), new_tokens_per_second=round(new / seconds, 1),
                       batch=batch, context_tokens=context, bandwidth_bound_tokens_per_second=round(bound),
-                      fraction_of_bound=round(new / seconds / bound, 3),
-                      per_row_context_bound=round(per_row_bound), fraction_of_per_row_bound=round(new / seconds / per_row_bound, 3))))
+                      fraction_of_bound=round(new / seconds / bound, 3), roofline_tokens_per_second=round(roofline),
+                      fraction_of_roofline=round(new / seconds / roofline, 3))))
 PY
   rm -rf "$work"
 done
