@@ -137,12 +137,22 @@ class Decoder:
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
-    @torch.no_grad()
     def answer(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
     ) -> list[list[int]]:
         """Each prompt's answer ids: up to and including its first end token, or max_new_tokens
         ids with an end token appended (a cut answer is closed, as spds's rows must end)."""
+        return self.answer_with_top_k(prompts, max_new_tokens, temperature, top_p, seed, 0)[0]
+
+    @torch.no_grad()
+    def answer_with_top_k(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int, k: int
+    ) -> tuple[list[list[int]], list[dict] | None]:
+        """`answer`'s ids and, with k > 0, each answer's top-k: at every answer token, the k most
+        likely next tokens of the logits it was picked from and their log-probabilities at
+        temperature 1 (dict(ids=[[k ids] per token], logprobs=[[k floats] per token])). A cut
+        answer's closing end token was never picked: one more step gives its logits. Taken from
+        the decode step's own logits, so an offline teacher's targets cost no second pass."""
         began = time.perf_counter()
         device = self.model.device
         prefix = common_prefix(prompts)
@@ -166,39 +176,28 @@ class Decoder:
         logits = self.forward(ids, positions, cache, start=0)[:, -1]
         step = Step(self, cache, positions, next_position=positions[:, longest - 1] + 1, write_at=longest)
         answers = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        top = TopK(rows, max_new_tokens + 1, k, device) if k else None
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
         ends = torch.tensor(self.end_ids, device=device)
         for number in range(max_new_tokens):
+            if top:
+                top.keep(number, logits)
             token = torch.where(ended, self.pad_id, pick(logits, temperature, top_p, generator))
             answers[:, number] = token
             ended |= torch.isin(token, ends)
             if number + 1 == max_new_tokens or (number % 8 == 7 and bool(ended.all())):  # a host sync every 8 steps
                 break
             logits = step(token)
+        if top and number + 1 == max_new_tokens and not bool(ended.all()):  # the cut answers' closing end token
+            top.keep(number + 1, step(token))
         result = []
         for row in answers.tolist():
             end = next((i for i, t in enumerate(row) if t in self.end_ids), None)
             result.append(row[: end + 1] if end is not None else row + [self.end_ids[0]])
+        tops = top.per_answer([len(r) for r in result]) if top else None
         self.seconds += time.perf_counter() - began  # answers.tolist() waited for the device
         self.new_tokens += sum(len(r) for r in result)
-        return result
-
-    @torch.no_grad()
-    def scores(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
-        """The fp32 logits [len(continuation), vocabulary] that predicted each token of
-        `continuation` after `prompt`, reading the kept prefix's keys and values where `prompt`
-        begins with it (a generate run's context is not computed again per row)."""
-        device = self.model.device
-        prefix = len(self.prefix_ids or [])
-        if not (0 < prefix < len(prompt) and prompt[:prefix] == self.prefix_ids):
-            prefix = 0
-        own = prompt[prefix:] + continuation[:-1]
-        cache = BatchCache(self.layers, 1, len(own), device, self.prefix_states if prefix else [])
-        self.plan_window(cache, prefix, prefix + len(own) - 1)
-        positions = torch.full((1, cache.capacity), -1, dtype=torch.long)
-        positions[0, : len(own)] = torch.arange(prefix, prefix + len(own))
-        ids = torch.tensor([own], device=device)
-        return self.forward(ids, positions.to(device), cache, start=0, keep=len(continuation))[0]
+        return result, tops
 
     def check_fits(self, rows: int, positions: int) -> None:
         """Refuse, before anything is allocated, a batch whose own keys and values and logits would
@@ -346,6 +345,25 @@ class Step:
         self.next_position += 1
         self.cache.index += 1
         return logits
+
+
+class TopK:
+    """Each decode step's top-k of its rows' logits at temperature 1, kept on the device until the
+    batch ends ([rows, steps, k] ids and log-probabilities: log-softmax's values at the top k,
+    without writing the whole log-softmax)."""
+
+    def __init__(self, rows: int, steps: int, k: int, device: torch.device):
+        self.ids = torch.zeros((rows, steps, k), dtype=torch.int32, device=device)
+        self.logprobs = torch.zeros((rows, steps, k), dtype=torch.float32, device=device)
+
+    def keep(self, number: int, logits: torch.Tensor) -> None:
+        values, ids = logits.topk(self.ids.shape[2], dim=-1)
+        self.ids[:, number] = ids.to(torch.int32)
+        self.logprobs[:, number] = values - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+    def per_answer(self, lengths: list[int]) -> list[dict]:
+        ids, logprobs = self.ids.tolist(), self.logprobs.tolist()
+        return [dict(ids=i[:n], logprobs=p[:n]) for i, p, n in zip(ids, logprobs, lengths)]
 
 
 def captured(step: Step):

@@ -146,18 +146,14 @@ def generate(config: Config, log=print) -> dict:
             for request, asked in zip(batch, turns):
                 if request["request_id"] in done:
                     continue
-                responses = [response for _, response in asked]
+                responses = [turn.response for turn in asked]
                 row = (
                     candidate_row(tokenizer, request, responses[0], end_ids, kwargs)
                     if len(asked) == 1
                     else multi_turn_row(tokenizer, request, responses, end_ids, kwargs)
                 )
-                if settings.top_k_logprobs:
-                    tops = [
-                        teacher_top_k(asking.decoder, prompt, response, settings.top_k_logprobs)
-                        for prompt, response in asked
-                    ]
-                    row["top_logprobs"] = {key: [v for top in tops for v in top[key]] for key in ("ids", "logprobs")}
+                if settings.top_k_logprobs:  # every turn's, in the order of the row's supervised tokens
+                    row["top_logprobs"] = {key: [v for turn in asked for v in turn.top[key]] for key in ("ids", "logprobs")}
                 stream.write(json.dumps(row) + "\n")
                 written += 1
             stream.flush()
@@ -182,6 +178,15 @@ def user_turns(messages: list[dict]) -> list[int]:
 
 
 @dataclass
+class Turn:
+    """The teacher's answer to one user turn: its ids (ending with an end token) and, with
+    generate.top_k_logprobs, its top-k at each of them (Decoder.answer_with_top_k)."""
+
+    response: list[int]
+    top: dict | None = None
+
+
+@dataclass
 class Asking:
     """How every batch of a run is asked: the teacher's decoder and tokenizer, the context and
     where it goes (the system message, or ahead of the first user turn), the sampling settings,
@@ -194,30 +199,35 @@ class Asking:
     settings: GenerateSettings
     template_kwargs: dict
 
-    def answer(self, batch: list[dict], seed: int) -> tuple[list[list[int]], list[list[int]]]:
-        """(the teacher's prompt ids, its response ids) for each request; a response ends at the
-        first end token, which is kept (spds/decode.py)."""
+    def answer(self, batch: list[dict], seed: int) -> list[Turn]:
+        """The teacher's answer to each request; a response ends at the first end token, which is
+        kept (spds/decode.py)."""
         asked = [with_context(r["messages"], self.context, self.context_in_user_turn) for r in batch]
         prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
         sampling = self.settings
-        answers = self.decoder.answer(prompts, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed)
-        return prompts, answers
+        answers, tops = self.decoder.answer_with_top_k(
+            prompts, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed, sampling.top_k_logprobs
+        )
+        return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
 
-    def answer_turns(self, batch: list[dict], seed: int) -> list[list[tuple[list[int], list[int]]]]:
-        """For each request, (the teacher's prompt ids, its answer ids) for each of its user turns,
-        in order: a question of several user turns is answered turn by turn, each turn asked with
-        the teacher's earlier answers in the conversation (as text)."""
+    def answer_turns(self, batch: list[dict], seed: int) -> list[list[Turn]]:
+        """For each request, the teacher's answer to each of its user turns, in order: a question
+        of several user turns is answered turn by turn, each turn asked with the teacher's earlier
+        answers in the conversation (as text)."""
         asked = [[] for _ in batch]
         for turn in range(max(len(user_turns(r["messages"])) for r in batch)):
             active = [i for i, r in enumerate(batch) if len(user_turns(r["messages"])) > turn]
-            conversations = [conversation_through(batch[i]["messages"], turn, asked[i], self.tokenizer) for i in active]
-            prompts, responses = self.answer([dict(messages=c) for c in conversations], seed + turn * TURN_SEED_STRIDE)
-            for i, prompt, response in zip(active, prompts, responses):
-                asked[i].append((prompt, response))
+            conversations = [
+                conversation_through(batch[i]["messages"], turn, [t.response for t in asked[i]], self.tokenizer)
+                for i in active
+            ]
+            answered = self.answer([dict(messages=c) for c in conversations], seed + turn * TURN_SEED_STRIDE)
+            for i, answer in zip(active, answered):
+                asked[i].append(answer)
         return asked
 
 
-def conversation_through(messages: list[dict], turn: int, asked: list, tokenizer) -> list[dict]:
+def conversation_through(messages: list[dict], turn: int, answers: list[list[int]], tokenizer) -> list[dict]:
     """The question's messages through its `turn`-th user message, each earlier user turn followed
     by the teacher's answer to it."""
     through = user_turns(messages)[turn]
@@ -225,7 +235,7 @@ def conversation_through(messages: list[dict], turn: int, asked: list, tokenizer
     for index, message in enumerate(messages[: through + 1]):
         conversation.append(message)
         if message["role"] == "user" and index < through:
-            conversation.append({"role": "assistant", "content": tokenizer.decode(asked[answered][1][:-1])})
+            conversation.append({"role": "assistant", "content": tokenizer.decode(answers[answered][:-1])})
             answered += 1
     return conversation
 
@@ -237,7 +247,7 @@ def multi_turn_row(tokenizer, request: dict, responses: list[list[int]], end_ids
     ends = set(end_ids)
     ids, labels, before = [], [], []
     for turn, response in enumerate(responses):
-        conversation = conversation_through(request["messages"], turn, [(None, r) for r in responses], tokenizer)
+        conversation = conversation_through(request["messages"], turn, responses, tokenizer)
         opening = render(tokenizer, conversation, True, kwargs)
         if opening[: len(before)] != before:
             raise SpdsError(
@@ -284,15 +294,6 @@ def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list
         dict(messages[first], content=f"{context}\n\n{messages[first]['content']}"),
         *messages[first + 1 :],
     ]
-
-
-@torch.no_grad()
-def teacher_top_k(decoder: Decoder, prompt: list[int], response: list[int], k: int) -> dict:
-    """The teacher's top-k next-token log-probabilities (temperature 1, its full distribution) at
-    every response token, from one forward pass over the finished sequence after the kept context
-    (Decoder.scores): every token has its entry, the end token that closes a cut response included."""
-    top = torch.log_softmax(decoder.scores(prompt, response), dim=-1).topk(k, dim=-1)
-    return dict(ids=top.indices.tolist(), logprobs=top.values.tolist())
 
 
 def candidate_row(tokenizer, request: dict, response: list[int], end_ids: list[int], kwargs: dict) -> dict:

@@ -89,22 +89,23 @@ def test_every_steps_logits_equal_transformers_forward(saved, family, monkeypatc
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_scores_after_the_kept_prefix_equal_transformers_forward(saved, family):
-    """generate's top-k pass (Decoder.scores): the logits that predicted each response token,
-    read after the kept context instead of computing it again, equal a plain forward over the
-    whole sequence; a prompt that does not begin with the kept prefix is computed whole."""
+def test_top_k_taken_while_decoding_equals_transformers_forward(saved, family):
+    """generate.top_k_logprobs comes from the decode step's own logits: at every answer token (a cut
+    answer's appended end token included, which takes one more step), the k most likely next
+    tokens and their log-probabilities at temperature 1, whatever the sampling temperature, equal
+    a plain forward's over the whole prompt and answer."""
     model = load_teacher(saved[family], "float32", torch.device("cpu"))
     plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32, attn_implementation="eager")
     batch = prompts(torch.Generator().manual_seed(7))
-    decoder = Decoder(model, [END], pad_id=0)
-    answers = decoder.answer(batch, 6, temperature=0.0, top_p=1.0, seed=0)
-    stranger = [5] + batch[2][1:]  # another first token: no kept prefix
-    for prompt, response in [*zip(batch, answers), (stranger, answers[2])]:
+    answers, tops = Decoder(model, [END], pad_id=0).answer_with_top_k(batch, 6, 0.7, 1.0, seed=3, k=4)
+    assert any(END not in answer[:-1] and len(answer) == 7 for answer in answers)  # a cut answer, closed
+    for prompt, answer, top in zip(batch, answers, tops):
         with torch.no_grad():
-            expected = plain(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+            logits = plain(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
+        assert top["ids"] == expected.indices.tolist(), family
         # fp32: the two-part softmax and another order of sums (~1e-6, as above)
-        assert (decoder.scores(prompt, response) - expected).abs().max() < 1e-4, family
-    assert decoder.prefix_forwards == 1
+        assert (torch.tensor(top["logprobs"]) - expected.values).abs().max() < 1e-4, family
 
 
 def test_rows_hold_only_their_own_positions_and_read_the_prefix_in_place(saved, monkeypatch):
