@@ -32,7 +32,7 @@ c["student"]["liger_kernels"] = os.environ["LIGER"] == "1"
 (work / "config.json").write_text(json.dumps(c, indent=2))
 PY
   began=$(date +%s.%N)
-  python3 -m spds.cli generate "$work/config.json" 2>&1 | tail -2
+  python3 -m spds.cli generate "$work/config.json" 2>&1 | grep -E "^(start-up|wrote|[0-9.]+ s for)"
   ended=$(date +%s.%N)
   python3 - "$work" "$model" "$began" "$ended" <<'PY'
 import json, os, sys

@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
     from .contract import load_config  # per verb
     from .generate import generate  # per verb
 
-    generate(load_config(args.config, require_candidates=False))
+    generate(load_config(args.config, require_candidates=False), started=STARTED)
     return 0
 
 

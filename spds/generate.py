@@ -105,7 +105,10 @@ def fa4_named(setting, teacher, device: torch.device) -> bool:
     return True
 
 
-def generate(config: Config, log=print) -> dict:
+def generate(config: Config, log=print, started: float | None = None) -> dict:
+    """Write the teacher's rows for generate.questions (appending to generate.output, skipping the
+    rows it already holds). `started`: the process's start (time.time()), for the start-up split."""
+    entered = time.time()
     settings = config.generate
     if not settings.questions:
         raise SpdsError("generate.questions is not set")
@@ -117,10 +120,12 @@ def generate(config: Config, log=print) -> dict:
     context_in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
     kwargs = config.data.chat_template_kwargs
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
+    checked = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     teacher = load_teacher(config.teacher_path, config.student.dtype, device)
     if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
         apply_liger_kernels(teacher)
+    loaded = time.time()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     decoder = Decoder(teacher, end_ids, pad, fa4=fa4_named(config.student.attention_kernel, teacher, device))
     asking = Asking(decoder, tokenizer, context, context_in_user_turn, settings, kwargs)
@@ -137,6 +142,9 @@ def generate(config: Config, log=print) -> dict:
     batches = [requests[i : i + size] for i in range(0, len(requests), size)]
     from tqdm import tqdm
 
+    splits = [("imports and config", entered - started)] if started else []
+    splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
+    log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
     began = time.perf_counter()
     with open(output, "a") as stream:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
