@@ -158,7 +158,7 @@ class Decoder:
         prefix = common_prefix(prompts)
         rows, longest = len(prompts), max(len(p) - prefix for p in prompts)
         shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
-        self.check_fits(rows, longest + max_new_tokens)
+        self.check_fits(rows, longest + max_new_tokens, TopK.bytes_per_row(max_new_tokens + 1, k))
         cache = BatchCache(self.layers, rows, longest + max_new_tokens, device, shared)
         cache.skip_holes([longest - (len(p) - prefix) for p in prompts])
         self.plan_window(cache, prefix, max(len(p) for p in prompts) + max_new_tokens - 1)
@@ -199,17 +199,17 @@ class Decoder:
         self.new_tokens += sum(len(r) for r in result)
         return result, tops
 
-    def check_fits(self, rows: int, positions: int) -> None:
-        """Refuse, before anything is allocated, a batch whose own keys and values and logits would
-        not fit the device's free memory: a message that says what fits, not an out-of-memory
-        error halfway through a batch."""
+    def check_fits(self, rows: int, positions: int, kept_per_row: int = 0) -> None:
+        """Refuse, before anything is allocated, a batch whose own keys and values and logits (and
+        `kept_per_row` bytes more a row: the top-k kept) would not fit the device's free memory: a
+        message that says what fits, not an out-of-memory error halfway through a batch."""
         free = free_bytes(self.model.device)
         if free is None:
             return
         config = self.model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         cache = -(-positions // 16) * 16 * self.layers * 2 * kv_heads * head_dim_of(config)
-        per_row = cache * self.model.dtype.itemsize + 3 * 4 * config.vocab_size  # fp32 logits, probabilities, copy
+        per_row = cache * self.model.dtype.itemsize + 3 * 4 * config.vocab_size + kept_per_row  # fp32 logits, probabilities, copy
         if rows * per_row > 0.9 * free:  # a tenth for the forward's activations
             raise SpdsError(
                 f"generate.batch_size: {rows} rows of up to {positions} positions of their own need about "
@@ -353,8 +353,13 @@ class TopK:
     without writing the whole log-softmax)."""
 
     def __init__(self, rows: int, steps: int, k: int, device: torch.device):
+        # int32 ids and fp32 log-probabilities: bytes_per_row
         self.ids = torch.zeros((rows, steps, k), dtype=torch.int32, device=device)
         self.logprobs = torch.zeros((rows, steps, k), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_row(steps: int, k: int) -> int:
+        return steps * k * (4 + 4)
 
     def keep(self, number: int, logits: torch.Tensor) -> None:
         values, ids = logits.topk(self.ids.shape[2], dim=-1)

@@ -147,6 +147,10 @@ def test_a_batch_too_large_for_the_gpu_is_refused_before_it_starts(saved, monkey
     with pytest.raises(SpdsError, match=r"generate.batch_size: 4 rows .* set generate.batch_size to at most 3"):
         decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
     assert len(decoder.answer(batch[:3], 12, temperature=0.0, top_p=1.0, seed=0)) == 3
+    # generate.top_k_logprobs keeps k int32 ids and fp32 log-probabilities a step (13 with the
+    # closing one): at k 64, 6.5 KiB more a row, so the same room holds 1 row
+    with pytest.raises(SpdsError, match=r"generate.batch_size: 3 rows .* at most 1"):
+        decoder.answer_with_top_k(batch[:3], 12, 0.0, 1.0, seed=0, k=64)
 
 
 def test_sampling_is_the_same_for_a_seed_and_the_prefix_is_the_batchs_own(saved):
