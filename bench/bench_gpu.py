@@ -725,8 +725,10 @@ def main() -> None:
         print("| " + " | ".join(map(str, cells)) + " |")
     for label, lengths, _ in cases:  # what an online teacher cannot go below, whatever its kernels
         floor = 1 + teacher_flops(args.model, lengths) / useful_flops(args.model, [n + PROMPT for n in lengths])
-        print(f"{label}: the online teacher's forward (context cached) is {floor - 1:.2f} of the step's useful FLOPs: "
-              f"a KL step at the CE step's FLOP rate takes at least {floor:.2f}x the CE step")
+        print(
+            f"{label}: the online teacher's forward (context cached) is {floor - 1:.2f} of the step's useful FLOPs: "
+            f"a KL step at the CE step's FLOP rate takes at least {floor:.2f}x the CE step"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(dict(header=header, peak_tflops=peak, rows=rows), indent=1))
 

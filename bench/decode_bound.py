@@ -28,18 +28,9 @@ def shape_of(name: str) -> dict:
     """A transformers config's keys, from a config.json or one of bench_gpu's Qwen3 shapes."""
     if name.endswith(".json"):
         return json.loads(Path(name).read_text())
-    from bench_gpu import HEAD_DIM, SHAPES, VOCAB
+    from bench_gpu import qwen3_config
 
-    hidden, layers, heads, kv, inter, _ = SHAPES[name]
-    return dict(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=inter,
-        head_dim=HEAD_DIM,
-        vocab_size=VOCAB,
-    )
+    return qwen3_config(name).to_dict()
 
 
 def step_bounds(shape: dict, batch: int, context: int, own: float) -> dict:
@@ -48,8 +39,8 @@ def step_bounds(shape: dict, batch: int, context: int, own: float) -> dict:
     hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
     kv, vocab = shape["num_key_value_heads"], shape["vocab_size"]
     head_dim = shape.get("head_dim") or hidden // heads
-    parameters = layers * (2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * shape["intermediate_size"])
-    parameters += vocab * hidden  # the output head
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim
+    parameters = layers * (attention + 3 * hidden * shape["intermediate_size"]) + vocab * hidden  # and the output head
     per_token = layers * 2 * kv * head_dim * 2  # bf16 key and value bytes of one position, all layers
     attention_flops = 4 * layers * heads * head_dim * batch  # per key every row's queries read: QK and PV
     parts = {  # (bytes, FLOPs)

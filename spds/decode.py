@@ -209,7 +209,8 @@ class Decoder:
         config = self.model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         cache = -(-positions // 16) * 16 * self.layers * 2 * kv_heads * head_dim_of(config)
-        per_row = cache * self.model.dtype.itemsize + 3 * 4 * config.vocab_size + kept_per_row  # fp32 logits, probabilities, copy
+        logits = 3 * 4 * config.vocab_size  # fp32 logits, probabilities, copy
+        per_row = cache * self.model.dtype.itemsize + logits + kept_per_row
         if rows * per_row > 0.9 * free:  # a tenth for the forward's activations
             raise SpdsError(
                 f"generate.batch_size: {rows} rows of up to {positions} positions of their own need about "

@@ -161,7 +161,7 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
                     else multi_turn_row(tokenizer, request, responses, end_ids, kwargs)
                 )
                 if settings.top_k_logprobs:  # every turn's, in the order of the row's supervised tokens
-                    row["top_logprobs"] = {key: [v for turn in asked for v in turn.top[key]] for key in ("ids", "logprobs")}
+                    row["top_logprobs"] = {k: [v for turn in asked for v in turn.top[k]] for k in ("ids", "logprobs")}
                 stream.write(json.dumps(row) + "\n")
                 written += 1
             stream.flush()
