@@ -723,7 +723,7 @@ def main() -> None:
         first = f"{r['positions'] / r['first_visit_seconds']:,.0f}" if "first_visit_seconds" in r else ""
         cells = [r["model"], r["case"], r["system"], f"{rate:,.0f}", f"{r['peak_gib']:.1f}", f"{mfu:.0%}", ratio, first]
         print("| " + " | ".join(map(str, cells)) + " |")
-    for label, lengths, _ in cases:  # what an online teacher cannot go below, whatever its kernels
+    for label, lengths, _ in cases:  # the online teacher's least cost at the CE step's FLOP rate
         floor = 1 + teacher_flops(args.model, lengths) / useful_flops(args.model, [n + PROMPT for n in lengths])
         print(
             f"{label}: the online teacher's forward (context cached) is {floor - 1:.2f} of the step's useful FLOPs: "
