@@ -28,6 +28,8 @@ whole cache). Here:
     milliseconds a step, more than the GPU's work at these sizes) runs once, not once per token.
     A model whose forward cannot be captured (a host sync inside) decodes eagerly, the same
     numbers, and says so once.
+  * with generate.top_k_logprobs, each step's top-k log-probabilities are kept from the logits it
+    samples from (`TopK`): an offline teacher's targets at no second pass over the answers.
 
 Deterministic for a given seed: the same batch, on the same device and versions, samples the same
 tokens (one torch.Generator per batch, sampling outside the graph; no kernel here accumulates
