@@ -147,10 +147,8 @@ def attend(query, key, value, mask=None, scale: float | None = None, softcap: fl
     if mask is None and cudnn_fits(query, key, causal, softcap):
         return cudnn_attention(query, key, value, scale, causal)
     if mask is None and flash_fits(query, softcap):
-        output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            query, key, value, 0.0, causal, False, scale=scale
-        )[:2]
-        return output, lse
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        return flash(query, key, value, 0.0, causal, False, scale=scale)[:2]  # the output and log-sum-exps
     if key.shape[1] != query.shape[1]:  # the other kernels take equal head counts
         key, value = repeated_heads(query, key, value)
     if not query.is_cuda or softcap is not None:  # scores soft-capped before the softmax: no fused kernel

@@ -10,18 +10,18 @@ top_k (offline)   The top-k log-probabilities the candidate rows carry (written 
 
 Two ways to run the online teacher, the same numbers (tested against a plain forward):
 
-batched            (loss.reuse_context_kv false) The whole sequence x[:a] ++ context ++ x[a:], the
-                   records of a pass laid out like the student's (padded rows or packed), on the
-                   student's attention kernels.
-reuse_context_kv   (the default) The context's keys and values computed once. The tokens before the insertion
-                   point are the chat template's system header (the same for every record), the
-                   context is the same, and the student is frozen: the keys and values of
-                   x[:a] ++ context[:-1] are computed on first use of that prefix and kept, and
-                   the pass's records of one prefix run end to end in one forward, each as
-                   context[-1:] ++ x[a:] (its first row predicts x[a], so every response position
-                   is a row of its own output) attending to the cached keys and to itself
-                   (shared_keys.packed_after_cached; one forward per record for a student on its own
-                   attention, or with sliding windows or soft caps). The prefix's own keys and
+batched            (loss.reuse_context_kv false) The whole sequence x[:a] ++ context ++ x[a:],
+                   the records of a pass laid out like the student's (padded rows or packed), on
+                   the student's attention kernels.
+reuse_context_kv   (the default) The context's keys and values computed once. The tokens before
+                   the insertion point are the chat template's system header (the same for every
+                   record), the context is the same, and the student is frozen: the keys and
+                   values of x[:a] ++ context[:-1] are computed on first use of that prefix and
+                   kept, and the pass's records of one prefix run end to end in one forward, each
+                   as context[-1:] ++ x[a:] (its first row predicts x[a], so every response
+                   position is a row of its own output) attending to the cached keys and to itself
+                   (shared_keys.packed_after_cached; one forward per record for a student on its
+                   own attention, or with sliding windows or soft caps). The prefix's own keys and
                    values are put back after each forward. It computes about a quarter fewer
                    positions on the length mix (4k context); its KL step runs 1.00-1.05x the
                    batched teacher's speed on H200 (bench/RESULTS.md).
