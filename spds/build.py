@@ -43,9 +43,11 @@ def build_soft_prompt_model(
     attention_kernel = kernel_setting(student_cfg.attention_kernel, config.train.deterministic, student, device)
     if prompt is None:
         tokenizer = None
-        if prompt_cfg.init.method == "text":
+        if prompt_cfg.init.method in ("text", "context"):
             tokenizer = load_tokenizer(config)
-        prompt = initial_prompt(student, prompt_cfg.length, prompt_cfg.init, config.optim.seed, tokenizer)
+        prompt = initial_prompt(
+            student, prompt_cfg.length, prompt_cfg.init, config.optim.seed, tokenizer, config.context_text
+        )
     loss_fn = make_loss(config.loss, final_logit_softcap(student))
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
     model = SoftPromptModel(

@@ -140,11 +140,13 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
         ("context.file", config.resolve(config.context.file), "file"),
         ("generate.questions", config.resolve(config.generate.questions), "file"),
         ("generate.teacher_path", config.teacher_path if config.generate.teacher_path else None, "directory"),
+        ("eval.questions", config.resolve(config.eval.questions), "file"),
     )
     for key, path, kind in named:
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
     problems += output_problems(config) + determinism_problems(config) + sharded_student_problems(config)
+    problems += context_problems(config)
     optim = config.optim
     if optim.warmup_updates > optim.updates:
         problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
@@ -157,6 +159,26 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
     size = config.data_parallel_size
     if size != "any" and optim.effective_batch % size:
         problems.append(f"optim.effective_batch: {optim.effective_batch} does not divide by data_parallel_size {size}")
+    return problems
+
+
+def context_problems(config: Config) -> list[str]:
+    """Settings that read the context, when there is none; self-study beside a questions file."""
+    has_context = bool(config.context.text or config.context.file)
+    problems = []
+    needs = [
+        ("soft_prompt.init.method", config.soft_prompt.init.method == "context", "'context' starts the prompt from it"),
+        ("generate.self_study", config.generate.self_study is not None, "self-study writes its questions from it"),
+        ("eval.questions", config.eval.questions is not None, "the teacher answers them with it"),
+    ]
+    for key, used, why in needs:
+        if used and not has_context:
+            problems.append(f"{key}: {why}, and the config has none: set context.file or context.text")
+    if config.generate.self_study is not None and config.generate.questions is not None:
+        problems.append(
+            "generate.self_study: generate.questions is set too; self-study writes the questions itself: "
+            "set one of them (questions: null for self-study)"
+        )
     return problems
 
 

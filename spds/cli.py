@@ -98,27 +98,48 @@ def cmd_eval(args) -> int:
     from .evaluate import evaluate  # per verb
 
     result = evaluate(load_config(args.config), args.checkpoint)
-    nll = result["nll"]
-    ceiling = "n/a" if nll["ceiling"] is None else f"{nll['ceiling']:.4f}"
-    gap = "n/a" if result["gap_recovered"] is None else f"{result['gap_recovered']:.1%}"
-    print(
-        f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), "
-        f"update {result['update']}"
-    )
-    print(f"NLL per token  floor {nll['floor']:.4f}  soft {nll['soft']:.4f}  ceiling {ceiling}  gap recovered {gap}")
+    if result["records"]:
+        print(
+            f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), "
+            f"update {result['update']}"
+        )
+        print(nll_line(result))
     if result["kl_to_teacher"] is not None:
         print(f"KL(teacher || soft) per token {result['kl_to_teacher']:.4f} (teacher: {result['teacher']})")
     if result.get("samples"):
         from .sample import show  # per verb
 
         print(show(result["samples"]))
-    if result["tokens_per_second"]:
+    if result.get("questions"):
+        from .sample import show  # per verb
+
+        asked = result["questions"]
+        print(
+            f"eval.questions: {asked['questions']} questions training never asked, {asked['records']} teacher "
+            f"answers ({asked['supervised_tokens']} response tokens), update {result['update']}"
+        )
+        print(nll_line(asked))
+        if "keyword_share" in asked:
+            share = asked["keyword_share"]
+            print("greedy answers holding the keyword  " + "  ".join(f"{view} {share[view]:.0%}" for view in share))
+        if "rouge_l_soft_vs_context" in asked:
+            print(f"ROUGE-L F1 of soft against context answers {asked['rouge_l_soft_vs_context']:.3f}")
+        if asked.get("answers"):
+            print(show(asked["answers"]))
+    if result.get("tokens_per_second"):
         print(
             f"{result['tokens_per_second']:,.0f} positions/s over {result['world_size']} rank(s), "
             f"{result['seconds']:.1f} s"
         )
     print(f"eval.json and plot in {load_config(args.config).output_dir}")
     return 0
+
+
+def nll_line(figures: dict) -> str:
+    nll = figures["nll"]
+    ceiling = "n/a" if nll["ceiling"] is None else f"{nll['ceiling']:.4f}"
+    gap = "n/a" if figures["gap_recovered"] is None else f"{figures['gap_recovered']:.1%}"
+    return f"NLL per token  floor {nll['floor']:.4f}  soft {nll['soft']:.4f}  ceiling {ceiling}  gap recovered {gap}"
 
 
 def cmd_sample(args) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from .config import Config
 from .data.packed import PackedStore
 from .engine import init_distributed, shard_student
 from .errors import SpdsError
+from .eval_questions import answer_scores, read_eval_questions, teacher_config
 from .fsio import atomic_path, atomic_write_json
 from .loss import final_logit_softcap, make_loss
 from .model import load_segments
@@ -44,8 +46,11 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     prompt, commit = prompt_of(directory)
     store = PackedStore.open(config.packed_dir)
     held_out = np.flatnonzero(~store.is_train)
-    if not len(held_out):
-        raise SpdsError("no held-out records: set data.eval_fraction > 0 and run spds prepare on a fresh packed_dir")
+    if not len(held_out) and not config.eval.questions:
+        raise SpdsError(
+            "no held-out records: set data.eval_fraction > 0 and run spds prepare on a fresh packed_dir, "
+            "or name questions training never asked in eval.questions"
+        )
     limit = config.eval.max_records
     held_out = held_out[:limit] if limit else held_out
     sharded = config.shards_student  # as in training: ZeRO-3 or fsdp lays the student out over the ranks
@@ -53,79 +58,30 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
         rank, world, device = init_distributed(config.distributed)
     else:
         rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    questions = None
+    if config.eval.questions:  # the teacher's answers to them, packed, before the student takes the memory
+        questions = QuestionStore.made(config, rank, world, log)
     model = build_soft_prompt_model(config, device, prompt=prompt, training=False)  # as training runs it
-    student = model.student
     if sharded:
         shard_student(config, model, world)
-    # The figures are the same whatever the training objective: NLL of the teacher's tokens, and
-    # forward KL(teacher || student) at temperature 1, through the training loss's own kernels.
-    cap = final_logit_softcap(student)
-    nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"), cap)
-    kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=KLSettings("forward", 1.0, 0.5)), cap)
-    # the training teacher, or the one loss.teacher names (auto: the packed top-k, else the
-    # context); none when neither exists (no context, no top-k): then eval reports no KL
-    has_teacher = config.eval.kl and (store.top_k or config.context_text)
-    teacher = build_teacher(config, model, store) if has_teacher else None
-    text = config.context_text
-    blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
-    if text:
-        ids = load_tokenizer(config).encode(text, add_special_tokens=False)
-        blocks["ceiling"] = student.get_input_embeddings()(torch.tensor(ids, device=device))
-    names = list(blocks)
-    sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)  # NLL per condition, then KL
-    kl = teacher is not None
-    # Each rank takes every world-th record. A sharded student gathers weights collectively in
-    # every forward: there every rank makes as many passes as the busiest, a rank out of records
-    # repeating one without counting it (the training step's lockstep rule).
-    every = [[[int(i)] for i in held_out[r::world]] for r in range(world)]
-    passes = [(group, None, True) for group in every[rank]]
-    if model.layout.lockstep:
-        passes = lockstep_passes(every, rank, footprint=len, filler=[int(held_out[0])])
-    started, positions = time.monotonic(), 0  # positions forwarded on this rank, every condition
-    for (i,), _, counted in passes:
-        segment = load_segments(store, [i], device)[i]
-        targets = teacher.targets([segment]) if kl else None
-        for k, name in enumerate(names):
-            # the soft prompt's one forward gives the KL too (the student's rows are the same)
-            fns = [nll_fn, kl_fn] if kl and name == "soft" else [nll_fn]
-            values = model.losses([segment], fns, targets, inserted=blocks[name])
-            sums[k] += float(counted) * values[0].double()
-            if len(values) > 1:
-                sums[-1] += float(counted) * values[1].double()
-            positions += len(segment.ids) + len(blocks[name] if blocks[name] is not None else prompt)
-        if kl:
-            positions += len(segment.ids)  # the teacher's record
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.monotonic() - started
-    if world > 1:
-        torch.distributed.all_reduce(sums)
-    tokens = int(store.supervised_tokens[held_out].sum())
-    nll = {name: float(sums[k]) / tokens for k, name in enumerate(names)}
-    nll.setdefault("ceiling", None)
-    gap = None
-    if nll["ceiling"] is not None and nll["floor"] != nll["ceiling"]:
-        gap = (nll["floor"] - nll["soft"]) / (nll["floor"] - nll["ceiling"])
-    result = dict(
-        checkpoint=str(directory),
-        update=commit["update"],
-        records=len(held_out),
-        supervised_tokens=tokens,
-        context_tokens=len(blocks["ceiling"]) if "ceiling" in blocks else 0,
-        nll=nll,
-        gap_recovered=gap,
-        kl_to_teacher=float(sums[-1]) / tokens if kl else None,
-        teacher=teacher_kind(config, store) if kl else None,
-        world_size=world,
-        seconds=seconds,
-        tokens_per_second=positions * world / seconds if seconds else None,
-        spds_version=__version__,
-        plot=None,
-    )
+    scoring = Scoring.of(config, model, prompt, device, rank, world)
+    result = dict(checkpoint=str(directory), update=commit["update"])
+    if len(held_out):
+        # the training teacher, or the one loss.teacher names (auto: the packed top-k, else the
+        # context); none when neither exists (no context, no top-k): then eval reports no KL
+        has_teacher = config.eval.kl and (store.top_k or config.context_text)
+        teacher = build_teacher(config, model, store) if has_teacher else None
+        result.update(scoring.figures(store, held_out, teacher))
+        result["teacher"] = teacher_kind(config, store) if teacher is not None else None
+    else:
+        result.update(records=0, supervised_tokens=0, nll=None, gap_recovered=None, kl_to_teacher=None, teacher=None)
+    result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
+    if questions is not None:
+        result["questions"] = scoring.figures(questions.store, questions.records, None)
     out = config.output_dir
     if rank != 0:
         return result
-    if config.eval.samples and not sharded:  # a few answers beside the figures, by the student already loaded
+    if config.eval.samples and not sharded and len(held_out):  # a few answers beside the figures
         from .sample import answers  # spds.sample imports this module's neighbours, not this one's callers
 
         result["samples"] = answers(
@@ -133,12 +89,145 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
             config.eval.samples,
             checkpoint=str(directory),
             max_new_tokens=config.eval.max_new_tokens,
-            student=student,
+            student=model.student,
         )
-    result["plot"] = plot(out / "metrics.jsonl", nll, out / "eval.png")
+    if questions is not None and not sharded:
+        result["questions"].update(questions.answered(config, directory, model.student))
+        from .sample import write  # spds.sample imports this module's neighbours, not this one's callers
+
+        write(out, result["questions"]["answers"])  # samples.md: the answers side by side
+    result["plot"] = plot(out / "metrics.jsonl", result["nll"] or result["questions"]["nll"], out / "eval.png")
     require_valid(result, "eval", "eval.json")
     atomic_write_json(out / "eval.json", result)
     return result
+
+
+@dataclass
+class QuestionStore:
+    """eval.questions' teacher answers as a packed store of held-out records
+    (spds/eval_questions.py), and the questions themselves."""
+
+    path: Path
+    questions: list[dict]
+    store: PackedStore
+
+    @property
+    def records(self) -> np.ndarray:
+        return np.arange(len(self.store.is_train))
+
+    @classmethod
+    def made(cls, config: Config, rank: int, world: int, log) -> QuestionStore:
+        """Rank 0 has the teacher answer the questions and packs the answers (or finds them made);
+        the other ranks wait for it."""
+        from .data.prepare import prepare  # per use: a plain eval packs nothing
+        from .generate import generate  # per use: a plain eval loads no teacher for decoding
+
+        path = config.resolve(config.eval.questions)
+        questions = read_eval_questions(path)
+        derived = teacher_config(config, path)
+        if rank == 0:
+            generate(derived, log=log)
+            prepare(derived, log=log)
+        if world > 1:
+            torch.distributed.barrier()
+        return cls(path, questions, PackedStore.open(derived.packed_dir))
+
+    def answered(self, config: Config, directory: Path, student) -> dict:
+        """The greedy answers, bare / with the context / with the soft prompt, and their scores."""
+        from .sample import answers  # spds.sample imports this module's neighbours, not this one's callers
+
+        rows = answers(
+            config,
+            len(self.questions),
+            questions=self.path,
+            checkpoint=str(directory),
+            max_new_tokens=config.eval.max_new_tokens,
+            student=student,
+        )
+        for question, row in zip(self.questions, rows):
+            row.update(question_id=question["question_id"], keyword=question.get("keyword"))
+        return dict(answer_scores(self.questions, rows), answers=rows)
+
+
+@dataclass
+class Scoring:
+    """The three students eval compares (nothing where the prompt goes, the context's tokens, the
+    soft prompt) and the loss functions it reads them with: the figures are the same whatever the
+    training objective: NLL of the teacher's tokens, and forward KL(teacher || student) at
+    temperature 1, through the training loss's own kernels."""
+
+    model: object
+    blocks: dict  # condition -> what is inserted where the prompt goes (None: the soft prompt)
+    nll_fn: object
+    kl_fn: object
+    rank: int
+    world: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, config: Config, model, prompt: torch.Tensor, device: torch.device, rank: int, world: int) -> Scoring:
+        student = model.student
+        cap = final_logit_softcap(student)
+        nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"), cap)
+        kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=KLSettings("forward", 1.0, 0.5)), cap)
+        blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
+        if config.context_text:
+            ids = load_tokenizer(config).encode(config.context_text, add_special_tokens=False)
+            blocks["ceiling"] = student.get_input_embeddings()(torch.tensor(ids, device=device))
+        return cls(model, blocks, nll_fn, kl_fn, rank, world, device)
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self.blocks["ceiling"]) if "ceiling" in self.blocks else 0
+
+    def figures(self, store: PackedStore, records: np.ndarray, teacher) -> dict:
+        """NLL per response token of `records` under each condition, gap recovered, and with a
+        teacher the soft prompt's KL to it. Each rank takes every world-th record. A sharded student
+        gathers weights collectively in every forward: there every rank makes as many passes as the
+        busiest, a rank out of records repeating one without counting it (the training step's
+        lockstep rule)."""
+        model, world, names = self.model, self.world, list(self.blocks)
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)  # NLL per condition, then KL
+        kl = teacher is not None
+        every = [[[int(i)] for i in records[r::world]] for r in range(world)]
+        passes = [(group, None, True) for group in every[self.rank]]
+        if model.layout.lockstep:
+            passes = lockstep_passes(every, self.rank, footprint=len, filler=[int(records[0])])
+        started, positions = time.monotonic(), 0  # positions forwarded on this rank, every condition
+        for (i,), _, counted in passes:
+            segment = load_segments(store, [i], self.device)[i]
+            targets = teacher.targets([segment]) if kl else None
+            for k, name in enumerate(names):
+                # the soft prompt's one forward gives the KL too (the student's rows are the same)
+                fns = [self.nll_fn, self.kl_fn] if kl and name == "soft" else [self.nll_fn]
+                values = model.losses([segment], fns, targets, inserted=self.blocks[name])
+                sums[k] += float(counted) * values[0].double()
+                if len(values) > 1:
+                    sums[-1] += float(counted) * values[1].double()
+                block = self.blocks[name] if self.blocks[name] is not None else model.prompt
+                positions += len(segment.ids) + len(block)
+            if kl:
+                positions += len(segment.ids)  # the teacher's record
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.monotonic() - started
+        if world > 1:
+            torch.distributed.all_reduce(sums)
+        tokens = int(store.supervised_tokens[records].sum())
+        nll = {name: float(sums[k]) / tokens for k, name in enumerate(names)}
+        nll.setdefault("ceiling", None)
+        gap = None
+        if nll["ceiling"] is not None and nll["floor"] != nll["ceiling"]:
+            gap = (nll["floor"] - nll["soft"]) / (nll["floor"] - nll["ceiling"])
+        return dict(
+            records=len(records),
+            supervised_tokens=tokens,
+            nll=nll,
+            gap_recovered=gap,
+            kl_to_teacher=float(sums[-1]) / tokens if kl else None,
+            seconds=seconds,
+            tokens_per_second=positions * world / seconds if seconds else None,
+        )
 
 
 def plot(metrics_path: Path, nll: dict, target: Path) -> str | None:

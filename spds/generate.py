@@ -32,7 +32,8 @@ from .decode import Decoder
 from .errors import SpdsError
 from .fsio import MAX_LINE_BYTES, open_regular, parse_json
 from .preflight import require_preflight
-from .settings import GenerateSettings
+from .self_study import EXCERPT, Chunk, coverage, cut, kinds_of, plan, written_question
+from .settings import GenerateSettings, SelfStudySettings
 from .student import apply_liger_kernels, load_tokenizer
 
 
@@ -110,16 +111,17 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     rows it already holds). `started`: the process's start (time.time()), for the start-up split."""
     entered = time.time()
     settings = config.generate
-    if not settings.questions:
-        raise SpdsError("generate.questions is not set")
+    if not settings.questions and not settings.self_study:
+        raise SpdsError("generate.questions is not set: name a questions file, or set generate.self_study")
     context = config.context_text
-    if not context:
-        raise SpdsError("context.text or context.file must hold the system prompt to distill")
+    if not context or not context.strip():
+        raise SpdsError("context.text or context.file must hold the system prompt to distill (it is empty)")
     tokenizer = load_tokenizer(config)
     scaffold = require_preflight(config, tokenizer)  # before the first batch: refused rows cost no hour
     context_in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
     kwargs = config.data.chat_template_kwargs
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
+    study = SelfStudy.of(settings, tokenizer, context) if not settings.questions else None
     checked = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     teacher = load_teacher(config.teacher_path, config.student.dtype, device)
@@ -129,7 +131,7 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     decoder = Decoder(teacher, end_ids, pad, fa4=fa4_named(config.student.attention_kernel, teacher, device))
     asking = Asking(decoder, tokenizer, context, context_in_user_turn, settings, kwargs)
-    questions = read_questions(config.resolve(settings.questions))
+    questions = study.questions() if study else read_questions(config.resolve(settings.questions))
     requests = [
         dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
         for q in questions
@@ -150,6 +152,8 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
         for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
             if all(r["request_id"] in done for r in batch):
                 continue
+            if study:  # the teacher writes the batch's user messages first
+                batch = study.asked(batch, asking)
             turns = asking.answer_turns(batch, seed=settings.seed + number)
             for request, asked in zip(batch, turns):
                 if request["request_id"] in done:
@@ -162,6 +166,8 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
                 )
                 if settings.top_k_logprobs:  # every turn's, in the order of the row's supervised tokens
                     row["top_logprobs"] = {k: [v for turn in asked for v in turn.top[k]] for k in ("ids", "logprobs")}
+                if study:
+                    row["self_study"] = request["self_study"]
                 stream.write(json.dumps(row) + "\n")
                 written += 1
             stream.flush()
@@ -169,6 +175,8 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     decoder = asking.decoder
     graphs = f"; the decode step ran as a CUDA graph in {decoder.captured} batches" if decoder.graphs else ""
     log(f"wrote {written} rows ({len(done)} were already there) to {output}{graphs}")
+    if study:
+        log(study.coverage())
     seconds = time.perf_counter() - began
     if written:  # where the time went: decoding (the decoder's own clock) or the rows around it
         log(
@@ -217,6 +225,18 @@ class Asking:
             prompts, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed, sampling.top_k_logprobs
         )
         return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
+
+    def write(self, excerpts: list[str], instructions: list[str], max_new_tokens: int, seed: int) -> list[str]:
+        """Self-study's user messages: the teacher reads each excerpt where the context goes and its
+        instruction as the user turn, and writes one message (spds/self_study.py)."""
+        asked = [
+            with_context([{"role": "user", "content": instruction}], excerpt, self.context_in_user_turn)
+            for excerpt, instruction in zip(excerpts, instructions)
+        ]
+        prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
+        sampling = self.settings
+        answers = self.decoder.answer(prompts, max_new_tokens, sampling.temperature, sampling.top_p, seed)
+        return [written_question(self.tokenizer.decode(answer[:-1], skip_special_tokens=True)) for answer in answers]
 
     def answer_turns(self, batch: list[dict], seed: int) -> list[list[Turn]]:
         """For each request, the teacher's answer to each of its user turns, in order: a question
@@ -318,3 +338,68 @@ def candidate_row(tokenizer, request: dict, response: list[int], end_ids: list[i
         supervised_tokens=len(response),
         response_sha256=hashlib.sha256(text.encode()).hexdigest(),
     )
+
+
+WRITING_SEED = 1 << 32  # the question-writing batches sample from seeds of their own, past every answer seed
+
+
+@dataclass
+class SelfStudy:
+    """generate.self_study's conversations: each one's chunk and seed kind (spds/self_study.py),
+    and the user messages the teacher wrote, written in fixed batches of conversations on first
+    need, each with its own seed, so a resumed run writes the same ones."""
+
+    settings: SelfStudySettings
+    batch_size: int
+    seed: int
+    chunks: list[Chunk]
+    prompts: dict[str, str]  # seed kind -> instruction
+    planned: list[tuple[int, str]]  # (chunk, kind) per conversation
+    written: dict[int, str]
+
+    @classmethod
+    def of(cls, settings: GenerateSettings, tokenizer, context: str) -> SelfStudy:
+        study = settings.self_study
+        chunks = cut(tokenizer, context, study.chunk_tokens)
+        prompts = kinds_of(study)
+        planned = plan(study.conversations, len(chunks), study.kinds, settings.seed)
+        return cls(study, settings.batch_size, settings.seed, chunks, prompts, planned, {})
+
+    def questions(self) -> list[dict]:
+        """The conversations as generate's questions, their messages written later (`asked`)."""
+        return [dict(question_id=f"self-study-{i:06d}", conversation=i) for i in range(len(self.planned))]
+
+    def asked(self, batch: list[dict], asking: Asking) -> list[dict]:
+        """The batch's requests with their user message (and what the row records of it)."""
+        for number in sorted({r["conversation"] // self.batch_size for r in batch}):
+            if number * self.batch_size not in self.written:
+                self.write(number, asking)
+        requests = []
+        for request in batch:
+            i = request["conversation"]
+            chunk, kind = self.planned[i]
+            span = self.chunks[chunk]
+            recorded = dict(chunk=[span.start, span.end], kind=kind, question=self.written[i])
+            requests.append(
+                dict(request, messages=[{"role": "user", "content": self.written[i]}], self_study=recorded)
+            )
+        return requests
+
+    def write(self, number: int, asking: Asking) -> None:
+        """The user messages of conversation batch `number`: the teacher reads a chunk and its
+        kind's instruction, and writes one."""
+        first = number * self.batch_size
+        conversations = range(first, min(first + self.batch_size, len(self.planned)))
+        texts = asking.write(
+            [EXCERPT.format(chunk=self.chunks[self.planned[i][0]].text) for i in conversations],
+            [self.prompts[self.planned[i][1]] for i in conversations],
+            self.settings.question_max_tokens,
+            seed=self.seed + WRITING_SEED + number,
+        )
+        for i, text in zip(conversations, texts):
+            chunk = self.chunks[self.planned[i][0]]
+            # an empty message cannot be asked: the chunk's first line stands in for it
+            self.written[i] = text or f"What does the document say about this: {chunk.text.strip().splitlines()[0]}"
+
+    def coverage(self) -> str:
+        return coverage(self.planned, self.chunks)

@@ -55,9 +55,22 @@ def prompts_to_answer(config: Config, store: PackedStore, tokenizer, count: int,
             continue
         seen.add(tuple(ids))
         at = int(store.insert_at[i])
-        yield tokenizer.decode(ids[at:], skip_special_tokens=True).strip(), ids, at
+        yield asked_text(tokenizer, ids, at, store.manifest), ids, at
         if len(seen) == count:
             return
+
+
+def asked_text(tokenizer, ids: list[int], at: int, manifest: dict) -> str:
+    """The user's question in a packed prompt: the text after its last user header up to that
+    turn's end token (not the template's default system text, nor the headers)."""
+    header, ends = manifest["scaffold"]["user_header"], set(manifest["end_token_ids"])
+    start = at
+    for i in range(len(ids) - len(header), at - 1, -1):
+        if header and ids[i : i + len(header)] == header:
+            start = i + len(header)
+            break
+    stop = next((i for i in range(start, len(ids)) if ids[i] in ends), len(ids))
+    return tokenizer.decode(ids[start:stop], skip_special_tokens=True).strip()
 
 
 @torch.no_grad()

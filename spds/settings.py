@@ -148,8 +148,18 @@ class ContextSettings:
 
 
 @dataclass(frozen=True)
+class SelfStudySettings:
+    conversations: int
+    chunk_tokens: int
+    kinds: dict  # seed kind -> weight
+    seed_prompts: dict  # seed kind -> the instruction the teacher reads
+    question_max_tokens: int
+
+
+@dataclass(frozen=True)
 class GenerateSettings:
     questions: str | None
+    self_study: SelfStudySettings | None
     output: str
     teacher_path: str | None
     samples_per_question: int
@@ -167,6 +177,8 @@ class EvalSettings:
     kl: bool
     samples: int
     max_new_tokens: int
+    questions: str | None
+    question_samples: int
 
 
 # The config's sections, by key, in schema order.
@@ -192,6 +204,9 @@ def build(cls: type, values: dict) -> Any:
     fields = {}
     for field in dataclasses.fields(cls):
         value, kind = values.get(field.name), hints[field.name]
+        optional = [a for a in typing.get_args(kind) if a is not type(None)]
+        if value is not None and len(optional) == 1 and dataclasses.is_dataclass(optional[0]):
+            kind = optional[0]  # an optional section that is set
         if dataclasses.is_dataclass(kind):
             value = build(kind, value)
         elif typing.get_origin(kind) is tuple and dataclasses.is_dataclass(typing.get_args(kind)[0]):

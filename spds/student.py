@@ -70,7 +70,9 @@ def apply_liger_kernels(student: nn.Module) -> None:
     )
 
 
-def initial_prompt(student: nn.Module, length: int, init: dict, seed: int, tokenizer=None) -> torch.Tensor:
+def initial_prompt(
+    student: nn.Module, length: int, init: dict, seed: int, tokenizer=None, context: str | None = None
+) -> torch.Tensor:
     """The prompt's starting value, FP32 [length, hidden], identical on every rank for a seed."""
     embeddings = student.get_input_embeddings().weight
     generator = torch.Generator().manual_seed(seed)  # CPU generator: the same values on any device
@@ -78,8 +80,11 @@ def initial_prompt(student: nn.Module, length: int, init: dict, seed: int, token
         return torch.randn(length, embeddings.shape[1], generator=generator) * init.std
     if init.method == "vocab_sample":
         ids = torch.randint(0, embeddings.shape[0], (length,), generator=generator)
-    else:  # text: its token embeddings, repeated or truncated to the prompt length
-        ids = torch.tensor(tokenizer.encode(init.text, add_special_tokens=False))
+    else:  # text (or the context): its token embeddings, repeated or truncated to the prompt length
+        text = context if init.method == "context" else init.text
+        if not text:
+            raise SpdsError("soft_prompt.init.method 'context' needs context.text or context.file")
+        ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
         ids = ids.repeat((length + len(ids) - 1) // len(ids))[:length]
     return embeddings.detach()[ids.to(embeddings.device)].float().cpu()
 
