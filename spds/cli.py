@@ -175,8 +175,9 @@ def cmd_init(args) -> int:
 
     from .starter import init  # per verb
 
-    written = init(args.model, args.data, Path(args.out))
-    print(f"wrote {written} (validated); next: spds pin {written.name}, spds prepare, spds smoke, spds train")
+    written = init(args.model, args.data, Path(args.out), args.context)
+    first = f"spds generate {written.name} (self-study), " if args.context else ""
+    print(f"wrote {written} (validated); next: {first}spds pin {written.name}, spds prepare, spds smoke, spds train")
     return 0
 
 
@@ -205,7 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("init", help="write a commented starter config for MODEL and DATA, validated")
     p.add_argument("model", help="the student: a directory, or a hub id in the local Hugging Face cache")
-    p.add_argument("data", help="a candidate rows file (jsonl)")
+    p.add_argument("data", help="a candidate rows file (jsonl); with --context, the one spds generate writes")
+    p.add_argument(
+        "--context",
+        help="a context file to distill from alone: the config has spds generate write DATA by self-study, "
+        "with the measured recipe (docs/config.md)",
+    )
     p.add_argument("--out", default="run.yaml", help="the config to write (default run.yaml; never overwritten)")
     p.set_defaults(run=cmd_init)
     p = verbs.add_parser("validate", help="validate configs, their DeepSpeed config and pinned inputs")

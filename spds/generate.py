@@ -1,4 +1,6 @@
 """spds generate: the teacher answers each question with the context; rows for spds prepare.
+The questions come from generate.questions, or, with generate.self_study, the teacher writes them
+itself from chunks of the context (spds/self_study.py; `SelfStudy` below runs that here).
 
 The teacher (a local model, by default the student) sees the context where the soft prompt will
 go: as the system message ([system: context] + the question's messages), or, for placement
@@ -380,9 +382,7 @@ class SelfStudy:
             chunk, kind = self.planned[i]
             span = self.chunks[chunk]
             recorded = dict(chunk=[span.start, span.end], kind=kind, question=self.written[i])
-            requests.append(
-                dict(request, messages=[{"role": "user", "content": self.written[i]}], self_study=recorded)
-            )
+            requests.append(dict(request, messages=[{"role": "user", "content": self.written[i]}], self_study=recorded))
         return requests
 
     def write(self, number: int, asking: Asking) -> None:

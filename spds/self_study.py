@@ -92,14 +92,9 @@ def cut(tokenizer, context: str, size: int) -> list[Chunk]:
 
 
 def kinds_of(settings: SelfStudySettings) -> dict[str, str]:
-    """Each kind the settings weigh, with its instruction (seed_prompts overrides a built-in)."""
+    """Each kind the settings weigh, with its instruction (seed_prompts overrides a built-in; an
+    unknown kind is refused by validate, spds/checks.py)."""
     prompts = {**SEED_PROMPTS, **settings.seed_prompts}
-    unknown = sorted(set(settings.kinds) - set(prompts))
-    if unknown:
-        raise SpdsError(
-            f"generate.self_study.kinds: {', '.join(unknown)}: no such seed kind; the built-in ones are "
-            f"{', '.join(SEED_PROMPTS)}, and generate.self_study.seed_prompts adds your own"
-        )
     return {kind: prompts[kind] for kind in settings.kinds}
 
 
@@ -138,7 +133,6 @@ def coverage(planned: list[tuple[int, str]], chunks: list[Chunk]) -> str:
     per_chunk = Counter(chunk for chunk, _ in planned)
     counts = [per_chunk.get(c, 0) for c in range(len(chunks))]
     kinds = Counter(kind for _, kind in planned)
-    return (
-        f"coverage: {len(chunks)} chunks of the context, each drawn {min(counts)}-{max(counts)} times; "
-        + ", ".join(f"{kind} {count}" for kind, count in kinds.items())
+    return f"coverage: {len(chunks)} chunks of the context, each drawn {min(counts)}-{max(counts)} times; " + ", ".join(
+        f"{kind} {count}" for kind, count in kinds.items()
     )

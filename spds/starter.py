@@ -57,6 +57,35 @@ FIELDS = [
 ]
 
 
+# What `spds init MODEL DATA --context FILE` writes: the recipe that made a soft prompt carry a fact
+# sheet's facts on the real example, measured (docs/config.md: self-study; bench/RESULTS.md).
+SELF_STUDY_RECIPE = {
+    "soft_prompt": {"length": 128, "init": {"method": "context"}},
+    "generate": {
+        "questions": None,
+        "self_study": {"conversations": 1024, "chunk_tokens": 64},
+        "samples_per_question": 1,
+        "max_new_tokens": 128,
+        "top_k_logprobs": 20,
+    },
+    "loss": {"objective": "kl", "teacher": "top_k"},
+    "optim": {"updates": 128, "effective_batch": 16, "learning_rate": 0.01, "warmup_updates": 8, "schedule": "cosine"},
+    "data": {"eval_fraction": 0.05},
+}
+SELF_STUDY_FIELDS = [
+    ("soft_prompt", "init"),
+    ("generate", "self_study"),
+    ("generate", "output"),
+    ("generate", "samples_per_question"),
+    ("generate", "max_new_tokens"),
+    ("generate", "top_k_logprobs"),
+    ("loss", "teacher"),
+]
+
+
+SECTION_ORDER = ["student", "soft_prompt", "data", "context", "generate", "optim", "loss", "checkpoint", "train", None]
+
+
 def template_choices(model: str, config_dir: Path) -> tuple[str, dict, object]:
     """(the placement the student's chat template allows, the chat_template_kwargs it needs, the
     tokenizer, for the checks that follow):
@@ -88,15 +117,18 @@ def comment(schema_field: dict) -> str:
     return f"  # {first}" if first else ""
 
 
-def render(values: dict, schema: dict) -> str:
+def render(values: dict, schema: dict, fields: list = FIELDS) -> str:
     lines = [
         "# spds config written by `spds init`: every field, type and default is in schemas/config.schema.json.",
         "# Relative paths resolve against this file's directory. Check it with `spds validate`.",
     ]
     current = None
-    for section, name in FIELDS:
+    for section, name in sorted(fields, key=lambda field: SECTION_ORDER.index(field[0])):
         node = schema["properties"][section]["properties"][name] if section else schema["properties"][name]
         value = values[section][name] if section else values[name]
+        if section == "context" and values["context"].get("file"):
+            lines += ["context:  # the context being distilled", f"  file: {json.dumps(values['context']['file'])}"]
+            continue
         if section == "context":  # nothing to set unless there is one: a commented example
             lines += [
                 "# context:  # the system prompt being distilled (the kl objective's teacher, eval's ceiling)",
@@ -117,20 +149,29 @@ def render(values: dict, schema: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def init(model: str, data: str, out: Path) -> Path:
+def init(model: str, data: str, out: Path, context: str | None = None) -> Path:
+    """A starter config for MODEL and DATA; with `context`, for self-study: generate writes DATA
+    from the context alone, with the recipe SELF_STUDY_RECIPE holds."""
     out = Path(out).resolve()
     if out.exists():
         raise SpdsError(f"{out} exists: spds init never overwrites a config (choose another --out)")
     schema = load_schema("config")
     values = {key: {} for key in schema["properties"] if schema["properties"][key].get("type") == "object"}
     values.update(student={"model_path": model}, data={"candidates": [{"path": data}]}, output_dir="run")
+    fields = FIELDS
+    if context is not None:
+        for section, chosen in SELF_STUDY_RECIPE.items():
+            values[section].update(chosen)
+        values["context"] = {"file": context}
+        values["generate"]["output"] = data
+        fields = FIELDS + [field for field in SELF_STUDY_FIELDS if field not in FIELDS]
     apply_defaults(values, schema)
     placement, kwargs, tokenizer = template_choices(model, out.parent)
     if not getattr(tokenizer, "chat_template", None):
         chat_rows_need_a_template(out.parent / Path(data).expanduser())
     values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = placement, kwargs
     as_json = out.suffix.lower() == ".json"
-    text = render_json(values) if as_json else render(values, schema)
+    text = render_json(values, fields) if as_json else render(values, schema, fields)
     # Checked as written, from a new file beside it (relative paths resolve alike; mkstemp: no
     # file of the user's is replaced or removed).
     descriptor, name = tempfile.mkstemp(prefix=".init-", suffix=".json" if as_json else ".yaml", dir=out.parent)
@@ -139,7 +180,7 @@ def init(model: str, data: str, out: Path) -> Path:
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
             stream.write(text)
         # the whole contract, and what prepare checks (the config names MODEL's own tokenizer)
-        require_preflight(load_config(candidate, check_pins=False), tokenizer)
+        require_preflight(load_config(candidate, check_pins=False, require_candidates=context is None), tokenizer)
     finally:
         candidate.unlink(missing_ok=True)
     if out.exists():  # written meanwhile by someone else: still never overwritten
@@ -163,10 +204,12 @@ def chat_rows_need_a_template(path: Path) -> None:
             )
 
 
-def render_json(values: dict) -> str:
+def render_json(values: dict, fields: list = FIELDS) -> str:
     """The fields render writes, as JSON (no comments: JSON has none) for an --out named *.json."""
     chosen = {}
-    for section, name in FIELDS:
+    if values["context"].get("file"):
+        chosen["context"] = {"file": values["context"]["file"]}
+    for section, name in fields:
         if section == "context" or (name == "chat_template_kwargs" and not values[section][name]):
             continue
         if section:

@@ -285,3 +285,19 @@ def test_the_teacher_sees_the_context_where_the_prompt_goes():
     tokenizer = fixture_tokenizer("chatml")
     system = tokenizer.decode(render(tokenizer, with_context(messages, "Be brief.", False), True, {}))
     assert system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nTell me")
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2.5", "llama-3.2"])
+def test_the_sample_question_line_shows_the_users_words_not_the_default_system_text(name):
+    """spds sample / eval print a held-out record's question: from the packed prompt, the text of
+    the last user turn alone, whatever default system text or header the published template
+    renders before it."""
+    from spds.sample import asked_text
+
+    tokenizer = fixture_tokenizer(name)
+    kwargs = {"date_string": "26 Jul 2024"} if name.startswith("llama") else {}
+    scaffold = derive_scaffold(tokenizer, kwargs, model=name)
+    ids = render(tokenizer, QUESTION, True, kwargs)
+    at = len(scaffold.lead) + len(scaffold.system_header)
+    manifest = {"scaffold": scaffold.to_json(), "end_token_ids": [end_token(tokenizer, name)]}
+    assert asked_text(tokenizer, ids, at, manifest) == "Tell me about the comet."

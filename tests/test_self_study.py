@@ -1,0 +1,148 @@
+"""Self-study (generate.self_study): questions the teacher writes from the context itself."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+from conftest import edit_config, make_tiny
+from helpers import check, spds
+
+from spds.errors import SpdsError
+from spds.self_study import cut, plan, written_question
+
+
+def test_every_chunk_is_drawn_before_any_twice_and_kinds_follow_their_weights():
+    weights = {"detail": 3, "summary": 1, "creative": 1}
+    planned = plan(conversations=7 * 10, chunks=7, weights=weights, seed=4)
+    for start in range(0, 70, 7):  # each round of 7 conversations: every chunk once
+        assert sorted(chunk for chunk, _ in planned[start : start + 7]) == list(range(7))
+    # over a cycle of rounds (sum of weights) each chunk meets every kind, by weight
+    for chunk in range(7):
+        kinds = Counter(kind for c, kind in planned[: 7 * 5] if c == chunk)
+        assert kinds == Counter({"detail": 3, "summary": 1, "creative": 1})
+    assert plan(70, 7, weights, seed=4) == planned  # a function of the seed
+    assert plan(70, 7, weights, seed=5) != planned
+
+
+def test_chunks_cover_the_context_once_and_end_at_line_breaks():
+    tokenizer = make_tiny.chatml_tokenizer()
+    context = "".join(f"Log {i} is in drawer {i}.\n" for i in range(40))  # ~20 tokens a line
+    ids = tokenizer.encode(context, add_special_tokens=False)
+    chunks = cut(tokenizer, context, 64)
+    assert chunks[0].start == 0 and chunks[-1].end == len(ids)
+    assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))  # no gap, no overlap
+    assert "".join(c.text for c in chunks) == context
+    assert all(c.text.endswith("\n") for c in chunks)  # a break was near each boundary
+    assert all(64 <= c.end - c.start < 64 + 32 for c in chunks[:-1])
+
+
+@pytest.mark.parametrize(
+    ("context", "size", "rule"),
+    [("   \n", 16, "the context is empty"), ("A short context.", 4096, "larger than the context")],
+)
+def test_a_context_self_study_cannot_cut_is_refused_by_name(context, size, rule):
+    with pytest.raises(SpdsError, match=rule):
+        cut(make_tiny.chatml_tokenizer(), context, size)
+
+
+def test_the_written_question_is_the_first_paragraph_without_labels_or_quotes():
+    assert written_question('  Question: "Where is drawer 4?"\n\nIt is in the hall.') == "Where is drawer 4?"
+    assert written_question("") == ""
+
+
+@pytest.fixture
+def study_dir(tiny_assets, tmp_path):
+    config = json.loads((tiny_assets / "loop.json").read_text())
+    config["student"]["model_path"] = str(tiny_assets / "student")
+    config["generate"] = dict(
+        config["generate"],
+        questions=None,
+        self_study={"conversations": 12, "chunk_tokens": 16, "question_max_tokens": 12},
+        samples_per_question=2,
+        max_new_tokens=12,
+        batch_size=8,
+        top_k_logprobs=3,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_self_study_is_deterministic_resumes_without_loss_or_duplicates_and_records_each_chunk(
+    study_dir, tmp_path_factory
+):
+    result = check(spds(["generate", "config.json"], study_dir))
+    assert "coverage:" in result.stdout
+    output = study_dir / "generated.jsonl"
+    first = output.read_bytes()
+    rows = [json.loads(line) for line in first.splitlines()]
+    assert len(rows) == 24 and len({r["request_id"] for r in rows}) == 24
+    tokenizer = make_tiny.chatml_tokenizer()
+    context_ids = tokenizer.encode(make_tiny.CONTEXT, add_special_tokens=False)
+    for row in rows:
+        study = row["self_study"]
+        start, end = study["chunk"]
+        assert 0 <= start < end <= len(context_ids) and study["kind"] in {
+            "detail",
+            "summary",
+            "use_case",
+            "comparison",
+            "creative",
+        }
+        # the row is the student's view of the written question (no context) and the teacher's answer
+        prompt = tokenizer.decode(row["input_ids"][: row["prefix_tokens"]])
+        assert study["question"] in prompt and make_tiny.CONTEXT not in prompt
+        assert len(row["top_logprobs"]["ids"]) == row["supervised_tokens"]
+    # the two samples of a conversation answer the same written question
+    by_question = {}
+    for row in rows:
+        by_question.setdefault(row["question_id"], set()).add(row["self_study"]["question"])
+    assert len(by_question) == 12 and all(len(q) == 1 for q in by_question.values())
+    # every chunk drawn before any is drawn twice: 12 conversations over the context's chunks
+    chunks = Counter(tuple(r["self_study"]["chunk"]) for r in rows if r["sample_index"] == 0)
+    assert max(chunks.values()) - min(chunks.values()) <= 1
+    # A crash mid-write (a torn last line, conversations of a batch half written): the rerun
+    # writes only what is missing and the file is the one a straight run writes.
+    lines = first.splitlines(keepends=True)
+    output.write_bytes(b"".join(lines[:11]) + lines[11][:40])
+    result = check(spds(["generate", "config.json"], study_dir))
+    assert "11 were already there" in result.stdout
+    assert output.read_bytes() == first
+    # Another directory, the same config: the same bytes.
+    again = tmp_path_factory.mktemp("again")
+    shutil.copy(study_dir / "config.json", again / "config.json")
+    check(spds(["generate", "config.json"], again))
+    assert (again / "generated.jsonl").read_bytes() == first
+    # And the rows are candidates prepare packs.
+    check(spds(["prepare", "config.json"], study_dir))
+
+
+@pytest.mark.parametrize(
+    ("sections", "named"),
+    [
+        (dict(generate={"questions": "questions.jsonl", "self_study": {"conversations": 4}}), "generate.self_study"),
+        (dict(context={"text": None}, soft_prompt={"init": {"method": "context"}}), "soft_prompt.init.method"),
+        (
+            dict(context={"text": None}, generate={"questions": None, "self_study": {"conversations": 4}}),
+            "generate.self_study",
+        ),
+        (dict(generate={"questions": None, "self_study": {"conversations": 0}}), "conversations"),
+        (dict(generate={"questions": None, "self_study": {"conversations": 4, "kinds": {"Detail!": 1}}}), "kinds"),
+        (dict(eval={"questions": "nowhere.jsonl"}), "eval.questions"),
+    ],
+)
+def test_validate_refuses_self_study_settings_that_cannot_work_naming_the_key(study_dir, sections, named):
+    (study_dir / "questions.jsonl").write_text('{"question_id": "a", "question": "Why?"}\n')
+    edit_config(study_dir, **sections)
+    result = spds(["validate", "config.json"], study_dir)
+    assert result.returncode == 1 and named in result.stderr, result.stderr
+
+
+def test_an_unknown_seed_kind_is_named_with_the_built_in_ones(study_dir):
+    edit_config(study_dir, generate={"questions": None, "self_study": {"conversations": 4, "kinds": {"riddle": 1}}})
+    result = spds(["validate", "config.json"], study_dir)
+    assert result.returncode == 1
+    assert "riddle: no such seed kind" in result.stderr and "seed_prompts" in result.stderr
