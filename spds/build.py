@@ -35,7 +35,9 @@ def build_soft_prompt_model(
     if student is None:
         # A student to be sharded is loaded on the host; its layout puts each shard on the device.
         host = torch.device("cpu") if config.shards_student else device
-        student = load_student(config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host)
+        student = load_student(
+            config.model_path, student_cfg.dtype, student_cfg.attn_implementation, host, student_cfg.trust_remote_code
+        )
         if student_cfg.liger_kernels:
             apply_liger_kernels(student)
         if fp8:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .config import Config
 from .errors import SpdsError
+from .fsio import read_json
 from .pins import pins_path
 from .schema import describe_errors
 from .self_study import SEED_PROMPTS
@@ -24,6 +25,44 @@ def model_directory_problems(key: str, path: Path, needs: tuple[str, ...]) -> li
     if needs[0] == "config.json" and not any(n.endswith((".safetensors", ".bin")) for n in names):
         return [f"{key}: {path} holds no weights (*.safetensors or *.bin)"]
     return []
+
+
+CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def custom_code_problems(key: str, path: Path) -> list[str]:
+    """A model directory whose config.json or tokenizer_config.json maps a class to Python code of
+    its own (auto_map): transformers would run that file's code (after asking on the terminal,
+    unless told). Unreadable files are the loaders' to report."""
+    problems = []
+    for name in CUSTOM_CODE_FILES:
+        try:
+            values = read_json(path / name) if (path / name).is_file() else {}
+        except SpdsError:
+            continue
+        mapped = values.get("auto_map") if isinstance(values, dict) else None
+        if mapped:
+            code = sorted({str(v).split(".")[0] + ".py" for v in _flat(mapped) if "." in str(v)})
+            problems.append(
+                f"{key}: {path / name} names custom code in auto_map ({', '.join(code) or mapped}): spds runs "
+                "no code from a model directory unless student.trust_remote_code is true (it then runs in "
+                "every rank; run.json records the setting)"
+            )
+    return problems
+
+
+def refuse_custom_code(key: str, path: Path) -> None:
+    problems = custom_code_problems(key, path)
+    if problems:
+        raise SpdsError(problems[0])
+
+
+def _flat(value) -> list:
+    if isinstance(value, dict):
+        return [item for v in value.values() for item in _flat(v)]
+    if isinstance(value, (list, tuple)):
+        return [item for v in value for item in _flat(v)]
+    return [value]
 
 
 def _inside(path: Path, other: Path) -> bool:
@@ -131,6 +170,15 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
             config.tokenizer_path,
             ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"),
         )
+    if not config.student.trust_remote_code:
+        directories = [("student.model_path", config.model_path), ("student.tokenizer_path", config.tokenizer_path)]
+        if config.generate.teacher_path:
+            directories.append(("generate.teacher_path", config.teacher_path))
+        seen = set()  # the tokenizer is the student's own directory unless named apart
+        for key, directory in directories:
+            if directory not in seen and directory.is_dir():
+                problems += custom_code_problems(key, directory)
+            seen.add(directory)
     for i, path in enumerate(config.candidate_paths):
         saved_dataset = path.is_dir() and (path / "state.json").is_file()  # datasets' save_to_disk
         if not (path.is_file() or saved_dataset) and require_candidates:  # spds generate writes them

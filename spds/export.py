@@ -68,7 +68,13 @@ def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
     """A prompt-tuning adapter that PEFT loads: built with PEFT, our prompt in its embedding."""
     from peft import PromptTuningConfig, TaskType, get_peft_model
 
-    student = load_student(config.model_path, "float32", config.student.attn_implementation, torch.device("cpu"))
+    student = load_student(
+        config.model_path,
+        "float32",
+        config.student.attn_implementation,
+        torch.device("cpu"),
+        config.student.trust_remote_code,
+    )
     peft_model = get_peft_model(
         student,
         PromptTuningConfig(

@@ -88,13 +88,17 @@ def repair_and_read(output: Path) -> set[str]:
     return done
 
 
-def load_teacher(path: Path, dtype: str, device: torch.device):
+def load_teacher(path: Path, dtype: str, device: torch.device, trust_remote_code: bool = False):
     """The teacher for decoding, loaded with transformers' eager attention, which every model
     has: spds.decode.Decoder replaces it with its own in every layer before the first forward."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), local_files_only=True, dtype=getattr(torch, dtype), attn_implementation="eager"
+        str(path),
+        local_files_only=True,
+        dtype=getattr(torch, dtype),
+        attn_implementation="eager",
+        trust_remote_code=trust_remote_code,  # explicit: unset, transformers asks on the terminal
     )
     return model.to(device).eval()
 
@@ -126,7 +130,7 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     study = SelfStudy.of(settings, tokenizer, context) if not settings.questions else None
     checked = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    teacher = load_teacher(config.teacher_path, config.student.dtype, device)
+    teacher = load_teacher(config.teacher_path, config.student.dtype, device, config.student.trust_remote_code)
     if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
         apply_liger_kernels(teacher)
     loaded = time.time()

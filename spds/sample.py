@@ -87,7 +87,9 @@ def answers(
     store = PackedStore.open(config.packed_dir)
     tokenizer = load_tokenizer(config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    student = student or load_student(config.model_path, config.student.dtype, "sdpa", device)
+    student = student or load_student(
+        config.model_path, config.student.dtype, "sdpa", device, config.student.trust_remote_code
+    )
     embed = student.get_input_embeddings()
     context = config.context_text
     blocks = {"bare": prompt[:0], "soft": prompt}

@@ -21,6 +21,7 @@ class StudentSettings:
     model_sha256: str | None
     tokenizer_path: str | None
     tokenizer_sha256: str | None
+    trust_remote_code: bool
     dtype: Literal["bfloat16", "float16", "float32"]
     attn_implementation: str
     attention_kernel: Any  # a kernel name, or {"below": n, "short": name, "long": name}

@@ -15,6 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from .checks import refuse_custom_code
 from .contract import load_config
 from .data.chat import derive_scaffold, stability_problem
 from .data.sources import json_lines
@@ -96,7 +97,8 @@ def template_choices(model: str, config_dir: Path) -> tuple[str, dict, object]:
 
     path = model_directory(model, (config_dir / Path(model).expanduser()).resolve(), "MODEL")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        refuse_custom_code("MODEL", path)  # init writes trust_remote_code false; the user opts in by hand
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise SpdsError(f"MODEL {path}: its tokenizer does not load: {error}") from None
     if not getattr(tokenizer, "chat_template", None):

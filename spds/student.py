@@ -21,10 +21,14 @@ from .loss import liger_available
 def load_tokenizer(config):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(config.tokenizer_path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(
+        str(config.tokenizer_path), local_files_only=True, trust_remote_code=config.student.trust_remote_code
+    )
 
 
-def load_student(model_path, dtype: str, attn_implementation: str, device: torch.device) -> nn.Module:
+def load_student(
+    model_path, dtype: str, attn_implementation: str, device: torch.device, trust_remote_code: bool = False
+) -> nn.Module:
     """An sdpa student runs spds's attention (spds/attention.py), which computes windows and soft
     caps itself: a family transformers does not offer SDPA for (Gemma 2, for its soft cap) is
     loaded with its eager attention and then given spds's."""
@@ -32,7 +36,11 @@ def load_student(model_path, dtype: str, attn_implementation: str, device: torch
 
     avoid_cpu_flash_without_avx512()
     load = functools.partial(
-        AutoModelForCausalLM.from_pretrained, str(model_path), local_files_only=True, dtype=getattr(torch, dtype)
+        AutoModelForCausalLM.from_pretrained,
+        str(model_path),
+        local_files_only=True,
+        dtype=getattr(torch, dtype),
+        trust_remote_code=trust_remote_code,  # explicit: unset, transformers asks on the terminal
     )
     try:
         student = load(attn_implementation=attn_implementation)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, edit_config, read_rows
-from helpers import check, environment, final_state, metrics, newest_checkpoint, read_json, spds, start
+from helpers import check, environment, final_state, launch_command, metrics, newest_checkpoint, read_json, spds, start
 
 LAUNCH = REPO / "launch"
 
@@ -562,3 +562,50 @@ def test_init_refuses_chat_rows_for_a_tokenizer_without_a_chat_template(tiny, ti
     err = capsys.readouterr().err
     assert "rule 'chat template': a chat-form row (messages)" in err and "candidates.jsonl:" in err, err
     assert not (tiny / "bare.yaml").exists()
+
+
+@pytest.mark.slow
+def test_code_a_model_directory_brings_never_runs_not_even_on_a_yes(tiny, tiny_assets):
+    """A student directory whose config.json maps AutoModelForCausalLM (and AutoConfig) to its own
+    modeling file, as a hub repository with custom code does: every command refuses it by name
+    before any work, with "y" waiting on standard input (transformers' prompt would take it) and
+    with none; the planted code never runs. student.trust_remote_code is the explicit opt-in."""
+    import shutil
+
+    student = tiny / "custom-student"
+    shutil.copytree(tiny_assets / "student", student)
+    marker = tiny / "the-planted-code-ran"
+    (student / "modeling_planted.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import Qwen3Config as PlantedConfig, Qwen3ForCausalLM as PlantedForCausalLM\n"
+    )
+    config = json.loads((student / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "modeling_planted.PlantedConfig",
+        "AutoModelForCausalLM": "modeling_planted.PlantedForCausalLM",
+    }
+    (student / "config.json").write_text(json.dumps(config))
+    edit_config(tiny, student={"model_path": str(student)}, context={"text": "A context."})
+    (tiny / "questions.jsonl").write_text('{"question_id": "a", "question": "Why?"}\n')
+    for args in (["validate", "config.json"], ["prepare", "config.json"], ["smoke", "config.json"]):
+        for stdin in ("y\n", None):
+            result = subprocess.run(
+                launch_command(args),
+                cwd=tiny,
+                env=environment(),
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                stdin=subprocess.DEVNULL if stdin is None else None,
+            )
+            assert result.returncode == 1, (args, result.stderr[-2000:])
+            assert "config.json names custom code in auto_map (modeling_planted.py)" in result.stderr, args
+            assert "student.trust_remote_code" in result.stderr and "Traceback" not in result.stderr
+    assert not marker.exists()
+    init = spds(["init", str(student), "candidates.jsonl", "--out", "init.yaml"], tiny)
+    assert init.returncode == 1 and "modeling_planted.py" in init.stderr and not (tiny / "init.yaml").exists()
+    assert not marker.exists()
+    # The opt-in: validate passes (the code is the user's to run now).
+    edit_config(tiny, student={"model_path": str(student), "trust_remote_code": True})
+    check(spds(["validate", "config.json"], tiny))

@@ -28,7 +28,9 @@ from .rows import RowRules, read_records
 def load_tokenizer(config: Config):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(config.tokenizer_path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(
+        str(config.tokenizer_path), local_files_only=True, trust_remote_code=config.student.trust_remote_code
+    )
 
 
 def scaffold_for(config: Config, tokenizer) -> Scaffold:
