@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from .fsio import MAX_LINE_BYTES, open_regular, parse_json
 from .preflight import require_preflight
 from .self_study import EXCERPT, Chunk, coverage, cut, kinds_of, plan, written_question
 from .settings import GenerateSettings, SelfStudySettings
-from .student import apply_liger_kernels, load_tokenizer
+from .student import apply_liger_kernels, load_tokenizer, unsafe_weights
 
 
 def read_questions(path: Path) -> list[dict]:
@@ -93,13 +94,16 @@ def load_teacher(path: Path, dtype: str, device: torch.device, trust_remote_code
     has: spds.decode.Decoder replaces it with its own in every layer before the first forward."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path),
-        local_files_only=True,
-        dtype=getattr(torch, dtype),
-        attn_implementation="eager",
-        trust_remote_code=trust_remote_code,  # explicit: unset, transformers asks on the terminal
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            local_files_only=True,
+            dtype=getattr(torch, dtype),
+            attn_implementation="eager",
+            trust_remote_code=trust_remote_code,  # explicit: unset, transformers asks on the terminal
+        )
+    except (OSError, RuntimeError, pickle.UnpicklingError) as error:
+        raise unsafe_weights(error, path) or error
     return model.to(device).eval()
 
 

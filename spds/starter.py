@@ -96,6 +96,10 @@ def template_choices(model: str, config_dir: Path) -> tuple[str, dict, object]:
     from transformers import AutoTokenizer  # seconds of import, for init only
 
     path = model_directory(model, (config_dir / Path(model).expanduser()).resolve(), "MODEL")
+    if not path.is_dir():
+        raise SpdsError(
+            f"MODEL {model}: no such directory, and not a model id (org/name) in the local Hugging Face cache"
+        )
     try:
         refuse_custom_code("MODEL", path)  # init writes trust_remote_code false; the user opts in by hand
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -44,6 +45,8 @@ def load_student(
     )
     try:
         student = load(attn_implementation=attn_implementation)
+    except (OSError, RuntimeError, pickle.UnpicklingError) as error:
+        raise unsafe_weights(error, model_path) or error
     except ValueError as error:
         if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(error):
             raise
@@ -52,6 +55,18 @@ def load_student(
         install_attention(student)  # spds's from the start: transformers' own sdpa path refuses the cap
     student.requires_grad_(False)
     return student.to(device)
+
+
+def unsafe_weights(error: BaseException, model_path) -> SpdsError | None:
+    """The refusal to give when torch's weights-only loader refused a pickled weights file (one that
+    would call code as it loads); None for any other loading error."""
+    if "weights only load failed" not in str(error).lower() and "weights_only" not in str(error):
+        return None
+    return SpdsError(
+        f"{model_path}: its weights (pytorch_model.bin) are not plain tensors: torch's weights-only loader "
+        "refused the pickle (it would run code as it loads); spds loads safetensors or weights-only "
+        "checkpoints: convert the weights to safetensors from a source you trust"
+    )
 
 
 def apply_liger_kernels(student: nn.Module) -> None:

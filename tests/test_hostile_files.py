@@ -609,3 +609,45 @@ def test_code_a_model_directory_brings_never_runs_not_even_on_a_yes(tiny, tiny_a
     # The opt-in: validate passes (the code is the user's to run now).
     edit_config(tiny, student={"model_path": str(student), "trust_remote_code": True})
     check(spds(["validate", "config.json"], tiny))
+
+
+@pytest.mark.slow
+def test_pickled_weights_a_template_leaving_the_sandbox_and_a_missing_model_are_named(tiny, tiny_assets):
+    """Three careless or hostile model directories, each refused by a message naming the file and
+    the rule, no traceback, and nothing run: a pytorch_model.bin pickle that calls os.system as it
+    loads; a chat template that reaches for Python internals (cycler.__init__.__globals__ -> os);
+    and `spds init` on a directory that does not exist."""
+    import pickle
+    import shutil
+
+    marker = tiny / "the-pickle-ran"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    student = tiny / "pickled-student"
+    shutil.copytree(tiny_assets / "student", student)
+    (student / "model.safetensors").unlink()
+    (student / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": Planted()}))
+    edit_config(tiny, student={"model_path": str(student)})
+    check(spds(["prepare", "config.json"], tiny))
+    result = spds(["smoke", "config.json"], tiny)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "its weights (pytorch_model.bin) are not plain tensors" in result.stderr and "safetensors" in result.stderr
+    assert "Traceback" not in result.stderr and not marker.exists()
+
+    escaping = tiny / "escaping-student"
+    shutil.copytree(tiny_assets / "student", escaping)
+    (escaping / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((escaping / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}"
+    (escaping / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    edit_config(tiny, student={"model_path": str(escaping)}, data={"packed_dir": "packed-2"})
+    result = spds(["validate", "config.json"], tiny)
+    assert result.returncode == 1 and "rule 'sandboxed template'" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not marker.exists()
+
+    result = spds(["init", str(tiny / "nowhere"), "candidates.jsonl", "--out", "new.yaml"], tiny)
+    assert result.returncode == 1
+    assert "no such directory, and not a model id (org/name) in the local Hugging Face cache" in result.stderr

@@ -89,10 +89,19 @@ class Scaffold:
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
-    # transformers 5 returns a BatchEncoding unless return_dict=False: compare plain lists.
-    ids = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False, **template_kwargs
-    )
+    from jinja2.exceptions import SecurityError  # transformers renders in jinja's sandbox
+
+    try:
+        # transformers 5 returns a BatchEncoding unless return_dict=False: compare plain lists.
+        ids = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False, **template_kwargs
+        )
+    except SecurityError as error:
+        raise SpdsError(
+            f"the chat template of {tokenizer.name_or_path} (chat_template.jinja or tokenizer_config.json) "
+            f"reaches outside jinja's sandbox ({error}): rule 'sandboxed template': a template renders "
+            "messages and nothing else; fix or replace it"
+        ) from None
     return [int(i) for i in ids]
 
 
