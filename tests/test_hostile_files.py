@@ -116,12 +116,23 @@ def test_rows_the_readers_cannot_take_are_named_by_file_and_rule(tiny, capsys):
     datasets.Dataset.from_list(rows[:2]).save_to_disk(str(tiny / "bad-state"))
     (tiny / "bad-state" / "state.json").write_text("{not json")
     datasets.Dataset.from_list(rows[:1]).select([]).save_to_disk(str(tiny / "no-rows"))
+    datasets.Dataset.from_list(rows[:2]).save_to_disk(str(tiny / "no-arrow"))
+    for arrow in (tiny / "no-arrow").glob("*.arrow"):
+        arrow.unlink()  # a partial copy
+    assistant_first = {k: first[k] for k in ("request_id", "question_id", "sample_index")}
+    assistant_first.update(messages=[{"role": "assistant", "content": "Hello."}], response="Hi.")
+    (tiny / "assistant-first.jsonl").write_text(json.dumps(assistant_first) + "\n")
     cases = [
         ("deep.jsonl", "deep.jsonl:1: request_id ? : rule 'nesting depth'"),
         ("truncated.parquet", "truncated.parquet: rule 'readable table': not readable as a parquet file"),
         ("jsonl.parquet", "jsonl.parquet: rule 'readable table'"),
         ("bad-state", "bad-state: rule 'readable table': not readable as a datasets save_to_disk directory"),
         ("no-rows", "no-rows: rule 'rows present'"),
+        (
+            "no-arrow",
+            "no-arrow: rule 'data files present': state.json lists data-00000-of-00001.arrow, which is missing",
+        ),
+        ("assistant-first.jsonl", "rule 'conversation start': the conversation opens with an assistant turn"),
     ]
     for name, expected in cases:
         config = json.loads((tiny / "config.json").read_text())

@@ -323,6 +323,12 @@ def render_chat_row(
     a thought ("<think>\n") that its rendering of a finished assistant turn drops: there a
     one-turn row is the generation prompt, the response's tokens as the teacher emitted them
     after it, and the template's turn end."""
+    opening = next((m.get("role") for m in messages if m.get("role") != "system"), None)
+    if opening == "assistant":
+        raise ValueError(
+            "rule 'conversation start': the conversation opens with an assistant turn; it starts with a "
+            "system or user turn (the assistant answers a user)"
+        )
     conversation = [*messages, {"role": "assistant", "content": response}]
     turns = [k for k, message in enumerate(conversation) if message.get("role") == "assistant"]
     full = render(tokenizer, conversation, False, template_kwargs)

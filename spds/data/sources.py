@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import SpdsError
-from ..fsio import MAX_LINE_BYTES, open_regular, parse_json
+from ..fsio import MAX_LINE_BYTES, open_regular, parse_json, read_json
 
 
 class RowError(SpdsError):
@@ -50,6 +50,13 @@ def table_rows(path: Path, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
         if path.is_dir():
             from datasets import load_from_disk
 
+            listed = _listed_data_files(path)
+            missing = [name for name in listed if not (path / name).is_file()]
+            if missing:
+                raise SpdsError(
+                    f"{path}: rule 'data files present': state.json lists {', '.join(missing)}, which is missing "
+                    "(a partial copy of a datasets save_to_disk directory?)"
+                )
             if not any(path.glob("*.arrow")):  # datasets writes no arrow file for a dataset of no rows
                 return  # prepare's rule 'rows present' names it
             table = load_from_disk(str(path)).data
@@ -66,6 +73,19 @@ def table_rows(path: Path, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
             f"{path}: rule 'readable table': not readable as {kind}: {type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}"
         ) from None
+
+
+def _listed_data_files(path: Path) -> list[str]:
+    """The arrow files a datasets directory's state.json lists (none when it lists none readably:
+    load_from_disk names what else is wrong)."""
+    try:
+        state = read_json(path / "state.json")
+    except SpdsError:
+        return []
+    files = state.get("_data_files") if isinstance(state, dict) else None
+    if not isinstance(files, list):
+        return []
+    return [f["filename"] for f in files if isinstance(f, dict) and isinstance(f.get("filename"), str)]
 
 
 def _numbered(batches) -> Iterator[tuple[int, dict]]:
