@@ -662,3 +662,20 @@ def test_pickled_weights_a_template_leaving_the_sandbox_and_a_missing_model_are_
     result = spds(["init", str(tiny / "nowhere"), "candidates.jsonl", "--out", "new.yaml"], tiny)
     assert result.returncode == 1
     assert "no such directory, and not a model id (org/name) in the local Hugging Face cache" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_packed_store_whose_manifest_was_edited_is_named_not_indexed_past(prepared):
+    manifest_path = prepared / "packed" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["records"] = 10
+    manifest_path.write_text(json.dumps(manifest))
+    result = spds(["train", "config.json"], prepared)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "rule 'consistent store': manifest.json says 10 records" in result.stderr
+    assert "holds 64 records" in result.stderr and "Traceback" not in result.stderr
+    assert read_json(prepared / "run" / "terminal.json")["status"] == "failed"
+    manifest_path.write_text(json.dumps({**manifest, "files": "none"}))
+    result = spds(["train", "config.json"], prepared)
+    assert result.returncode == 1 and "manifest.json: rule 'consistent store'" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import SpdsError
 from ..fsio import fsync_dir, read_json, sha256_file
+from ..schema import describe_errors
 from .rows import Record
 
 TOKENS = "tokens.uint32"
@@ -144,6 +145,13 @@ def verify_store(directory: Path) -> dict:
     if not manifest_path.exists():
         raise SpdsError(f"{directory}: no packed data (run spds prepare first)")
     manifest = read_json(manifest_path)
+    problems = describe_errors(manifest, "manifest")  # an edited manifest is named, not a KeyError
+    if problems:
+        raise SpdsError(
+            f"{manifest_path}: rule 'consistent store': not a manifest spds prepare wrote; run spds prepare into a "
+            "new data.packed_dir",
+            problems,
+        )
     for name, expected in manifest["files"].items():
         actual = sha256_file(directory / name) if (directory / name).exists() else "missing"
         if actual != expected:
@@ -183,8 +191,12 @@ class PackedStore:
         columns = {k: np.empty(n, dtype=np.int64) for k in names + (["top_k_offset", "top_k_crc32"] if top_k else [])}
         is_train = np.empty(n, dtype=bool)
         spans = {}
+        lines = 0
         with open(directory / INDEX) as stream:
             for i, line in enumerate(stream):
+                lines += 1
+                if i >= n:
+                    continue  # counted, then named below
                 entry = json.loads(line)
                 if "crc32" not in entry:
                     raise SpdsError(
@@ -196,6 +208,13 @@ class PackedStore:
                 is_train[i] = entry["split"] == "train"
                 if "spans" in entry:
                     spans[i] = tuple(tuple(span) for span in entry["spans"])
+        if lines != n or (n and int((columns["offset"] + columns["length"]).max()) > manifest["tokens"]):
+            raise SpdsError(
+                f"{directory}: rule 'consistent store': {MANIFEST} says {n} records and {manifest['tokens']} tokens, "
+                f"{INDEX} holds {lines} records"
+                + ("" if lines != n else " reaching past those tokens")
+                + ": the store was edited or mixed with another; run spds prepare into a new data.packed_dir"
+            )
         tokens_file = open(directory / TOKENS, "rb")
         top_files = tuple(open(directory / name, "rb") for name in (TOP_IDS, TOP_LOGPROBS)) if top_k else ()
         return cls(
