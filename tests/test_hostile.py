@@ -320,3 +320,16 @@ def test_a_questions_file_is_read_as_strictly_as_every_other(tmp_path):
         path.write_bytes(text)
         with pytest.raises(SpdsError, match=rf"questions.jsonl:1: .*{rule}"):
             read_questions(path)
+
+
+@pytest.mark.slow
+def test_a_stop_request_with_a_malformed_body_written_mid_run_is_honoured_as_a_stop(prepared):
+    """A stop-request.json whose requested_at is not a time, written while the run trains: it is a
+    stop request all the same (its time is the file's own), so the run stops at the next update
+    boundary with a committed checkpoint (docs/design.md, stop requests)."""
+    process = start_endless(prepared)
+    (prepared / "run" / "stop-request.json").write_text('{"requested_at": "soon"}')
+    assert process.wait(timeout=300) == 0
+    terminal = read_json(prepared / "run" / "terminal.json")
+    assert terminal["status"] == "stopped" and "stop-request.json" in terminal["reason"]
+    assert newest_checkpoint(prepared / "run").name == f"update-{terminal['update']:06d}"
