@@ -679,3 +679,17 @@ def test_a_packed_store_whose_manifest_was_edited_is_named_not_indexed_past(prep
     result = spds(["train", "config.json"], prepared)
     assert result.returncode == 1 and "manifest.json: rule 'consistent store'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        (b'{"request_id": "r-17", "question_id": "q", "sample_index": 0, "response": "caf\xe9"}', "request_id r-17:"),
+        (b'{"request_id": "r-\xe9", "question_id": "q"}', "request_id (could not be read):"),
+    ],
+)
+def test_a_line_that_is_not_utf8_is_named_with_its_request_id_where_it_reads(tiny, capsys, line, named):
+    (tiny / "latin1.jsonl").write_bytes(line + b"\n")
+    edit_config(tiny, data={"candidates": [{"path": "latin1.jsonl"}], "packed_dir": "packed-latin1"})
+    code, err = _prepare(tiny, capsys)
+    assert code == 1 and "latin1.jsonl:1: " + named in err and "rule 'UTF-8 text'" in err, err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -328,6 +329,17 @@ def top_k_of(value: dict, supervised: int, rules: RowRules) -> tuple[np.ndarray,
     return id_array.astype(np.int32), logprob_array.astype(np.float32)
 
 
+def readable_request_id(line: bytes) -> str:
+    """A line's request_id where the bytes around it decode, else a note that it could not be read."""
+    found = re.search(rb'"request_id"\s*:\s*"([^"\\]{1,200})"', line)
+    if found:
+        try:
+            return found.group(1).decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    return "(could not be read)"
+
+
 def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
     """Yield one checked Record per row; raise RowError naming file, line (or row), request_id and
     rule. A .jsonl file, a .parquet file, or a directory written by datasets' save_to_disk."""
@@ -339,6 +351,8 @@ def read_records(path: Path, tokenizer, rules: RowRules) -> Iterator[Record]:
         request_id = "?"
         try:
             if isinstance(row, Exception):
+                if "UTF-8" in str(row):  # the id, where the bytes around it decode
+                    request_id = readable_request_id(getattr(row, "line", b""))
                 raise row
             if isinstance(row, dict) and isinstance(row.get("request_id"), str):
                 request_id = row["request_id"]

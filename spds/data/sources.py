@@ -29,6 +29,7 @@ def json_lines(path: Path) -> Iterator[tuple[int, object]]:
             try:
                 yield number, parse_json(line)
             except ValueError as error:  # JSONDecodeError included: read_records names the line
+                error.line = line  # the bytes, for what can still be read of them (the request_id)
                 yield number, error
 
 
