@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .errors import SpdsError
-from .fsio import atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy, write_failure
+from .fsio import atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy
 from .identity import code_change, library_versions, refusing_keys
 from .schema import describe_errors, require_valid
 
@@ -126,15 +126,17 @@ def save(
     dist.barrier()
     try:
         engine.save_checkpoint(str(root), tag=tag, exclude_frozen_parameters=True, save_latest=False)
-    except OSError as error:
-        raise write_failure(directory / STATE_FILE, error) from None
-    except RuntimeError as error:  # torch.save reports a failed write as "file write failed"
-        if "write" not in str(error):
+        fault_point("kill-after-deepspeed-save", update)
+        with atomic_writer(directory / rank_file(rank), "wb") as stream:
+            torch.save(dict(rank=rank, world_size=world, rng=capture_rng(), cursor=cursor), stream)
+    except SpdsError as error:  # fsio's atomic writer names a failed write of the rank file
+        raise save_failure(root, directory, error) from None
+    except (OSError, RuntimeError) as error:
+        # torch.save reports a failed write as a RuntimeError ("file write failed", or its zip
+        # writer's "unexpected pos" when the disk filled mid-file)
+        if isinstance(error, RuntimeError) and not any(s in str(error) for s in ("write", "unexpected pos")):
             raise
-        raise write_failure(directory / STATE_FILE, OSError(errno.EIO, str(error).splitlines()[0])) from None
-    fault_point("kill-after-deepspeed-save", update)
-    with atomic_writer(directory / rank_file(rank), "wb") as stream:
-        torch.save(dict(rank=rank, world_size=world, rng=capture_rng(), cursor=cursor), stream)
+        raise save_failure(root, directory, error) from None
     dist.barrier()  # every rank's writes are complete; only now is the directory's content final
     if rank == 0:
         paths = sorted(p for p in directory.iterdir() if p.is_file() and p.name != COMMIT)
@@ -164,6 +166,29 @@ def save(
         atomic_write_json(directory / COMMIT, commit)
     dist.barrier()
     return directory
+
+
+def save_failure(root: Path, directory: Path, error: Exception) -> SpdsError:
+    """A checkpoint that could not be written: which, why, the room it needed (the newest
+    committed checkpoint's size) against the room there is, and that the previous one stands.
+    The partial directory has no commit.json, so no resume ever reads it; it is removed."""
+    shutil.rmtree(directory, ignore_errors=True)
+    previous = committed(root)
+    free = shutil.disk_usage(root).free if root.exists() else 0
+    needed = sum(p.stat().st_size for p in previous[-1][1].iterdir() if p.is_file()) if previous else None
+    full = (
+        getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+        or "No space left" in str(error)
+        or (needed is not None and free < needed)
+    )
+    why = "the file system is full" if full else (getattr(error, "strerror", None) or str(error).splitlines()[0])
+    room = f"{free / 2**20:.2f} MiB free there" + (f", about {needed / 2**20:.2f} MiB needed" if needed else "")
+    stands = (
+        f"the previous checkpoint {previous[-1][1].name} stands and the same command resumes from it"
+        if previous
+        else "no earlier checkpoint exists"
+    )
+    return SpdsError(f"checkpoint {directory}: cannot be written: {why} ({room}); {stands}")
 
 
 # ---------------------------------------------------------------- find, verify, restore

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -693,3 +694,35 @@ def test_a_line_that_is_not_utf8_is_named_with_its_request_id_where_it_reads(tin
     edit_config(tiny, data={"candidates": [{"path": "latin1.jsonl"}], "packed_dir": "packed-latin1"})
     code, err = _prepare(tiny, capsys)
     assert code == 1 and "latin1.jsonl:1: " + named in err and "rule 'UTF-8 text'" in err, err
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_while_a_checkpoint_is_written_is_named_and_the_resume_is_bit_exact(prepared, tmp_path):
+    """output_dir on a small tmpfs, a checkpoint every update: the save that finds the disk full
+    stops the run with a message naming the checkpoint, the room it needed against the room there
+    is, and that the previous checkpoint stands; terminal.json says failed. Moved to a disk with
+    room, the same command resumes, and the final state equals a straight run's bit for bit."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(small)], check=True)
+    try:
+        edit_config(prepared, checkpoint={"every": 1, "keep_last": 10}, output_dir=str(small / "run"))
+        result = spds(["train", "config.json"], prepared)
+        assert result.returncode == 1, result.stdout[-2000:]
+        assert "cannot be written: the file system is full" in result.stderr, result.stderr[-3000:]
+        assert "MiB free there, about" in result.stderr and "stands and the same command resumes" in result.stderr
+        assert "Traceback" not in result.stderr
+        terminal = read_json(small / "run" / "terminal.json")
+        assert terminal["status"] == "failed" and "cannot be written" in terminal["reason"]
+        shutil.copytree(small / "run", prepared / "moved")
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    edit_config(prepared, output_dir="moved")
+    check(spds(["train", "config.json"], prepared))
+    edit_config(prepared, output_dir="straight")
+    check(spds(["train", "config.json"], prepared))
+    resumed, straight = final_state(prepared / "moved"), final_state(prepared / "straight")
+    for key in ("prompt", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(resumed[key], straight[key]), key
