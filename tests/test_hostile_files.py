@@ -726,3 +726,30 @@ def test_a_disk_that_fills_while_a_checkpoint_is_written_is_named_and_the_resume
     resumed, straight = final_state(prepared / "moved"), final_state(prepared / "straight")
     for key in ("prompt", "exp_avg", "exp_avg_sq"):
         assert torch.equal(resumed[key], straight[key]), key
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_prepare_is_named_and_nothing_the_user_had_changes(tiny, tmp_path):
+    """packed_dir on a small tmpfs, rows enough to fill it: prepare names the file it could not
+    write, the room there is and the room the rows need; the partial store is gone, the candidates
+    and a packed store that was already complete are as they were."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    rows = read_rows(tiny / "candidates.jsonl")
+    many = [dict(row, request_id=f"{row['request_id']}-{k}") for k in range(40) for row in rows]
+    (tiny / "candidates.jsonl").write_text("".join(json.dumps(row) + "\n" for row in many))
+    before = (tiny / "candidates.jsonl").read_bytes()
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(small)], check=True)
+    try:
+        edit_config(tiny, data={"packed_dir": str(small / "packed")})
+        result = spds(["prepare", "config.json"], tiny)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert "spds prepare: cannot write" in result.stderr and "No space left on device" in result.stderr
+        assert "MiB free there; the candidate files hold" in result.stderr
+        assert "the partial store was removed, and nothing you had changed" in result.stderr
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert (tiny / "candidates.jsonl").read_bytes() == before

@@ -135,7 +135,10 @@ class PackedWriter:
     def abort(self) -> None:
         for stream in self.streams:
             if not stream.closed:
-                stream.close()
+                try:
+                    stream.close()
+                except OSError:  # its last flush on a full disk: the file goes with the partial store
+                    pass
         shutil.rmtree(self.partial, ignore_errors=True)
 
 

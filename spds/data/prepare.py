@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -210,12 +211,32 @@ def write_store(config: Config, tokenizer, inputs: dict, log, read_from: dict[Pa
                     "was written: run prepare again once the file is complete"
                 )
         writer.commit(manifest)
+    except OSError as error:  # a full disk, a quota: named, and nothing of the user's touched
+        writer.abort()
+        raise store_write_failure(config, error) from None
     except BaseException:
         writer.abort()
         raise
     seconds = time.monotonic() - started
     log(f"packed {writer.records} records, {writer.offset} tokens in {seconds:.1f}s -> {config.packed_dir}")
     return manifest
+
+
+def store_write_failure(config: Config, error: OSError) -> SpdsError:
+    """What a user needs when the packed store cannot be written: which file, the room there is
+    against the room the rows need (their candidate files' size bounds the store's tokens), and
+    that nothing they had changed (the partial store is removed; a finished store is never written
+    over; the candidates are only read)."""
+    target = config.packed_dir
+    where = next((p for p in [target, *target.parents] if p.exists()), target)
+    free = shutil.disk_usage(where).free
+    rows = sum(path.stat().st_size for path in config.candidate_paths if path.is_file())
+    return SpdsError(
+        f"spds prepare: cannot write {error.filename or target}: {error.strerror or error} "
+        f"({free / 2**20:.2f} MiB free there; the candidate files hold {rows / 2**20:.2f} MiB of rows, and the "
+        f"store needs up to about that much); the partial store was removed, and nothing you had changed "
+        f"(the candidates, and any packed store already complete): free room or set data.packed_dir elsewhere"
+    )
 
 
 def check_unique_request_ids(index_path: Path, hashes: np.ndarray) -> None:
