@@ -16,6 +16,7 @@ import math
 import os
 import random
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -100,13 +101,38 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                 saver.prove_restore(engine, run_files.checkpoint)
                 run_files.smoke_passed(identities, world, plan.longest_record_tokens, metric)
         except BaseException as error:
-            run_files.failed(error)
+            lost = peer_lost(error, config.output_dir, rank)
+            run_files.failed(lost or error)
+            if lost:
+                raise lost from None
             raise
         status = run_files.finish(stop.reason)
         if rank == 0:
             stop.answered()
     torch.distributed.barrier()
     return run_files.result(status)
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
+
+
+def peer_lost(error: BaseException, output_dir: Path, rank: int) -> SpdsError | None:
+    """When another rank's process ended mid-collective (killed, out of memory), what this rank
+    says in one line; the backend's traceback goes to a file beside terminal.json, not the terminal."""
+    text = str(error)
+    if not (isinstance(error, torch.distributed.DistError) or any(s in text for s in PEER_GONE)):
+        return None
+    log = output_dir / f"rank-{rank}-traceback.log"
+    try:
+        log.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        log = None
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+    return SpdsError(
+        f"rank {rank}: another rank's process ended during a collective ({first}); this rank stopped too. "
+        + (f"The backend's traceback is in {log}. " if log else "")
+        + "The same command resumes from the newest committed checkpoint."
+    )
 
 
 def open_store(config: Config) -> PackedStore:

@@ -333,3 +333,38 @@ def test_a_stop_request_with_a_malformed_body_written_mid_run_is_honoured_as_a_s
     terminal = read_json(prepared / "run" / "terminal.json")
     assert terminal["status"] == "stopped" and "stop-request.json" in terminal["reason"]
     assert newest_checkpoint(prepared / "run").name == f"update-{terminal['update']:06d}"
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_leaves_the_survivor_one_line_and_a_truthful_terminal_json(prepared):
+    """SIGKILL to rank 1 of a two-process torchrun job (as the OOM killer sends it): rank 0 says in
+    one line of spds's own that another rank's process ended, keeps gloo's traceback in a file
+    beside terminal.json, and terminal.json says failed; the same command then resumes."""
+    import signal
+
+    import psutil
+    from helpers import wait_for_lines
+
+    config = json.loads((prepared / "config.json").read_text())
+    config.update(
+        checkpoint={"every": 2, "keep_last": 2},
+        optim={**config["optim"], "updates": 400, "schedule": "constant", "warmup_updates": 0},
+        distributed={"timeout_minutes": 1},
+    )
+    (prepared / "config.json").write_text(json.dumps(config))
+    from helpers import start
+
+    process = start(["train", "config.json"], prepared, world=2, launcher="torchrun")
+    wait_for_lines(prepared / "run" / "metrics.jsonl", 3, process)
+    workers = [p for p in psutil.Process(process.pid).children(recursive=True) if "spds.cli" in " ".join(p.cmdline())]
+    rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    os.kill(rank1.pid, signal.SIGKILL)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0
+    assert "spds train: rank 0: another rank's process ended during a collective" in output, output[-3000:]
+    # gloo's own traceback stays out of the terminal: the peer's error shows once, in spds's line
+    # (torchrun's agent then prints its own summary of the failed workers)
+    assert output.count("Connection closed by peer") == 1 and "DistNetworkError" not in output
+    assert (prepared / "run" / "rank-0-traceback.log").read_text().startswith("Traceback")
+    terminal = read_json(prepared / "run" / "terminal.json")
+    assert terminal["status"] == "failed" and "another rank's process ended" in terminal["reason"]
