@@ -339,11 +339,11 @@ def test_a_stop_request_with_a_malformed_body_written_mid_run_is_honoured_as_a_s
 def test_a_rank_killed_mid_run_leaves_the_survivor_one_line_and_a_truthful_terminal_json(prepared):
     """SIGKILL to rank 1 of a two-process torchrun job (as the OOM killer sends it): rank 0 says in
     one line of spds's own that another rank's process ended, keeps gloo's traceback in a file
-    beside terminal.json, and terminal.json says failed; the same command then resumes."""
+    beside terminal.json, and terminal.json says failed."""
     import signal
 
     import psutil
-    from helpers import wait_for_lines
+    from helpers import start, wait_for_lines
 
     config = json.loads((prepared / "config.json").read_text())
     config.update(
@@ -352,8 +352,6 @@ def test_a_rank_killed_mid_run_leaves_the_survivor_one_line_and_a_truthful_termi
         distributed={"timeout_minutes": 1},
     )
     (prepared / "config.json").write_text(json.dumps(config))
-    from helpers import start
-
     process = start(["train", "config.json"], prepared, world=2, launcher="torchrun")
     wait_for_lines(prepared / "run" / "metrics.jsonl", 3, process)
     workers = [p for p in psutil.Process(process.pid).children(recursive=True) if "spds.cli" in " ".join(p.cmdline())]
