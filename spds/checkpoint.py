@@ -181,7 +181,8 @@ def save_failure(root: Path, directory: Path, error: Exception) -> SpdsError:
         or "No space left" in str(error)
         or (needed is not None and free < needed)
     )
-    why = "the file system is full" if full else (getattr(error, "strerror", None) or str(error).splitlines()[0])
+    said = getattr(error, "strerror", None) or str(error).splitlines()[0]
+    why = "the file system is full (No space left on device)" if full else said
     room = f"{free / 2**20:.2f} MiB free there" + (f", about {needed / 2**20:.2f} MiB needed" if needed else "")
     stands = (
         f"the previous checkpoint {previous[-1][1].name} stands and the same command resumes from it"

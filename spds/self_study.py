@@ -31,9 +31,9 @@ from .settings import SelfStudySettings
 # carry facts; the others vary what the answers do with them (docs/config.md: self-study).
 SEED_PROMPTS = {
     "detail": (
-        "Write one question about a single fact in the excerpt above: a name, a number, a date, a "
-        "place or a property. The question names what it asks about and does not give the answer. "
-        "Write only the question."
+        "Write one question that can be answered from the excerpt above. Ask about one specific "
+        "detail in it (a name, a number, a date, a place or a property), and name what the question "
+        "is about so that it makes sense on its own. Write only the question."
     ),
     "summary": (
         "Write one short request asking an assistant to summarize what the document says about the "

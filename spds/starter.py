@@ -58,19 +58,19 @@ FIELDS = [
 ]
 
 
-# What `spds init MODEL DATA --context FILE` writes: the recipe that made a soft prompt carry a fact
-# sheet's facts on the real example, measured (docs/config.md: self-study; bench/RESULTS.md).
+# What `spds init MODEL DATA --context FILE` writes: the best recipe measured on the real example
+# (docs/config.md: self-study; bench/RESULTS.md has what it carries and what it does not).
 SELF_STUDY_RECIPE = {
     "soft_prompt": {"length": 128, "init": {"method": "context"}},
     "generate": {
         "questions": None,
-        "self_study": {"conversations": 1024, "chunk_tokens": 64},
+        "self_study": {"conversations": 256, "chunk_tokens": 64},
         "samples_per_question": 1,
-        "max_new_tokens": 128,
+        "max_new_tokens": 96,
         "top_k_logprobs": 20,
     },
     "loss": {"objective": "kl", "teacher": "top_k"},
-    "optim": {"updates": 128, "effective_batch": 16, "learning_rate": 0.01, "warmup_updates": 8, "schedule": "cosine"},
+    "optim": {"updates": 64, "effective_batch": 8, "learning_rate": 0.01, "warmup_updates": 4, "schedule": "cosine"},
     "data": {"eval_fraction": 0.05},
 }
 SELF_STUDY_FIELDS = [
