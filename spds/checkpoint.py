@@ -189,7 +189,7 @@ def save_failure(root: Path, directory: Path, error: Exception) -> SpdsError:
         if previous
         else "no earlier checkpoint exists"
     )
-    return SpdsError(f"checkpoint {directory}: cannot be written: {why} ({room}); {stands}")
+    return SpdsError(f"cannot write {directory} (a checkpoint): {why} ({room}); {stands}")
 
 
 # ---------------------------------------------------------------- find, verify, restore

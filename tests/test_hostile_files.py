@@ -711,11 +711,11 @@ def test_a_disk_that_fills_while_a_checkpoint_is_written_is_named_and_the_resume
         edit_config(prepared, checkpoint={"every": 1, "keep_last": 10}, output_dir=str(small / "run"))
         result = spds(["train", "config.json"], prepared)
         assert result.returncode == 1, result.stdout[-2000:]
-        assert "cannot be written: the file system is full" in result.stderr, result.stderr[-3000:]
+        assert "(a checkpoint): the file system is full" in result.stderr, result.stderr[-3000:]
         assert "MiB free there, about" in result.stderr and "stands and the same command resumes" in result.stderr
         assert "Traceback" not in result.stderr
         terminal = read_json(small / "run" / "terminal.json")
-        assert terminal["status"] == "failed" and "cannot be written" in terminal["reason"]
+        assert terminal["status"] == "failed" and "(a checkpoint)" in terminal["reason"]
         shutil.copytree(small / "run", prepared / "moved")
     finally:
         subprocess.run(["umount", str(small)], check=True)
