@@ -10,25 +10,30 @@
 #   objective ce|kl; teacher top_k|context; init context|random_normal.
 set -euo pipefail
 model=$(realpath "$1"); out=$2; shift 2
-CONVERSATIONS=${CONVERSATIONS:-1024}
+export CONVERSATIONS=${CONVERSATIONS:-1024}
+export KINDS=${KINDS:-}  # generate.self_study.kinds as JSON; empty: the schema's default
+QUALITY=${QUALITY:---dtype bfloat16}  # bench/real_quality.py's options
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(
   "ce-random=ce:top_k:random_normal:128:0.01:128:16"
   "kl-context=kl:top_k:context:128:0.01:128:16"
   "kl-context-lr03=kl:top_k:context:128:0.03:128:16"
   "kl-online-context=kl:context:context:128:0.01:128:16"
-  "kl-random-lr03=kl:top_k:random_normal:128:0.03:128:16"
+  "kl-online-lr03=kl:context:context:128:0.03:128:16"
   "ce-context=ce:top_k:context:128:0.01:128:16"
+  "kl-context-64x8=kl:top_k:context:128:0.01:64:8"
 )
 work=$(mktemp -d); mkdir -p "$out"
 cp examples/real/context.md examples/real/questions.jsonl "$work/"
 ln -s "$model" "$work/model"
 write_config() {  # write_config NAME objective teacher init length lr updates batch
   python3 - "$work" "$@" <<'PY'
-import json, sys
+import json, os, sys, zlib
 work, name, objective, teacher, init, length, lr, updates, batch = sys.argv[1:]
 config = json.load(open("examples/real/run.json"))
-config["generate"]["self_study"]["conversations"] = int(__import__("os").environ.get("CONVERSATIONS", 1024))
+config["generate"]["self_study"]["conversations"] = int(os.environ["CONVERSATIONS"])
+if os.environ["KINDS"]:
+    config["generate"]["self_study"]["kinds"] = json.loads(os.environ["KINDS"])
 config["generate"]["batch_size"] = 256
 config["soft_prompt"]["length"] = int(length)
 config["soft_prompt"]["init"] = {"method": init}
@@ -36,7 +41,7 @@ config["loss"] = {"objective": objective, "teacher": teacher}
 config["optim"].update(learning_rate=float(lr), updates=int(updates), effective_batch=int(batch), micro_batch=int(batch))
 config["data"]["packed_dir"] = f"packed-{name}"
 config["output_dir"] = f"run-{name}"
-config["distributed"] = {"master_port": 29500 + abs(hash(name)) % 1000}
+config["distributed"] = {"master_port": 29500 + zlib.crc32(name.encode()) % 1000}
 json.dump(config, open(f"{work}/{name}.json", "w"), indent=1)
 PY
 }
@@ -44,15 +49,24 @@ write_config generate kl top_k context 128 0.01 128 16
 began=$(date +%s)
 python3 -m spds.cli generate "$work/generate.json" 2>&1 | grep -E "^(start-up|wrote|coverage|[0-9.]+ s for)"
 echo "generate: $(( $(date +%s) - began )) s"
-python3 - "$work/self-study.jsonl" <<'PY'
-import json, sys, collections
+python3 - "$work/self-study.jsonl" "$model" "$work/questions.jsonl" "$out/written.jsonl" <<'PY'
+import json, sys
+from transformers import AutoTokenizer
 rows = [json.loads(l) for l in open(sys.argv[1])]
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])
 print("rows", len(rows), "mean answer tokens", sum(r["supervised_tokens"] for r in rows) / len(rows))
+with open(sys.argv[4], "w") as out:  # the questions and answers, without the top-k (tens of MB)
+    for r in rows:
+        answer = tokenizer.decode(r["input_ids"][r["prefix_tokens"]:], skip_special_tokens=True)
+        out.write(json.dumps(dict(r["self_study"], answer=answer)) + "\n")
+        r["answer"] = answer.lower()
 for r in rows[:12]:
     print(" ", r["self_study"]["kind"], r["self_study"]["chunk"], "|", r["self_study"]["question"][:110].replace("\n", " "))
+# how many of the teacher's answers state each fact the held-out questions ask about
+facts = [json.loads(l) for l in open(sys.argv[3])]
+print("answers stating each fact:", ", ".join(f"{f['keyword']} {sum(f['keyword'].lower() in r['answer'] for r in rows)}" for f in facts))
 PY
-cp "$work/self-study.jsonl" "$out/" 2>/dev/null || true
-python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" --dtype bfloat16 --json "$out/baseline.json" | tail -1
+python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" $QUALITY --json "$out/baseline.json" | tail -1
 for variant in "${variants[@]}"; do
   name=${variant%%=*}; IFS=: read -r objective teacher init length lr updates batch <<<"${variant#*=}"
   write_config "$name" "$objective" "$teacher" "$init" "$length" "$lr" "$updates" "$batch"
@@ -65,9 +79,14 @@ for variant in "${variants[@]}"; do
   ) &
 done
 wait
+for variant in "${variants[@]}"; do  # measured side by side too
+  name=${variant%%=*}
+  python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" \
+    $QUALITY --prompt "$work/run-$name/export/soft_prompt.safetensors" --json "$out/$name.json" > "$work/$name.quality" 2>&1 &
+done
+wait
 for variant in "${variants[@]}"; do
   name=${variant%%=*}
   grep -E "^update (1|64|128)/|train $name" "$work/$name.log" | sed "s/^/$name: /" || tail -5 "$work/$name.log"
-  python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" \
-    --dtype bfloat16 --prompt "$work/run-$name/export/soft_prompt.safetensors" --json "$out/$name.json" | sed "s/^/$name: /"
+  tail -n 1 "$work/$name.quality" | sed "s/^/$name: /"
 done

@@ -35,7 +35,7 @@ from .decode import Decoder
 from .errors import SpdsError
 from .fsio import MAX_LINE_BYTES, open_regular, parse_json
 from .preflight import require_preflight
-from .self_study import EXCERPT, Chunk, coverage, cut, kinds_of, plan, written_question
+from .self_study import EXCERPT, Chunk, Seed, coverage, cut, kinds_of, plan, written_question
 from .settings import GenerateSettings, SelfStudySettings
 from .student import apply_liger_kernels, load_tokenizer, unsafe_weights
 
@@ -236,14 +236,20 @@ class Asking:
         )
         return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
 
-    def write(self, excerpts: list[str], instructions: list[str], max_new_tokens: int, seed: int) -> list[str]:
+    def write(self, excerpts: list[str], seeds: list[Seed], max_new_tokens: int, seed: int) -> list[str]:
         """Self-study's user messages: the teacher reads each excerpt where the context goes and its
-        instruction as the user turn, and writes one message (spds/self_study.py)."""
-        asked = [
-            with_context([{"role": "user", "content": instruction}], excerpt, self.context_in_user_turn)
-            for excerpt, instruction in zip(excerpts, instructions)
+        seed's instruction as the user turn, and writes one message after the seed's opening
+        (spds/self_study.py)."""
+        prompts = [
+            render(
+                self.tokenizer,
+                with_context([{"role": "user", "content": kind.instruction}], excerpt, self.context_in_user_turn),
+                True,
+                self.template_kwargs,
+            )
+            + self.tokenizer.encode(kind.opening, add_special_tokens=False)
+            for excerpt, kind in zip(excerpts, seeds)
         ]
-        prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
         sampling = self.settings
         answers = self.decoder.answer(prompts, max_new_tokens, sampling.temperature, sampling.top_p, seed)
         return [written_question(self.tokenizer.decode(answer[:-1], skip_special_tokens=True)) for answer in answers]
@@ -363,7 +369,7 @@ class SelfStudy:
     batch_size: int
     seed: int
     chunks: list[Chunk]
-    prompts: dict[str, str]  # seed kind -> instruction
+    seeds: dict[str, Seed]  # seed kind -> instruction and opening
     planned: list[tuple[int, str]]  # (chunk, kind) per conversation
     written: dict[int, str]
 
@@ -371,9 +377,8 @@ class SelfStudy:
     def of(cls, settings: GenerateSettings, tokenizer, context: str) -> SelfStudy:
         study = settings.self_study
         chunks = cut(tokenizer, context, study.chunk_tokens)
-        prompts = kinds_of(study)
         planned = plan(study.conversations, len(chunks), study.kinds, settings.seed)
-        return cls(study, settings.batch_size, settings.seed, chunks, prompts, planned, {})
+        return cls(study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {})
 
     def questions(self) -> list[dict]:
         """The conversations as generate's questions, their messages written later (`asked`)."""
@@ -400,7 +405,7 @@ class SelfStudy:
         conversations = range(first, min(first + self.batch_size, len(self.planned)))
         texts = asking.write(
             [EXCERPT.format(chunk=self.chunks[self.planned[i][0]].text) for i in conversations],
-            [self.prompts[self.planned[i][1]] for i in conversations],
+            [self.seeds[self.planned[i][1]] for i in conversations],
             self.settings.question_max_tokens,
             seed=self.seed + WRITING_SEED + number,
         )

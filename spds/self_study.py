@@ -11,8 +11,10 @@ Cartridges) has the teacher write them:
     chunk drawn once before any is drawn twice, and each chunk asked with the kinds in turn (a
     kind of weight w, w times a cycle), so detail questions reach every chunk;
   * the teacher reads the chunk and the kind's instruction and writes one user message
-    (`written_question`); generate then answers it with the whole context, as it answers a
-    questions file.
+    (`written_question`), its reply already opened with the kind's label ("Question:" or
+    "Request:", `OPENINGS`): a small instruct model asked for a question otherwise answers the
+    instruction, chats or retells the excerpt more often than it asks; generate then answers
+    the message with the whole context, as it answers a questions file.
 
 Everything is a function of (context, settings, seed): a rerun writes the same rows, and a
 resumed one skips those written.
@@ -56,6 +58,17 @@ SEED_PROMPTS = {
         "list or a table. Write only the request."
     ),
 }
+# The label the teacher's reply starts with, so that what it writes next is the message itself.
+# A kind named in seed_prompts keeps the opening of the built-in kind of its name; a new kind has
+# none.
+OPENINGS = {
+    "detail": "Question:",
+    "summary": "Request:",
+    "use_case": "Question:",
+    "comparison": "Question:",
+    "creative": "Request:",
+    "structure": "Request:",
+}
 EXCERPT = "Here is an excerpt of a document.\n\n{chunk}"
 
 
@@ -91,11 +104,17 @@ def cut(tokenizer, context: str, size: int) -> list[Chunk]:
     return chunks
 
 
-def kinds_of(settings: SelfStudySettings) -> dict[str, str]:
+@dataclass(frozen=True)
+class Seed:
+    instruction: str  # what the teacher reads after the chunk
+    opening: str  # what its reply starts with ("" for none)
+
+
+def kinds_of(settings: SelfStudySettings) -> dict[str, Seed]:
     """Each kind the settings weigh, with its instruction (seed_prompts overrides a built-in; an
-    unknown kind is refused by validate, spds/checks.py)."""
+    unknown kind is refused by validate, spds/checks.py) and opening."""
     prompts = {**SEED_PROMPTS, **settings.seed_prompts}
-    return {kind: prompts[kind] for kind in settings.kinds}
+    return {kind: Seed(prompts[kind], OPENINGS.get(kind, "")) for kind in settings.kinds}
 
 
 def plan(conversations: int, chunks: int, weights: dict[str, int], seed: int) -> list[tuple[int, str]]:
@@ -117,9 +136,9 @@ def plan(conversations: int, chunks: int, weights: dict[str, int], seed: int) ->
 
 
 def written_question(text: str) -> str:
-    """The user message from what the teacher wrote: its first paragraph, outer quotes and a
-    leading "Question:" removed."""
-    text = text.strip().split("\n\n")[0].strip()
+    """The user message from what the teacher wrote: its first line (what follows is most often
+    an answer the writer went on to give), outer quotes and a leading "Question:" removed."""
+    text = (text.strip().splitlines() or [""])[0].strip()
     for label in ("Question:", "Request:", "Q:"):
         if text.startswith(label):
             text = text[len(label) :].strip()

@@ -48,8 +48,10 @@ def test_a_context_self_study_cannot_cut_is_refused_by_name(context, size, rule)
         cut(make_tiny.chatml_tokenizer(), context, size)
 
 
-def test_the_written_question_is_the_first_paragraph_without_labels_or_quotes():
+def test_the_written_question_is_the_first_line_without_labels_or_quotes():
     assert written_question('  Question: "Where is drawer 4?"\n\nIt is in the hall.') == "Where is drawer 4?"
+    # the writer, its reply opened with "Question:", often goes on to answer on the next line
+    assert written_question(" Where is drawer 4?\nAnswer: in the hall.") == "Where is drawer 4?"
     assert written_question("") == ""
 
 
