@@ -6,8 +6,9 @@
 #   bash bench/gpu_self_study.sh MODEL_DIR OUT [VARIANT ...]
 # One self-study set (CONVERSATIONS conversations, top-20 log-probabilities) is written once and
 # every variant trains on it, all at once on the one GPU (the 135M student leaves it mostly idle).
-# A variant is NAME=objective:teacher:init:length:lr:updates:batch
-#   objective ce|kl; teacher top_k|context; init context|random_normal.
+# A variant is NAME=objective:teacher:init:length:lr:updates:batch[:on_policy]
+#   objective ce|kl; teacher top_k|context; init context|random_normal; on_policy: the share of
+#   each batch the student answers itself (loss.on_policy.fraction, 96 new tokens), 0 by default.
 set -euo pipefail
 model=$(realpath "$1"); out=$2; shift 2
 export CONVERSATIONS=${CONVERSATIONS:-1024}
@@ -26,10 +27,10 @@ variants=("$@")
 work=$(mktemp -d); mkdir -p "$out"
 cp examples/real/context.md examples/real/questions.jsonl "$work/"
 ln -s "$model" "$work/model"
-write_config() {  # write_config NAME objective teacher init length lr updates batch
+write_config() {  # write_config NAME objective teacher init length lr updates batch on_policy
   python3 - "$work" "$@" <<'PY'
 import json, os, sys, zlib
-work, name, objective, teacher, init, length, lr, updates, batch = sys.argv[1:]
+work, name, objective, teacher, init, length, lr, updates, batch, on_policy = sys.argv[1:]
 config = json.load(open("examples/real/run.json"))
 config["generate"]["self_study"]["conversations"] = int(os.environ["CONVERSATIONS"])
 if os.environ["KINDS"]:
@@ -38,6 +39,8 @@ config["generate"]["batch_size"] = 256
 config["soft_prompt"]["length"] = int(length)
 config["soft_prompt"]["init"] = {"method": init}
 config["loss"] = {"objective": objective, "teacher": teacher}
+if float(on_policy):
+    config["loss"]["on_policy"] = {"fraction": float(on_policy), "max_new_tokens": 96}
 config["optim"].update(learning_rate=float(lr), updates=int(updates), effective_batch=int(batch), micro_batch=int(batch))
 config["data"]["packed_dir"] = f"packed-{name}"
 config["output_dir"] = f"run-{name}"
@@ -45,7 +48,7 @@ config["distributed"] = {"master_port": 29500 + zlib.crc32(name.encode()) % 1000
 json.dump(config, open(f"{work}/{name}.json", "w"), indent=1)
 PY
 }
-write_config generate kl top_k context 128 0.01 128 16
+write_config generate kl top_k context 128 0.01 128 16 0
 began=$(date +%s)
 python3 -m spds.cli generate "$work/generate.json" 2>&1 | grep -E "^(start-up|wrote|coverage|[0-9.]+ s for)"
 echo "generate: $(( $(date +%s) - began )) s"
@@ -68,8 +71,8 @@ print("answers stating each fact:", ", ".join(f"{f['keyword']} {sum(f['keyword']
 PY
 python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" $QUALITY --json "$out/baseline.json" | tail -1
 for variant in "${variants[@]}"; do
-  name=${variant%%=*}; IFS=: read -r objective teacher init length lr updates batch <<<"${variant#*=}"
-  write_config "$name" "$objective" "$teacher" "$init" "$length" "$lr" "$updates" "$batch"
+  name=${variant%%=*}; IFS=: read -r objective teacher init length lr updates batch on_policy <<<"${variant#*=}"
+  write_config "$name" "$objective" "$teacher" "$init" "$length" "$lr" "$updates" "$batch" "${on_policy:-0}"
   (
     cd "$work"
     start=$(date +%s)
@@ -87,6 +90,8 @@ done
 wait
 for variant in "${variants[@]}"; do
   name=${variant%%=*}
-  grep -E "^update (1|64|128)/|train $name" "$work/$name.log" | sed "s/^/$name: /" || tail -5 "$work/$name.log"
+  grep -E "^update (1|64|128)/|train $name" "$work/$name.log" | sed "s/^/$name: /"
+  grep -qE "^update 1/" "$work/$name.log" || tail -n 15 "$work/$name.log"  # why it did not train
+  [ -f "$work/run-$name/metrics.jsonl" ] && cp "$work/run-$name/metrics.jsonl" "$out/$name.metrics.jsonl"
   tail -n 1 "$work/$name.quality" | sed "s/^/$name: /"
 done

@@ -195,7 +195,7 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
     problems += output_problems(config) + determinism_problems(config) + sharded_student_problems(config)
-    problems += context_problems(config)
+    problems += context_problems(config) + on_policy_problems(config)
     optim = config.optim
     if optim.warmup_updates > optim.updates:
         problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
@@ -234,6 +234,39 @@ def context_problems(config: Config) -> list[str]:
         problems.append(
             "generate.self_study: generate.questions is set too; self-study writes the questions itself: "
             "set one of them (questions: null for self-study)"
+        )
+    return problems
+
+
+def on_policy_problems(config: Config) -> list[str]:
+    """loss.on_policy against what it needs: the online teacher scoring the student's own tokens
+    with a divergence, and room in the context limit for a sampled answer."""
+    loss, on_policy = config.loss, config.loss.on_policy
+    if not on_policy.fraction:
+        return []
+    problems = []
+    if loss.objective != "kl":
+        problems.append(
+            f"loss.on_policy.fraction: the student's own answers are scored by a divergence to the teacher, "
+            f"and loss.objective is {loss.objective!r}: set it to kl (cross entropy on the student's own "
+            "tokens would train it to repeat itself)"
+        )
+    if loss.teacher != "context" or not (config.context.text or config.context.file):
+        problems.append(
+            "loss.on_policy.fraction: the student's own answers have no offline teacher's log-probabilities: "
+            "set loss.teacher to context (the student with the context scores them online) and give the context"
+        )
+    limit = config.data.context_limit
+    if on_policy.max_new_tokens + config.soft_prompt.length >= limit:
+        problems.append(
+            f"loss.on_policy.max_new_tokens: {on_policy.max_new_tokens} new tokens and the soft prompt's "
+            f"{config.soft_prompt.length} leave no room for a question within data.context_limit ({limit}): "
+            "lower it"
+        )
+    if config.shards_student:
+        problems.append(
+            "loss.on_policy.fraction: sampling runs the whole student on each rank, and this one is sharded "
+            "over the ranks (ZeRO-3, fsdp): replicate the student, or set the fraction to 0"
         )
     return problems
 

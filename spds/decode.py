@@ -148,31 +148,43 @@ class Decoder:
 
     @torch.no_grad()
     def answer_with_top_k(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int, k: int
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        k: int,
+        prefix_embeds: torch.Tensor | None = None,
     ) -> tuple[list[list[int]], list[dict] | None]:
         """`answer`'s ids and, with k > 0, each answer's top-k: at every answer token, the k most
         likely next tokens of the logits it was picked from and their log-probabilities at
         temperature 1 (dict(ids=[[k ids] per token], logprobs=[[k floats] per token])). A cut
         answer's closing end token was never picked: one more step gives its logits. Taken from
-        the decode step's own logits, so an offline teacher's targets cost no second pass."""
+        the decode step's own logits, so an offline teacher's targets cost no second pass.
+        `prefix_embeds` ([n, hidden], the model's dtype): a shared prefix given as input embeddings
+        (the chat template's header and a soft prompt, loss.on_policy), before every prompt's ids."""
         began = time.perf_counter()
         device = self.model.device
-        prefix = common_prefix(prompts)
-        rows, longest = len(prompts), max(len(p) - prefix for p in prompts)
-        shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
+        if prefix_embeds is None:
+            prefix = common_prefix(prompts)
+            shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
+            prompts = [p[prefix:] for p in prompts]
+        else:
+            prefix, shared = len(prefix_embeds), self.embedded_states(prefix_embeds)
+        rows, longest = len(prompts), max(len(p) for p in prompts)
         self.check_fits(rows, longest + max_new_tokens, TopK.bytes_per_row(max_new_tokens + 1, k))
         cache = BatchCache(self.layers, rows, longest + max_new_tokens, device, shared)
-        cache.skip_holes([longest - (len(p) - prefix) for p in prompts])
-        self.plan_window(cache, prefix, max(len(p) for p in prompts) + max_new_tokens - 1)
+        cache.skip_holes([longest - len(p) for p in prompts])
+        self.plan_window(cache, prefix, prefix + longest + max_new_tokens - 1)
         # a row's logical position at each of its own cache indices (-1: a hole, or not written
         # yet), the questions right-aligned: every row's last prompt token at one index. Built on
         # the host and copied once.
         positions = torch.full((rows, cache.capacity), -1, dtype=torch.long)
         ids = torch.full((rows, longest), self.pad_id, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            own = prompt[prefix:]
+        for row, own in enumerate(prompts):  # each prompt's own ids, after the shared prefix
             ids[row, longest - len(own) :] = torch.tensor(own)
-            positions[row, longest - len(own) : longest] = torch.arange(prefix, len(prompt))
+            positions[row, longest - len(own) : longest] = torch.arange(prefix, prefix + len(own))
         positions, ids = positions.to(device), ids.to(device)
         generator = torch.Generator(device=device).manual_seed(seed)
         logits = self.forward(ids, positions, cache, start=0)[:, -1]
@@ -238,6 +250,20 @@ class Decoder:
             self.prefix_forwards += 1
         return self.prefix_states
 
+    def embedded_states(self, embeds: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`shared_states` of a prefix given as input embeddings [n, hidden]: computed every time
+        (a soft prompt changes at every update) and not kept."""
+        self.prefix_ids, self.prefix_states = None, []
+        single = BatchCache(self.layers, 1, len(embeds), embeds.device)
+        positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=embeds.device)
+        positions[0, : len(embeds)] = torch.arange(len(embeds), device=embeds.device)
+        self.forward(embeds[None], positions, single, start=0, keep=0, causal=True)
+        self.prefix_forwards += 1
+        return [
+            (k[:, : len(embeds)].transpose(1, 2), v[:, : len(embeds)].transpose(1, 2))
+            for k, v in zip(single.keys, single.values)
+        ]
+
     def plan_window(self, cache: BatchCache, prefix: int, last_position: int) -> None:
         """Which shared keys the windowed layers read: none older than the window of the batch's
         first own token (at logical position `prefix`), and a mask only when a later query
@@ -257,7 +283,8 @@ class Decoder:
         keep: int = 1,
         causal: bool = False,
     ):
-        """Run `ids` ([rows, n], written at the rows' own cache indices start..start+n-1) against
+        """Run `ids` ([rows, n], or input embeddings [rows, n, hidden]; written at the rows' own
+        cache indices start..start+n-1) against
         the shared prefix and everything the rows' cache holds; the next-token logits (fp32) of each
         row's last `keep` columns, [rows, keep, vocabulary] (keep 0: none). `causal`: one row with no
         holes from index 0 and nothing shared (the prefix), where the kernel's own causal rule needs
@@ -292,7 +319,7 @@ class Decoder:
         """The model over `ids` at logical positions `queries` under `masks` (None: causal),
         writing its keys and values at cache.index; the fp32 logits of the last `keep` columns."""
         arguments = dict(
-            input_ids=ids,
+            **{"inputs_embeds" if ids.is_floating_point() else "input_ids": ids},
             position_ids=queries.clamp(min=0),
             attention_mask=masks,
             use_cache=True,

@@ -78,6 +78,7 @@ class RunRecords:
         if not self.writes:
             return
         keep_metrics_before(self.out / "metrics.jsonl", start)
+        keep_metrics_before(self.out / "on-policy.jsonl", start)  # loss.on_policy's samples, likewise
         if model is None:  # stopped during start-up: nothing was built, nothing runs
             return
         write_validated(
@@ -107,9 +108,14 @@ class RunRecords:
 
             self.bar = tqdm(total=self.last, initial=start - 1, unit="update", dynamic_ncols=True)
 
-    def update_done(self, metric: dict, engine) -> None:
+    def update_done(self, metric: dict, engine, samples: dict[int, list[int]] | None = None) -> None:
+        """The update's metrics line, and (loss.on_policy) the student's sampled answers by record,
+        on-policy.jsonl's line, before it."""
         self.completed = metric["update"]
         if self.writes:
+            if samples is not None:
+                line = dict(update=metric["update"], samples=[dict(record=r, ids=ids) for r, ids in samples.items()])
+                append_line_durably(self.out / "on-policy.jsonl", canonical_json(line))
             record_metric(self.out, metric, self.last, self.checkpoint, self.bar, engine)
 
     def failed(self, error: BaseException) -> None:

@@ -92,6 +92,13 @@ class KLSettings:
 
 
 @dataclass(frozen=True)
+class OnPolicySettings:
+    fraction: float
+    temperature: float
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
 class LossSettings:
     objective: Literal["ce", "kl", "mix"]
     ce_weight: float
@@ -100,6 +107,7 @@ class LossSettings:
     reuse_context_kv: bool
     teacher_memo_gib: float
     kl: KLSettings
+    on_policy: OnPolicySettings
     kernel: Literal["auto", "liger", "chunked"]
     chunk_tokens: int
 

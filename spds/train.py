@@ -33,6 +33,7 @@ from .errors import SpdsError
 from .fsio import exclusive_lock
 from .identity import check_smoke_evidence, run_identities
 from .model import load_segments
+from .on_policy import Sampler, Samples
 from .records import RunRecords, StartupClock, rank_hosts
 from .schedule import Plan, Step
 from .stop import StopRequest
@@ -69,6 +70,7 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
             clock.mark("identities")
             model = None if stopping else build_soft_prompt_model(config, device)
             teacher = build_teacher(config, model, store, memo=True) if model and model.loss_fn.needs_teacher else None
+            sampler = on_policy_sampler(config, model, store)
             clock.mark("student")
             engine = None if stopping else build_engine(config, model, world)
             clock.mark("engine")
@@ -89,11 +91,12 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                 step = plan.step(update, force_longest=smoke)
                 fault_point(f"sigterm-before-update-rank{rank}", update)
                 pace_point()
+                samples = sampler.for_step(store, step, device) if sampler else None
                 metric, stopping = train_step(
-                    engine, teacher, store, plan, step, rank, device, stop, config.optim.max_grad_norm
+                    engine, teacher, store, plan, step, rank, device, stop, config.optim.max_grad_norm, samples
                 )
                 metric.update(update=update, elapsed_seconds=time.monotonic() - began)
-                run_files.update_done(metric, engine)
+                run_files.update_done(metric, engine, samples.ids if samples else None)
                 reason = saver.reason(update, run_files.last, stopping)
                 if reason:
                     run_files.checkpoint = saver.save(engine, plan.cursor(step, rank), update, reason)
@@ -155,15 +158,20 @@ def train_step(
     device: torch.device,
     stop: StopRequest,
     max_grad_norm: float | None,
+    samples: Samples | None = None,
 ) -> tuple[dict, bool]:
     """One update: d/dprompt of (the loss summed over the global batch's supervised tokens: CE,
-    a divergence to the teacher, or both) / (their count).
+    a divergence to the teacher, or both) / (their count). `samples`: the rows whose answers the
+    student wrote (loss.on_policy), in place of the stored ones.
 
     Every backward is of a plain sum (no scale enters the bf16 student); the one normalisation is
     the fp32 division of the summed prompt gradient by the global supervised-token count."""
-    started = time.monotonic()
-    denominator = step.supervised_tokens
+    started = time.monotonic() - (samples.seconds if samples else 0.0)  # the update's time includes sampling
     segments = load_segments(store, step.dealt[rank], device)  # one copy: no host sync in the loop below
+    denominator = step.supervised_tokens
+    if samples:
+        segments.update({r: s for r, s in samples.segments.items() if r in segments})
+        denominator += samples.added_tokens
     local_loss = torch.zeros((), dtype=torch.float32, device=device)
     with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
         for records, recompute_positions, counted in plan.passes(step, rank, engine.module.layout.lockstep):
@@ -211,7 +219,16 @@ def train_step(
         peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0,
         global_batch_sha256=step.digest,
     )
+    if samples:
+        metric["on_policy"] = samples.metric()
     return metric, stop_votes > 0
+
+
+def on_policy_sampler(config: Config, model, store: PackedStore) -> Sampler | None:
+    """loss.on_policy's sampler (None when off, or when start-up stopped before a model)."""
+    if model is None or not config.loss.on_policy.fraction:
+        return None
+    return Sampler(config.loss.on_policy, model, list(store.manifest["end_token_ids"]), config.optim.seed)
 
 
 def stop_agreed(stop: StopRequest, device) -> bool:

@@ -276,3 +276,32 @@ def test_packed_micro_batches_are_refused_for_a_student_spds_cannot_attend_for(t
         load_config(tiny / "config.json")
     edit_config(tiny, student={"attn_implementation": "sdpa"})
     assert load_config(tiny / "config.json").optim.micro_batch_layout == "packed"
+
+
+def test_bad_on_policy_settings_are_refused_by_validate_naming_each_key(tiny):
+    """loss.on_policy: a fraction outside [0, 1] (the schema); then, at once, every rule its use
+    breaks: cross entropy on the student's own tokens, no online teacher, and a max_new_tokens
+    that leaves no room for a question within data.context_limit."""
+    from helpers import spds
+
+    edit_config(tiny, loss={"objective": "kl", "teacher": "context", "on_policy": {"fraction": 1.5}})
+    result = spds(["validate", "config.json"], tiny)
+    assert result.returncode != 0 and "loss.on_policy.fraction" in result.stderr and "1.5" in result.stderr
+    limit = json.loads((tiny / "config.json").read_text())["data"]["context_limit"]
+    edit_config(
+        tiny, loss={"objective": "ce", "teacher": "top_k", "on_policy": {"fraction": 0.5, "max_new_tokens": limit}}
+    )
+    result = spds(["validate", "config.json"], tiny)
+    assert result.returncode != 0
+    for expected in (
+        "loss.on_policy.fraction: the student's own answers are scored by a divergence",
+        "loss.on_policy.fraction: the student's own answers have no offline teacher",
+        f"loss.on_policy.max_new_tokens: {limit} new tokens",
+    ):
+        assert expected in result.stderr, result.stderr
+    edit_config(
+        tiny,
+        loss={"objective": "kl", "teacher": "context", "on_policy": {"fraction": 0.5, "max_new_tokens": 8}},
+        context={"text": "You are terse."},
+    )
+    assert spds(["validate", "config.json"], tiny).returncode == 0

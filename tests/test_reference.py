@@ -45,10 +45,15 @@ CLIPPED = dict(
 )
 
 
-def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, loss: dict | None = None) -> dict:
+def reference_run(
+    run_dir, learning_rates: list[float], max_grad_norm: float, loss: dict | None = None, on_policy: dict | None = None
+) -> dict:
     """`loss` None: CE. Else {objective, direction, temperature, beta, ce_weight, kl_weight, teacher}:
     the teacher is the student with the context's tokens spliced in (a plain forward over the whole
-    sequence), or the packed top-k with the rest of the mass one bucket."""
+    sequence), or the packed top-k with the rest of the mass one bucket. `on_policy` {update:
+    {record: sampled ids}}: those records' answers replaced by the ids (the student's samples,
+    as spds logged them in on-policy.jsonl); their greedy continuation under this reference's own
+    prompt at that update is returned beside them (`greedy`), for a test at near-zero temperature."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = json.loads((run_dir / "config.json").read_text())
@@ -77,16 +82,23 @@ def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, lo
         k = json.loads((packed / "manifest.json").read_text())["top_k"]
         top_ids = torch.from_numpy(np.fromfile(packed / "top_k_ids.int32", dtype="<i4").astype(np.int64)).view(-1, k)
         top_logprobs = torch.from_numpy(np.fromfile(packed / "top_k_logprobs.float32", dtype="<f4")).view(-1, k)
-    B, grad_norms = optim["effective_batch"], []
+    B, grad_norms, greedy = optim["effective_batch"], [], {}
     for update, learning_rate in enumerate(learning_rates, start=1):
         epoch, k = divmod(update - 1, len(train) // B)
         generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([optim["seed"], epoch])))
         order = generator.permutation(len(train))
         batch = [train[i] for i in order[k * B : (k + 1) * B]]
-        total = torch.zeros(())
+        total, supervised = torch.zeros(()), 0
+        sampled = (on_policy or {}).get(update, {})
         for entry in batch:
             ids = torch.from_numpy(tokens[entry["offset"] : entry["offset"] + entry["length"]])
             a, prefix = entry["insert_at"], entry["prefix_tokens"]
+            record = index.index(entry)
+            if record in sampled:
+                answer = torch.tensor(sampled[record])
+                greedy[update, record] = greedy_answer(student, embed, prompt, ids[:a], ids[a:prefix], len(answer))
+                ids = torch.cat([ids[:prefix], answer])
+            supervised += len(ids) - prefix
             joined = torch.cat([embed(ids[:a]), prompt, embed(ids[a:])])[None]
             logits = student(inputs_embeds=joined).logits[0].float()
             # response token ids[t] sits at joined position t + length and is predicted from the one before
@@ -111,14 +123,32 @@ def reference_run(run_dir, learning_rates: list[float], max_grad_norm: float, lo
                 log_p = torch.cat([logprobs, (1 - logprobs.exp().sum(-1, keepdim=True)).log()], dim=1)
             kl = divergence(log_p, log_q, loss["direction"], loss["beta"])
             total = total + loss["ce_weight"] * ce + loss["kl_weight"] * kl
-        (total / sum(entry["supervised_tokens"] for entry in batch)).backward()
+        (total / supervised).backward()
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm)))
         for group in adam.param_groups:
             group["lr"] = learning_rate
         adam.step()
         adam.zero_grad()
     state = adam.state[prompt]
-    return dict(prompt=prompt.detach(), exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"], grad_norms=grad_norms)
+    return dict(
+        prompt=prompt.detach(),
+        exp_avg=state["exp_avg"],
+        exp_avg_sq=state["exp_avg_sq"],
+        grad_norms=grad_norms,
+        greedy=greedy,
+    )
+
+
+@torch.no_grad()
+def greedy_answer(student, embed, prompt, header, question, steps: int) -> list[int]:
+    """`steps` greedy tokens of the student after header ++ prompt ++ question, by full forwards."""
+    joined = torch.cat([embed(header), prompt.detach(), embed(question)])
+    picked = []
+    for _ in range(steps):
+        token = int(student(inputs_embeds=joined[None]).logits[0, -1].argmax())
+        picked.append(token)
+        joined = torch.cat([joined, embed(torch.tensor([token]))])
+    return picked
 
 
 def assert_same_state(state: dict, reference: dict, learning_rates: list[float], name: str) -> None:
@@ -228,6 +258,55 @@ def test_kl_update_equals_plain_pytorch_online_teacher_on_1_2_and_3_ranks(prepar
         assert (
             state["prompt"] - reference_run(prepared, [m["learning_rate"] for m in lines], 20.0)["prompt"]
         ).abs().max() > 1e-4, f"{name}: the KL run moved the prompt as CE would"
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_on_policy_update_equals_plain_pytorch_on_1_2_and_3_ranks(prepared):
+    """loss.on_policy: half of each batch answered by the student with the prompt of that update,
+    at a temperature (1e-4) that makes sampling greedy unless two logits lie within about 1e-3:
+    the reference decodes those answers itself with full forwards under its own prompt and gets
+    the same ids, then takes the same update from them. The samples are the same whatever the
+    world size (every rank samples them all, in one batch)."""
+    from conftest import make_tiny
+
+    on_policy = dict(fraction=0.5, temperature=1e-4, max_new_tokens=6)
+    logged = {}
+    runs = (("on-policy-1", 1, "plain"), ("on-policy-2", 2, "torchrun"), ("on-policy-3", 3, "torchrun"))
+    for name, world, launcher in runs:
+        edit_config(
+            prepared,
+            output_dir=name,
+            **CLIPPED,
+            loss=dict(objective="kl", teacher="context", on_policy=on_policy),
+            context={"text": make_tiny.CONTEXT},
+        )
+        check(spds(["train", "config.json"], prepared, world=world, launcher=launcher))
+        lines = metrics(prepared / name)
+        logged[name] = (prepared / name / "on-policy.jsonl").read_text()
+        samples = {
+            line["update"]: {s["record"]: s["ids"] for s in line["samples"]}
+            for line in map(json.loads, logged[name].splitlines())
+        }
+        assert [len(samples[u]) for u in (1, 2, 3)] == [3, 3, 3]  # half of 6 rows
+        rates = [m["learning_rate"] for m in lines]
+        reference = reference_run(
+            prepared,
+            rates,
+            max_grad_norm=20.0,
+            loss=dict(teacher="context", direction="forward", temperature=1.0, beta=0.5, ce_weight=0.0, kl_weight=1.0),
+            on_policy=samples,
+        )
+        for (update, record), greedy in reference["greedy"].items():
+            ids = samples[update][record]
+            cut = len(ids) > on_policy["max_new_tokens"]  # closed by spds's end token, never picked
+            assert greedy[: len(ids) - cut] == ids[: len(ids) - cut], (name, update, record)
+        for line, update in zip(lines, (1, 2, 3)):
+            assert line["on_policy"]["sampled_tokens"] == sum(len(ids) for ids in samples[update].values())
+        state = final_state(prepared / name)
+        assert_same_state(state, reference, rates, name)
+        assert [m["grad_norm"] for m in lines] == pytest.approx(reference["grad_norms"], rel=ROUNDING)
+    assert logged["on-policy-1"] == logged["on-policy-2"] == logged["on-policy-3"]
 
 
 @pytest.mark.slow
