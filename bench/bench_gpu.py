@@ -161,8 +161,37 @@ def write_store(directory: Path, lengths: list[int], seed: int = 0, top_k: int =
             "train",
         )
     files = writer.close_files()
-    writer.commit(
-        dict(format="spds-packed-v1", records=len(lengths), tokens=int(sum(lengths)), files=files, top_k=top_k)
+    header_ids = [int(i) for i in header]
+    end = [VOCAB - 1]  # never the random records' ids: the sampler's end token (loss.on_policy)
+    no_file = "0" * 64
+    writer.commit(  # a complete manifest (PackedStore.open checks it against its schema)
+        dict(
+            format="spds-packed-v1",
+            spds_version="bench",
+            records=len(lengths),
+            tokens=int(sum(lengths)),
+            max_length=int(max(lengths)),
+            top_k=top_k,
+            prompt_length=PROMPT,
+            placement="system",
+            scaffold=dict(lead=[], system_header=header_ids, system_close=[], user_header=[]),
+            end_token_ids=end,
+            counts=dict(
+                existing_system=len(lengths), added_empty_system=0, prefix_placement=0, train=len(lengths), eval=0
+            ),
+            files=files,
+            sources=[dict(path="synthetic", sha256=no_file, rows=len(lengths))],
+            inputs=dict(
+                sources=[dict(path="synthetic", sha256=no_file)],
+                tokenizer=no_file,
+                placement="system",
+                prompt_length=PROMPT,
+                context_limit=int(max(lengths)) + PROMPT,
+                end_token_ids=end,
+                chat_template_kwargs={},
+                eval_fraction=0.0,
+            ),
+        )
     )
     return PackedStore.open(directory)
 
@@ -290,6 +319,13 @@ def planned_as_own_kernels(model) -> None:
 
 
 VARIANTS["liger-own-figure"] = VARIANTS["liger"]
+# loss.on_policy: the liger-packed-kl step with half of each batch answered by the student first
+# (512 new tokens, spds's decoder; the random student never ends an answer early). Its time is the
+# sampling and the step; the sampling's share is reported apart.
+VARIANTS["onpolicy"] = VARIANTS["kl"]
+VARIANTS["liger-packed-onpolicy"] = VARIANTS["liger-packed-kl"]
+VARIANTS["liger-packed-fa4-onpolicy"] = VARIANTS["liger-packed-fa4-kl"]
+ON_POLICY = dict(fraction=0.5, temperature=1.0, max_new_tokens=512)
 AFTER_BUILD = {
     "wholeckpt": all_or_nothing,
     "liger-own-figure": planned_as_own_kernels,
@@ -306,6 +342,9 @@ AFTER_BUILD = {
     "liger-packed-fa4-topk": offline_kl,
     "liger-packed-fp8": fp8_linears,
     "liger-packed-fa4-fp8": fp8_linears,
+    "onpolicy": online_kl(True),
+    "liger-packed-onpolicy": online_kl(True),
+    "liger-packed-fa4-onpolicy": online_kl(True),
     "liger-kl-memo": online_kl(True, memo_gib=64.0),
     "liger-kl-nocache-memo": online_kl(False, 64.0),
 }
@@ -359,6 +398,12 @@ def time_spds(
             use_deterministic_kernels()
         model = build_soft_prompt_model(config, torch.device(DEVICE), student=student)
         teacher = AFTER_BUILD.get(variant, lambda model: None)(model)  # the online-KL variants' teacher
+        sampler = None
+        if variant.endswith("onpolicy"):
+            from spds.on_policy import Sampler
+            from spds.settings import OnPolicySettings
+
+            sampler = Sampler(OnPolicySettings(**ON_POLICY), model, store.manifest["end_token_ids"], seed=0)
         policy, recomputed = model.recompute, []  # layers recomputed, per micro-batch
         model.recompute = lambda *args, **kwargs: recomputed.append(policy(*args, **kwargs)) or recomputed[-1]
         engine = build_engine(config, model, 1)
@@ -368,7 +413,9 @@ def time_spds(
         warm = np.arange(len(warm_lengths))
         trace = VisitTrace(model) if TRACE else None
         with phase(trace, f"{variant} warm-up"):
-            train_step(engine, teacher, store, plan, plan.step_of(1, warm), 0, device, stop, None)  # kernels, JIT
+            step = plan.step_of(1, warm)
+            samples = sampler.for_step(store, step, device) if sampler else None
+            train_step(engine, teacher, store, plan, step, 0, device, stop, None, samples)  # kernels, JIT
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         batch = np.arange(len(warm_lengths), len(warm_lengths) + len(lengths))
@@ -376,7 +423,9 @@ def time_spds(
         if second_visit or variant in REVISIT:  # the first visit of the timed records, then the timed second one
             started = time.perf_counter()
             with profiled(PROFILE == "first"), phase(trace, f"{variant} first visit"):
-                train_step(engine, teacher, store, plan, plan.step_of(2, batch), 0, device, stop, None)
+                step = plan.step_of(2, batch)
+                samples = sampler.for_step(store, step, device) if sampler else None
+                train_step(engine, teacher, store, plan, step, 0, device, stop, None, samples)
                 torch.cuda.synchronize()
             extra = dict(first_visit_seconds=time.perf_counter() - started)
             if hasattr(teacher, "memo_bytes"):
@@ -386,9 +435,14 @@ def time_spds(
         recomputed.clear()
         started = time.perf_counter()
         with profiled(PROFILE == "timed"), phase(trace, f"{variant} {'second visit' if extra else 'timed'}"):
-            metric, _ = train_step(engine, teacher, store, plan, plan.step_of(3, batch), 0, device, stop, None)
+            step = plan.step_of(3, batch)
+            samples = sampler.for_step(store, step, device) if sampler else None
+            metric, _ = train_step(engine, teacher, store, plan, step, 0, device, stop, None, samples)
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
+        if samples:
+            extra.update(sampling_seconds=samples.seconds, sampled_tokens=samples.metric()["sampled_tokens"])
+            extra.update(decode_graphs=sampler.decoder.captured)
         result = dict(
             seconds=seconds,
             positions=metric["tokens"],
