@@ -284,12 +284,15 @@ def hostile_config(run_dir, output_dir: str) -> Path:
     return weird / "config.json"
 
 
+# 28 updates left once the job trains, at 4 s each: 112 s, far past the signal's 60 s window.
+TIME_LIMIT_PACE = "4"
 STOPS = {  # name: (sbatch options, what the test runs once the job trains)
     "scancel-batch": ((), ["scancel", "--signal=TERM", "--batch"]),
     # slurmctld sends the time limit's signal on its own 30 s tick, once the time left is within
     # T + 30 s: the limit starts at 10 min (no signal during start-up) and is cut to 2 min past
-    # the minute the job is in once it trains, so the signal comes within 30 s, mid-run (the
-    # updates are paced to last), and a minute or more before the limit itself.
+    # the minute the job is in once it trains, so the time left is 2-3 min and the signal comes
+    # within 60 s (30 s until it is within T + 30 s, one tick more), a minute or more before the
+    # limit itself. The updates are paced (TIME_LIMIT_PACE) so the run outlasts that window.
     "time-limit": (("--time=10", "--signal=B:TERM@120"), ["scontrol", "update"]),
     "scancel": ((), ["scancel"]),
 }
@@ -299,7 +302,7 @@ STOPS = {  # name: (sbatch options, what the test runs once the job trains)
 def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exactly(cluster, run_dir, straight, name):
     options, stop = STOPS[name]
     edit_config(run_dir, output_dir=f"slurm-{name}")
-    job = sbatch(cluster, run_dir, *options, SPDS_TEST_PACE="1.5" if name == "time-limit" else "0.3")
+    job = sbatch(cluster, run_dir, *options, SPDS_TEST_PACE=TIME_LIMIT_PACE if name == "time-limit" else "0.3")
     wait_running(cluster, job, run_dir, f"slurm-{name}")
     if stop[0] == "scontrol":
         hours, minutes, seconds = map(int, job_state(cluster, job)["RunTime"].split(":"))
