@@ -34,9 +34,9 @@ def main() -> None:
     parser.add_argument("--mix", type=int, default=16, help="records of the 512-32k length mix")
     parser.add_argument("--variant", default="liger", help="bench_gpu.py variant (student settings)")
     args = parser.parse_args()
-    from spds.build import build_soft_prompt_model
-    from spds.loss import make_loss
-    from spds.model import load_segments
+    from spds.model.build import build_soft_prompt_model
+    from spds.model.loss import make_loss
+    from spds.model.soft_prompt import load_segments
 
     print(f"{time.strftime('%Y-%m-%d')} | {torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
     student = bench_gpu.build_student(args.model)
@@ -50,7 +50,7 @@ def main() -> None:
         store = bench_gpu.write_store(directory / "packed", lengths)
         config = bench_gpu.spds_config(directory, len(lengths), args.variant)
         if config.student.liger_kernels:
-            from spds.student import apply_liger_kernels
+            from spds.model.student import apply_liger_kernels
 
             apply_liger_kernels(student)
         model = build_soft_prompt_model(config, torch.device("cuda"), training=False, student=student)

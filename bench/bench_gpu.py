@@ -11,7 +11,7 @@ optimizer step, the loss from the model's own forward (materialised logits), as 
 --second-visit times a second update over the same records after the first; --trace-visits says,
 per update, what the first visit paid that the second did not (VisitTrace: JIT compiles, the
 allocator, the micro-steps that ran slow); --profile first profiles the first visit instead of the
-timed one (host time too: it found Liger's per-length RoPE compilation, bench/RESULTS.md).
+timed one (host time too: it found Liger's per-length RoPE compilation, bench/results/LOG.md).
 
 Useful FLOPs per position = 4 x matmul parameters (lm_head included) + 6 x layers x seq x
 heads x head_dim (forward and input-gradient backward, causal attention, no recompute); MFU is
@@ -232,7 +232,7 @@ VARIANTS["liger-packed-32k"] = (
     VARIANTS["liger"][0],
     {**VARIANTS["liger-packed"][1], "micro_batch": 64, "micro_batch_tokens": 32768},
 )
-# FlashAttention-4 at every length (flash-attn-4; bench/check_fa4.py), padded rows and packed
+# FlashAttention-4 at every length (flash-attn-4; bench/checks/check_fa4.py), padded rows and packed
 VARIANTS["liger-fa4"] = ({"attention_kernel": "fa4", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-packed-fa4"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed"][1])
 VARIANTS["liger-packed-fa4-det"] = VARIANTS["liger-packed-fa4"]  # its deterministic backward (train.deterministic)
@@ -265,7 +265,7 @@ def all_or_nothing(model) -> None:
 
 
 def fp8_linears(model) -> None:
-    from spds.fp8 import FrozenFP8Linear, quantize_linears
+    from spds.kernels.fp8 import FrozenFP8Linear, quantize_linears
 
     if not any(isinstance(m, FrozenFP8Linear) for m in model.modules()):  # once: the student is shared
         quantize_linears(model.student)
@@ -274,9 +274,9 @@ def fp8_linears(model) -> None:
 
 def online_kl(reuse_context: bool, memo_gib: float = 0.0):
     def attach(model) -> None:
-        from spds.contract import section
-        from spds.loss import make_loss
-        from spds.teacher import ContextTeacher
+        from spds.contract.gate import section
+        from spds.model.loss import make_loss
+        from spds.model.teacher import ContextTeacher
 
         model.loss_fn = make_loss(section("loss", objective="kl"))
         context = torch.from_numpy(np.random.default_rng(1).integers(0, VOCAB - 1000, CONTEXT)).to(DEVICE)
@@ -286,9 +286,9 @@ def online_kl(reuse_context: bool, memo_gib: float = 0.0):
 
 
 def offline_kl(model):
-    from spds.contract import section
-    from spds.loss import make_loss
-    from spds.teacher import TopKTeacher
+    from spds.contract.gate import section
+    from spds.model.loss import make_loss
+    from spds.model.teacher import TopKTeacher
 
     model.loss_fn = make_loss(section("loss", objective="kl", teacher="top_k"))
     return TopKTeacher()
@@ -313,7 +313,7 @@ REVISIT = {"liger-kl-memo", "liger-kl-nocache-memo"}
 def planned_as_own_kernels(model) -> None:
     """Liger's layers planned with the model's own kernels' activation figure (spds before the
     figure by kernel set): it recomputes layers that would fit."""
-    from spds.recompute import ACTIVATION_BYTES_PER_HIDDEN
+    from spds.model.recompute import ACTIVATION_BYTES_PER_HIDDEN
 
     model.recompute.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["own"]
 
@@ -351,8 +351,8 @@ AFTER_BUILD = {
 
 
 def spds_config(directory: Path, records: int, variant: str):
-    from spds.config import Config
-    from spds.schema import apply_defaults, describe_errors, load_schema
+    from spds.contract.config import Config
+    from spds.contract.schema import apply_defaults, describe_errors, load_schema
 
     student, optim = VARIANTS[variant]
     if DEVICE == "cpu":  # a dry run: CPU SDPA has the math kernel only
@@ -375,11 +375,11 @@ def time_spds(
 ) -> dict:
     """One timed update over `lengths` after one warm-up update over `warm_lengths` (with
     `second_visit`, the second of two updates over `lengths`)."""
-    from spds.build import build_soft_prompt_model
-    from spds.engine import build_engine, init_distributed
-    from spds.schedule import Plan
-    from spds.stop import StopRequest
-    from spds.train import train_step
+    from spds.model.build import build_soft_prompt_model
+    from spds.training.engine import build_engine, init_distributed
+    from spds.training.schedule import Plan
+    from spds.training.stop import StopRequest
+    from spds.training.train import train_step
 
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
@@ -388,20 +388,20 @@ def time_spds(
         if not torch.distributed.is_initialized():
             init_distributed(config.distributed)
         if config.student.liger_kernels and not getattr(student, "liger_applied", False):
-            from spds.student import apply_liger_kernels
+            from spds.model.student import apply_liger_kernels
 
             apply_liger_kernels(student)
             student.liger_applied = True
         if config.train.deterministic:
-            from spds.attention import use_deterministic_kernels
+            from spds.kernels.attention import use_deterministic_kernels
 
             use_deterministic_kernels()
         model = build_soft_prompt_model(config, torch.device(DEVICE), student=student)
         teacher = AFTER_BUILD.get(variant, lambda model: None)(model)  # the online-KL variants' teacher
         sampler = None
         if variant.endswith("onpolicy"):
-            from spds.on_policy import Sampler
-            from spds.settings import OnPolicySettings
+            from spds.contract.settings import OnPolicySettings
+            from spds.training.on_policy import Sampler
 
             sampler = Sampler(OnPolicySettings(**ON_POLICY), model, store.manifest["end_token_ids"], seed=0)
         policy, recomputed = model.recompute, []  # layers recomputed, per micro-batch
@@ -608,7 +608,7 @@ def time_peft(
     """peer ckpt: gradient checkpointing, the model's own kernels. liger: the strongest peer a user
     gets in one line, Liger's kernels patched in (its fused linear cross-entropy included, as
     apply_liger_kernel_to_qwen3 does by default) and no checkpointing; Liger's RoPE on its Triton
-    kernel, the faster of its two (bench/RESULTS.md, the RoPE section)."""
+    kernel, the faster of its two (bench/results/LOG.md, the RoPE section)."""
     from peft import PromptTuningConfig, TaskType, get_peft_model
 
     if peer == "liger":

@@ -7,7 +7,7 @@ set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 quiet() { grep -v -E "UserWarning|warnings.warn|^  (out|return|torch)" || true; }
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | quiet | tee "$out/$name.log"; }
-step determinism 240 python3 bench/check_determinism.py --model 1.7b --lengths 8192,32768
-step cached-attention 60 python3 bench/check_cached_attention.py
+step determinism 240 python3 bench/checks/check_determinism.py --model 1.7b --lengths 8192,32768
+step cached-attention 60 python3 bench/checks/check_cached_attention.py
 step step-1.7b-mix32 300 python3 bench/bench_gpu.py --model 1.7b --cases mix:32 --no-peft \
   --variants ${VARIANTS:-liger,liger-det,liger-det-flash,liger-flex,liger-flexlong}

@@ -5,7 +5,7 @@
 set -euo pipefail
 out=${OUT:-/tmp/out}
 python3 -c 'import torch, deepspeed, liger_kernel, transformers, peft; print("torch", torch.__version__, "cuda devices", torch.cuda.device_count(), "deepspeed", deepspeed.__version__, "transformers", transformers.__version__)'
-python3 bench/check_liger.py
+python3 bench/checks/check_liger.py
 tiny=$(mktemp -d)
 python3 examples/tiny/make_tiny.py "$tiny" >/dev/null 2>&1
 python3 -m spds.cli validate "$tiny/config.json"

@@ -3,7 +3,7 @@ transformers with a model's modules, deepspeed), in a fresh process.
 
     python bench/liger_import.py plain
 
-`hidden` (measured once, bench/RESULTS.md) hid peft from Liger's first import: Liger probes for it
+`hidden` (measured once, bench/results/LOG.md) hid peft from Liger's first import: Liger probes for it
 only to recognise PEFT's wrapper modules. It saved 0.3 s, too little for the trick, and spds does
 not do it; the mode is kept so that the figure can be measured again.
 """

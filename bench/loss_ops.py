@@ -1,5 +1,5 @@
 """How many vocabulary-wide operations the distillation kernel launches per chunk of rows (CPU
-profiler, top-level aten ops of spds.loss.distillation_rows). On a GPU each is a kernel launch per
+profiler, top-level aten ops of spds.model.loss.distillation_rows). On a GPU each is a kernel launch per
 chunk, and the KL step's loss was found launch-bound (bench/RESULTS.md); fewer is faster there.
 
     python bench/loss_ops.py
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from spds.loss import Divergence, distillation_rows
+from spds.model.loss import Divergence, distillation_rows
 
 
 def main() -> None:

@@ -9,9 +9,9 @@ each on top of the ones before it (one process, the same prompts):
   flash+torch   the shared part on FlashAttention-2, the two parts merged in PyTorch, each row's own
                 part on FlashAttention-2's variable-length kernel (spds before)
   cudnn         the shared part on cuDNN
-  merge-kernel  the parts merged by one Triton kernel (spds.shared_keys.merge_parts)
+  merge-kernel  the parts merged by one Triton kernel (spds.kernels.shared_keys.merge_parts)
   liger         Liger's RMSNorm, RoPE and SwiGLU in the teacher (student.liger_kernels)
-  triton-own    each row's own part on spds.shared_keys.own_keys_step
+  triton-own    each row's own part on spds.kernels.shared_keys.own_keys_step
   fa4           the shared part on FlashAttention-4 (student.attention_kernel fa4)
 it prints the step's time with CUDA graphs over steps 32..STEPS (the difference of a 32-step and
 a STEPS-step batch, so the prefix, the questions' forward and the capture drop out), then checks
@@ -28,11 +28,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import spds.decode
-import spds.shared_keys
-from spds.decode import Decoder
-from spds.generate import load_teacher
-from spds.student import apply_liger_kernels
+import spds.generation.decode
+import spds.kernels.shared_keys
+from spds.generation.decode import Decoder
+from spds.generation.generate import load_teacher
+from spds.model.student import apply_liger_kernels
 
 
 def timed(decoder: Decoder, prompts, new: int, seed: int = 0) -> tuple[float, list]:
@@ -44,7 +44,7 @@ def timed(decoder: Decoder, prompts, new: int, seed: int = 0) -> tuple[float, li
 
 
 def torch_merge(output, lse, other, other_lse, dtype):
-    return spds.shared_keys.merge(output, lse, other, other_lse).to(dtype).contiguous()
+    return spds.kernels.shared_keys.merge(output, lse, other, other_lse).to(dtype).contiguous()
 
 
 def flash_own(query, keys, values, first, counts, scale, window):
@@ -97,24 +97,24 @@ def main() -> None:
     prompts = [shared + torch.randint(2, 250, (20,), generator=generator).tolist() for _ in range(rows)]
     decoder = Decoder(model, [-1], pad_id=0)  # no end token: every row runs to the last step
     cudnn_fits, merge_parts, own_keys_step = (
-        spds.shared_keys.cudnn_fits,
-        spds.decode.merge_parts,
-        spds.decode.own_keys_step,
+        spds.kernels.shared_keys.cudnn_fits,
+        spds.generation.decode.merge_parts,
+        spds.generation.decode.own_keys_step,
     )
     if "flash+torch" in sets:
-        spds.shared_keys.cudnn_fits = lambda *args, **kwargs: False
-        spds.decode.merge_parts = torch_merge
-        spds.decode.own_keys_step = flash_own
+        spds.kernels.shared_keys.cudnn_fits = lambda *args, **kwargs: False
+        spds.generation.decode.merge_parts = torch_merge
+        spds.generation.decode.own_keys_step = flash_own
     timed(decoder, prompts, 4)  # the prefix, once
     for label in sets:
         if label == "cudnn":
-            spds.shared_keys.cudnn_fits = cudnn_fits
+            spds.kernels.shared_keys.cudnn_fits = cudnn_fits
         elif label == "merge-kernel":
-            spds.decode.merge_parts = merge_parts
+            spds.generation.decode.merge_parts = merge_parts
         elif label == "liger":
             apply_liger_kernels(model)
         elif label == "triton-own":
-            spds.decode.own_keys_step = own_keys_step
+            spds.generation.decode.own_keys_step = own_keys_step
         elif label == "fa4":
             decoder.fa4 = True
         timed(decoder, prompts, 8)  # this set's kernels compiled and its plans built before the clock

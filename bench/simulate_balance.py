@@ -4,7 +4,7 @@ a perfect split) from measured per-record costs, at many ranks.
     python bench/simulate_balance.py [--batches 300]
 
 Per-record time t(L) = a L + b L^2 is fitted to spds's measured throughput on 1x H200 for the
-1.7B student at 4k, 16k and 32k positions (bench/RESULTS.md, first table, `spds default`). Each
+1.7B student at 4k, 16k and 32k positions (bench/results/LOG.md, first table, `spds default`). Each
 global batch draws lengths log-uniform in 512..32k (the benchmark's length mix) plus the 256
 soft-prompt positions. Rules:
 
@@ -27,11 +27,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spds.schedule import deal_to_ranks, record_cost  # noqa: E402
+from spds.training.schedule import deal_to_ranks, record_cost  # noqa: E402
 
 PROMPT = 256
 MEASURED = {4096: 31_411, 16384: 28_418, 32768: 21_447}  # tokens/s, 1.7B, 4 records of each length
-QUADRATIC_LENGTH_1_7B = 20001.5  # spds.model.quadratic_length of the Qwen3-1.7B shapes
+QUADRATIC_LENGTH_1_7B = 20001.5  # spds.model.student.quadratic_length of the Qwen3-1.7B shapes
 
 
 def fit() -> tuple[float, float]:

@@ -4,7 +4,7 @@ goal 5). Times each thing spds does before update 1 on its own, in one fresh pro
     python bench/startup_phases.py MODEL_DIR          (a save_pretrained directory, bf16)
 
 imports; the student's digest (sha256 of every file: what a pin check or an unpinned run's
-identity costs), hashed and remembered (spds/digests.py); the student's load onto the GPU
+identity costs), hashed and remembered (spds/contract/digests.py); the student's load onto the GPU
 (from_pretrained on the host then .to(device), against from_pretrained straight onto the
 device); Liger's patch; DeepSpeed's engine. Prints one JSON line per phase.
 """
@@ -36,11 +36,11 @@ def main() -> None:
     import importlib
     import os
 
-    for module in ("torch", "transformers", "deepspeed", "liger_kernel.transformers", "spds.train"):
+    for module in ("torch", "transformers", "deepspeed", "liger_kernel.transformers", "spds.training.train"):
         timed(f"import {module}", lambda: importlib.import_module(module))
     import torch
 
-    from spds import digests
+    from spds.contract import digests
 
     size = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
     remembered = os.environ.get("SPDS_DIGEST_CACHE")
@@ -71,7 +71,7 @@ def main() -> None:
             str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa", device_map=device
         ),
     )
-    from spds.student import apply_liger_kernels
+    from spds.model.student import apply_liger_kernels
 
     timed("Liger patch", lambda: apply_liger_kernels(model))
     report("total", time.perf_counter() - started)

@@ -121,7 +121,7 @@ spds_check_host() {
   [[ "$2" =~ ^[A-Za-z0-9][A-Za-z0-9._:-]*$ ]] || die "$1 must be a hostname or address, not $(printf %q "$2")"
 }
 
-# A stop request older than this moment is stale (spds/stop.py); exported before anything is
+# A stop request older than this moment is stale (spds/training/stop.py); exported before anything is
 # launched, through .deepspeed_env to the other nodes too.
 SPDS_LAUNCH_STARTED=${SPDS_LAUNCH_STARTED:-$(date +%s.%N)}
 export SPDS_LAUNCH_STARTED

@@ -14,15 +14,15 @@ import json
 import sys
 import time
 
-from .errors import SpdsError
-from .versions import warn_untested
+from spds.contract.versions import warn_untested
+from spds.errors import SpdsError
 
 STARTED = time.time()  # `spds train` to update 1 is measured from here (run.json startup_seconds)
 
 
 def cmd_validate(args) -> int:
-    from .contract import load_config  # per verb
-    from .preflight import require_preflight  # per verb
+    from spds.contract.gate import load_config  # per verb
+    from spds.data.preflight import require_preflight  # per verb
 
     failures = 0
     for path in args.configs:
@@ -44,8 +44,8 @@ def cmd_validate(args) -> int:
 def cmd_pin(args) -> int:
     from pathlib import Path
 
-    from .contract import pin_config  # per verb
-    from .pins import pins_path  # per verb
+    from spds.contract.gate import pin_config  # per verb
+    from spds.contract.pins import pins_path  # per verb
 
     for key, digest in pin_config(args.config).items():
         print(f"{key} = {digest}")
@@ -54,8 +54,8 @@ def cmd_pin(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from .contract import load_config  # per verb
-    from .data.prepare import prepare  # per verb
+    from spds.contract.gate import load_config  # per verb
+    from spds.data.prepare import prepare  # per verb
 
     manifest = prepare(load_config(args.config))
     print(json.dumps({k: manifest[k] for k in ("records", "tokens", "max_length", "counts")}))
@@ -63,7 +63,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train import main as train_main  # per verb
+    from spds.training.train import main as train_main  # per verb
 
     return train_main(args.config, smoke=args.verb == "smoke", started=STARTED)
 
@@ -71,8 +71,8 @@ def cmd_train(args) -> int:
 def cmd_stop(args) -> int:
     from pathlib import Path
 
-    from .contract import load_config  # per verb
-    from .stop import request  # per verb
+    from spds.contract.gate import load_config  # per verb
+    from spds.training.stop import request  # per verb
 
     if args.output_dir:  # where the launch scripts found it at launch: the config may have moved since
         output_dir = Path(args.output_dir)
@@ -86,16 +86,16 @@ def cmd_stop(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .contract import load_config  # per verb
-    from .generate import generate  # per verb
+    from spds.contract.gate import load_config  # per verb
+    from spds.generation.generate import generate  # per verb
 
     generate(load_config(args.config, require_candidates=False), started=STARTED)
     return 0
 
 
 def cmd_eval(args) -> int:
-    from .contract import load_config  # per verb
-    from .evaluate import evaluate  # per verb
+    from spds.contract.gate import load_config  # per verb
+    from spds.evaluate import evaluate  # per verb
 
     result = evaluate(load_config(args.config), args.checkpoint)
     if result["records"]:
@@ -107,11 +107,11 @@ def cmd_eval(args) -> int:
     if result["kl_to_teacher"] is not None:
         print(f"KL(teacher || soft) per token {result['kl_to_teacher']:.4f} (teacher: {result['teacher']})")
     if result.get("samples"):
-        from .sample import show  # per verb
+        from spds.sample import show  # per verb
 
         print(show(result["samples"]))
     if result.get("questions"):
-        from .sample import show  # per verb
+        from spds.sample import show  # per verb
 
         asked = result["questions"]
         print(
@@ -145,8 +145,8 @@ def nll_line(figures: dict) -> str:
 def cmd_sample(args) -> int:
     from pathlib import Path
 
-    from .contract import load_config  # per verb
-    from .sample import answers, show, write  # per verb
+    from spds.contract.gate import load_config  # per verb
+    from spds.sample import answers, show, write  # per verb
 
     config = load_config(args.config)
     rows = answers(
@@ -161,8 +161,8 @@ def cmd_sample(args) -> int:
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from .contract import load_config  # per verb
-    from .export import export  # per verb
+    from spds.contract.gate import load_config  # per verb
+    from spds.export import export  # per verb
 
     config = load_config(args.config)
     result = export(config, args.checkpoint, Path(args.out) if args.out else config.output_dir / "export")
@@ -173,7 +173,7 @@ def cmd_export(args) -> int:
 def cmd_init(args) -> int:
     from pathlib import Path
 
-    from .starter import init  # per verb
+    from spds.starter import init  # per verb
 
     written = init(args.model, args.data, Path(args.out), args.context)
     first = f"spds generate {written.name} (self-study), " if args.context else ""
@@ -185,7 +185,7 @@ def cmd_launch_ended(args) -> int:
     import os
     from pathlib import Path
 
-    from .records import record_launch_end  # per verb
+    from spds.training.records import record_launch_end  # per verb
 
     output_dir = Path(args.output_dir)  # as the launch script found it at launch
     out = output_dir / "smoke" if args.run_verb == "smoke" else output_dir
@@ -292,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verb in ("train", "smoke"):
         # Before torch is imported (seconds): from here on SIGTERM/SIGINT ask for a stop at an
-        # update boundary instead of killing the process (spds/stop.py).
-        from .stop import StopRequest  # per verb
+        # update boundary instead of killing the process (spds/training/stop.py).
+        from spds.training.stop import StopRequest  # per verb
 
         StopRequest.install()
     try:

@@ -26,10 +26,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from .config import Config
-from .digests import sha256_path
-from .errors import SpdsError
-from .fsio import MAX_LINE_BYTES, open_regular, parse_json, sha256_json
+from spds.contract.config import Config
+from spds.contract.digests import sha256_path
+from spds.errors import SpdsError
+from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json, sha256_json
 
 OPTIONAL = ("keyword", "answer")
 

@@ -21,23 +21,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import __version__
-from .build import build_soft_prompt_model
-from .checkpoint import checkpoint_to_read, prompt_of
-from .config import Config
-from .data.packed import PackedStore
-from .engine import init_distributed, shard_student
-from .errors import SpdsError
-from .eval_questions import answer_scores, read_eval_questions, teacher_config
-from .fsio import atomic_path, atomic_write_json
-from .loss import final_logit_softcap, make_loss
-from .model import load_segments
-from .records import read_metrics
-from .schedule import lockstep_passes
-from .schema import require_valid
-from .settings import KLSettings
-from .student import load_tokenizer
-from .teacher import build_teacher, teacher_kind
+from spds import __version__
+from spds.contract.config import Config
+from spds.contract.schema import require_valid
+from spds.contract.settings import KLSettings
+from spds.data.packed import PackedStore
+from spds.data.student_files import load_tokenizer
+from spds.errors import SpdsError
+from spds.eval_questions import answer_scores, read_eval_questions, teacher_config
+from spds.fsio import atomic_path, atomic_write_json
+from spds.model.build import build_soft_prompt_model
+from spds.model.loss import final_logit_softcap, make_loss
+from spds.model.soft_prompt import load_segments
+from spds.model.teacher import build_teacher, teacher_kind
+from spds.training.checkpoint import checkpoint_to_read, prompt_of
+from spds.training.engine import init_distributed, shard_student
+from spds.training.records import read_metrics
+from spds.training.schedule import lockstep_passes
 
 
 @torch.no_grad()
@@ -45,6 +45,27 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     directory = checkpoint_to_read(config.output_dir, checkpoint_path)
     prompt, commit = prompt_of(directory)
     store = PackedStore.open(config.packed_dir)
+    held_out = held_out_records(config, store)
+    rank, world, device = eval_ranks(config)
+    questions = None
+    if config.eval.questions:  # the teacher's answers to them, packed, before the student takes the memory
+        questions = QuestionStore.made(config, rank, world, log)
+    model = build_soft_prompt_model(config, device, prompt=prompt, training=False)  # as training runs it
+    if config.shards_student:
+        shard_student(config, model, world)
+    scoring = Scoring.of(config, model, prompt, device, rank, world)
+    result = dict(checkpoint=str(directory), update=commit["update"])
+    result.update(held_out_figures(config, scoring, store, held_out))
+    result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
+    if questions is not None:
+        result["questions"] = scoring.figures(questions.store, questions.records, None)
+    if rank == 0:
+        write_report(config, result, directory, model.student, questions, has_held_out=len(held_out) > 0)
+    return result
+
+
+def held_out_records(config: Config, store: PackedStore) -> np.ndarray:
+    """The records data.eval_fraction held out (at most eval.max_records of them)."""
     held_out = np.flatnonzero(~store.is_train)
     if not len(held_out) and not config.eval.questions:
         raise SpdsError(
@@ -52,54 +73,50 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
             "or name questions training never asked in eval.questions"
         )
     limit = config.eval.max_records
-    held_out = held_out[:limit] if limit else held_out
-    sharded = config.shards_student  # as in training: ZeRO-3 or fsdp lays the student out over the ranks
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or sharded:  # launched with torchrun / deepspeed: share the records
-        rank, world, device = init_distributed(config.distributed)
-    else:
-        rank, world, device = 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    questions = None
-    if config.eval.questions:  # the teacher's answers to them, packed, before the student takes the memory
-        questions = QuestionStore.made(config, rank, world, log)
-    model = build_soft_prompt_model(config, device, prompt=prompt, training=False)  # as training runs it
-    if sharded:
-        shard_student(config, model, world)
-    scoring = Scoring.of(config, model, prompt, device, rank, world)
-    result = dict(checkpoint=str(directory), update=commit["update"])
-    if len(held_out):
-        # the training teacher, or the one loss.teacher names (auto: the packed top-k, else the
-        # context); none when neither exists (no context, no top-k): then eval reports no KL
-        has_teacher = config.eval.kl and (store.top_k or config.context_text)
-        teacher = build_teacher(config, model, store) if has_teacher else None
-        result.update(scoring.figures(store, held_out, teacher))
-        result["teacher"] = teacher_kind(config, store) if teacher is not None else None
-    else:
-        result.update(records=0, supervised_tokens=0, nll=None, gap_recovered=None, kl_to_teacher=None, teacher=None)
-    result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
-    if questions is not None:
-        result["questions"] = scoring.figures(questions.store, questions.records, None)
-    out = config.output_dir
-    if rank != 0:
-        return result
-    if config.eval.samples and not sharded and len(held_out):  # a few answers beside the figures
-        from .sample import answers  # spds.sample imports this module's neighbours, not this one's callers
+    return held_out[:limit] if limit else held_out
 
+
+def eval_ranks(config: Config) -> tuple[int, int, torch.device]:
+    """Launched with torchrun or deepspeed, the ranks share the records; a student sharded as in
+    training (ZeRO-3 or fsdp) needs its process group even on one rank."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or config.shards_student:
+        return init_distributed(config.distributed)
+    return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def held_out_figures(config: Config, scoring: Scoring, store: PackedStore, held_out: np.ndarray) -> dict:
+    """The held-out records' figures, with the KL to the training teacher, or to the one
+    loss.teacher names (auto: the packed top-k, else the context); none when neither exists (no
+    context, no top-k): then eval reports no KL."""
+    if not len(held_out):
+        return dict(records=0, supervised_tokens=0, nll=None, gap_recovered=None, kl_to_teacher=None, teacher=None)
+    has_teacher = config.eval.kl and (store.top_k or config.context_text)
+    teacher = build_teacher(config, scoring.model, store) if has_teacher else None
+    figures = scoring.figures(store, held_out, teacher)
+    figures["teacher"] = teacher_kind(config, store) if teacher is not None else None
+    return figures
+
+
+def write_report(config: Config, result: dict, directory: Path, student, questions, has_held_out: bool) -> None:
+    """Rank 0: a few answers beside the figures, the questions' answers side by side (samples.md),
+    the plot, then eval.json, validated first."""
+    from spds.sample import answers, write  # spds.sample imports this module's neighbours, not its callers
+
+    out, sharded = config.output_dir, config.shards_student
+    if config.eval.samples and not sharded and has_held_out:
         result["samples"] = answers(
             config,
             config.eval.samples,
             checkpoint=str(directory),
             max_new_tokens=config.eval.max_new_tokens,
-            student=model.student,
+            student=student,
         )
     if questions is not None and not sharded:
-        result["questions"].update(questions.answered(config, directory, model.student))
-        from .sample import write  # spds.sample imports this module's neighbours, not this one's callers
-
-        write(out, result["questions"]["answers"])  # samples.md: the answers side by side
+        result["questions"].update(questions.answered(config, directory, student))
+        write(out, result["questions"]["answers"])
     result["plot"] = plot(out / "metrics.jsonl", result["nll"] or result["questions"]["nll"], out / "eval.png")
     require_valid(result, "eval", "eval.json")
     atomic_write_json(out / "eval.json", result)
-    return result
 
 
 @dataclass
@@ -119,8 +136,8 @@ class QuestionStore:
     def made(cls, config: Config, rank: int, world: int, log) -> QuestionStore:
         """Rank 0 has the teacher answer the questions and packs the answers (or finds them made);
         the other ranks wait for it."""
-        from .data.prepare import prepare  # per use: a plain eval packs nothing
-        from .generate import generate  # per use: a plain eval loads no teacher for decoding
+        from spds.data.prepare import prepare  # per use: a plain eval packs nothing
+        from spds.generation.generate import generate  # per use: a plain eval loads no teacher for decoding
 
         path = config.resolve(config.eval.questions)
         questions = read_eval_questions(path)
@@ -134,7 +151,7 @@ class QuestionStore:
 
     def answered(self, config: Config, directory: Path, student) -> dict:
         """The greedy answers, bare / with the context / with the soft prompt, and their scores."""
-        from .sample import answers  # spds.sample imports this module's neighbours, not this one's callers
+        from spds.sample import answers  # spds.sample imports this module's neighbours, not this one's callers
 
         rows = answers(
             config,

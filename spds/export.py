@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .checkpoint import checkpoint_to_read, prompt_of
-from .config import Config
-from .data.chat import Scaffold
-from .data.rows import RowRules, place
-from .errors import SpdsError
-from .fsio import atomic_path, read_json, sha256_json
-from .student import load_student
+from spds import __version__
+from spds.contract.config import Config
+from spds.data.chat import Scaffold
+from spds.data.rows import RowRules, place
+from spds.errors import SpdsError
+from spds.fsio import atomic_path, read_json, sha256_json
+from spds.model.student import load_student
+from spds.training.checkpoint import checkpoint_to_read, prompt_of
 
 FILE = "soft_prompt.safetensors"
 

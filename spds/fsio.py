@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import SpdsError
+from spds.errors import SpdsError
 
 CHUNK = 1 << 20
 MAX_DOCUMENT_BYTES = 64 << 20  # a config, pins, checkpoint record, context or questions file

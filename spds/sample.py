@@ -16,15 +16,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import checkpoint_to_read, prompt_of
-from .config import Config
-from .data.chat import end_token_ids
-from .data.packed import PackedStore
-from .errors import SpdsError
-from .export import insertion_point
-from .fsio import atomic_writer
-from .generate import read_questions
-from .student import load_student, load_tokenizer
+from spds.contract.config import Config
+from spds.data.chat import end_token_ids
+from spds.data.packed import PackedStore
+from spds.data.student_files import load_tokenizer
+from spds.errors import SpdsError
+from spds.export import insertion_point
+from spds.fsio import atomic_writer
+from spds.generation.generate import read_questions
+from spds.model.student import load_student
+from spds.training.checkpoint import checkpoint_to_read, prompt_of
 
 VIEWS = ("bare", "context", "soft")
 TITLES = {"bare": "bare student", "context": "with the context", "soft": "with the soft prompt"}

@@ -15,15 +15,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from .checks import refuse_custom_code
-from .contract import load_config
-from .data.chat import derive_scaffold, stability_problem
-from .data.sources import json_lines
-from .errors import SpdsError
-from .fsio import atomic_writer
-from .hub import model_directory
-from .preflight import require_preflight
-from .schema import apply_defaults, load_schema
+from spds.contract.checks import refuse_custom_code
+from spds.contract.gate import load_config
+from spds.contract.hub import model_directory
+from spds.contract.schema import apply_defaults, load_schema
+from spds.data.chat import derive_scaffold, stability_problem
+from spds.data.preflight import require_preflight
+from spds.data.sources import json_lines
+from spds.errors import SpdsError
+from spds.fsio import atomic_writer
 
 # (section, field) in the order a user reads them; the values come from the schema's defaults.
 FIELDS = [

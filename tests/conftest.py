@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Remembered input digests (spds/digests.py) go to a directory of this session's, not ~/.cache.
+# Remembered input digests (spds/contract/digests.py) go to a directory of this session's, not ~/.cache.
 os.environ.setdefault("SPDS_DIGEST_CACHE", tempfile.mkdtemp(prefix="spds-digests-"))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from spds.engine import free_port  # noqa: F401  (re-exported for the tests)
+from spds.training.engine import free_port  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -66,14 +66,14 @@ def rows_for(name: str, tokenizer, kwargs: dict, count: int = 16) -> list[dict]:
 def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     import torch
 
-    from spds.contract import load_config
+    from spds.contract.gate import load_config
     from spds.data.packed import PackedStore
     from spds.data.prepare import prepare
     from spds.evaluate import evaluate
     from spds.export import export, generate, load_soft_prompt
+    from spds.model.student import load_student
     from spds.sample import answers
-    from spds.student import load_student
-    from spds.train import run
+    from spds.training.train import run
 
     directory = out / f"{name}-{placement}-{family}"
     tokenizer = fixture_tokenizer(name)

@@ -13,11 +13,11 @@ from conftest import make_tiny
 from helpers import assert_matches_reference, assert_rounding_close
 from helpers import spliced_reference_loss as reference_loss
 
-from spds import attention, kernels
-from spds.contract import section
-from spds.loss import make_loss
-from spds.model import Segment, SoftPromptModel
-from spds.student import initial_prompt
+from spds.contract.gate import section
+from spds.kernels import attention, causal
+from spds.model.loss import make_loss
+from spds.model.soft_prompt import Segment, SoftPromptModel
+from spds.model.student import initial_prompt
 
 # a tiny Qwen3 shape with grouped-query heads (4 query heads, 2 key/value heads)
 TINY_QWEN3 = dict(
@@ -29,7 +29,7 @@ TINY_QWEN3 = dict(
     num_key_value_heads=2,
     head_dim=8,
 )
-BLOCK = kernels.BLOCK
+BLOCK = causal.BLOCK
 
 
 def block_sets(mask) -> tuple[set, set]:
@@ -59,7 +59,7 @@ def block_sets(mask) -> tuple[set, set]:
 )
 def test_causal_block_mask_covers_exactly_the_allowed_pairs(queries, keys):
     allowed = np.arange(keys)[None] <= np.arange(queries)[:, None] + (keys - queries)  # element by element
-    assert_visits_exactly(kernels.causal_block_mask(queries, keys, torch.device("cpu")), allowed)
+    assert_visits_exactly(causal.causal_block_mask(queries, keys, torch.device("cpu")), allowed)
 
 
 def assert_visits_exactly(mask, allowed: np.ndarray) -> None:
@@ -94,7 +94,7 @@ def test_each_kernel_gives_the_plain_forwards_loss_and_gradient(tiny_assets, ker
     if "flex" in attention.kernels_in(kernel):  # torch has no flex backward on the CPU: the loss only
         with torch.no_grad():
             assert_rounding_close(model([segment]), expected, what="loss")
-        return  # the gradient: bench/check_determinism.py on CUDA, against fp32 math
+        return  # the gradient: bench/checks/check_determinism.py on CUDA, against fp32 math
     loss = model([segment])
     loss.backward()
     expected.backward()
@@ -105,7 +105,7 @@ def test_each_kernel_gives_the_plain_forwards_loss_and_gradient(tiny_assets, ker
 def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypatch):
     """Before, the kernel was chosen by a context manager around the forward: a checkpointed
     layer's recompute, in backward, ran PyTorch's default kernel instead."""
-    from spds.student import load_student
+    from spds.model.student import load_student
 
     used = []  # (kernel, during backward) per attention call
     original = attention.sdpa_causal
@@ -144,7 +144,7 @@ def test_windowed_block_mask_covers_exactly_the_allowed_pairs(queries, keys, win
     """flex's block mask for a sliding-window layer: the window's pairs, element by element."""
     position = np.arange(queries)[:, None] + (keys - queries)
     allowed = (np.arange(keys)[None] <= position) & (np.arange(keys)[None] > position - window)
-    assert_visits_exactly(kernels.windowed_block_mask(queries, keys, window, torch.device("cpu")), allowed)
+    assert_visits_exactly(causal.windowed_block_mask(queries, keys, window, torch.device("cpu")), allowed)
 
 
 @pytest.mark.numeric

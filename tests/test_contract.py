@@ -14,11 +14,11 @@ from conftest import REPO, edit_config
 
 from spds import fsio
 from spds.cli import main
-from spds.contract import load_config, pin_config
-from spds.digests import sha256_path
+from spds.contract.digests import sha256_path
+from spds.contract.gate import load_config, pin_config
+from spds.contract.schema import load_schema
+from spds.contract.settings import SECTIONS, CandidateSettings
 from spds.errors import SpdsError
-from spds.schema import load_schema
-from spds.settings import SECTIONS, CandidateSettings
 
 
 def test_every_schema_is_valid_draft_2020_12():
@@ -157,7 +157,7 @@ def test_directory_digest_covers_names_and_contents(tmp_path):
 def test_remembered_digests_are_hashed_again_after_any_write(tmp_path, monkeypatch):
     """A file's digest is remembered under (device, inode, size, mtime, ctime): a rewrite with the
     same size and the old mtime put back still changes ctime, so it is hashed again."""
-    from spds import digests
+    from spds.contract import digests
 
     monkeypatch.setenv("SPDS_DIGEST_CACHE", str(tmp_path / "cache"))
     hashed = []
@@ -198,7 +198,7 @@ def test_yaml_config_keeps_its_comments_when_pinned(tiny):
 
 
 def test_world_size_contract(tiny):
-    from spds.contract import validate_run_world
+    from spds.contract.gate import validate_run_world
 
     edit_config(tiny, data_parallel_size=4, optim={"effective_batch": 8})
     config = load_config(tiny / "config.json")

@@ -1,4 +1,4 @@
-"""spds generate's decoding (spds/decode.py) against transformers' own `generate`, the path it
+"""spds generate's decoding (spds/generation/decode.py) against transformers' own `generate`, the path it
 replaced: for greedy decoding the answers are the same ids, for every decoder family
 (tests/fixtures/models/families.json), with prompts that share a long prefix and questions of
 different lengths; the shared prefix is computed once for every batch that shares it; and a
@@ -11,9 +11,9 @@ import torch
 from test_families import FAMILIES, save_family
 from transformers import AutoModelForCausalLM
 
-from spds.decode import Decoder, common_prefix
 from spds.errors import SpdsError
-from spds.generate import load_teacher
+from spds.generation.decode import Decoder, common_prefix
+from spds.generation.generate import load_teacher
 
 END = 1
 
@@ -68,12 +68,12 @@ def test_every_steps_logits_equal_transformers_forward(saved, family, monkeypatc
     shared prefix read once and merged with each row's own keys, the windows cut across both
     parts (the tiny Gemmas' windows of 8 end inside the shared 40 tokens), the holes and
     positions of right-aligned questions."""
-    import spds.decode
+    import spds.generation.decode
 
     model = load_teacher(saved[family], "float32", torch.device("cpu"))
     plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32, attn_implementation="eager")
     seen = []
-    monkeypatch.setattr(spds.decode, "pick", lambda logits, *_: seen.append(logits) or logits.argmax(dim=-1))
+    monkeypatch.setattr(spds.generation.decode, "pick", lambda logits, *_: seen.append(logits) or logits.argmax(dim=-1))
     batch = prompts(torch.Generator().manual_seed(4))
     answers = Decoder(model, [END], pad_id=0).answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
     worst = 0.0
@@ -111,16 +111,16 @@ def test_top_k_taken_while_decoding_equals_transformers_forward(saved, family):
 def test_rows_hold_only_their_own_positions_and_read_the_prefix_in_place(saved, monkeypatch):
     """What lets a batch hold a thousand rows under a long context: each row's cache is its
     question and answer only, and every batch reads the prefix's one copy."""
-    import spds.decode
+    import spds.generation.decode
 
     made = []
 
-    class Spied(spds.decode.BatchCache):
+    class Spied(spds.generation.decode.BatchCache):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(spds.decode, "BatchCache", Spied)
+    monkeypatch.setattr(spds.generation.decode, "BatchCache", Spied)
     decoder = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
     batch = prompts(torch.Generator().manual_seed(3))  # a 40-token prefix, questions of up to 9
     decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
@@ -136,14 +136,16 @@ def test_rows_hold_only_their_own_positions_and_read_the_prefix_in_place(saved, 
 def test_a_batch_too_large_for_the_gpu_is_refused_before_it_starts(saved, monkeypatch):
     """A batch whose keys, values and logits would not fit is refused with what fits, before any
     allocation, not by an out-of-memory error halfway through."""
-    import spds.decode
+    import spds.generation.decode
 
     decoder = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
     batch = prompts(torch.Generator().manual_seed(3))
     # the tiny Qwen3: 2 layers x 2 (keys, values) x 1 kv head x 16 dims x 4 bytes = 256 bytes a
     # position, 32 positions (9 + 12, in rows of 16) = 8 KiB a row, and 3 x 4 x 300 vocabulary bytes
     per_row = 32 * 256 + 3 * 4 * 300
-    monkeypatch.setattr(spds.decode, "free_bytes", lambda device: int(per_row * 3 / 0.9) + 16)  # room for 3 rows
+    monkeypatch.setattr(
+        spds.generation.decode, "free_bytes", lambda device: int(per_row * 3 / 0.9) + 16
+    )  # room for 3 rows
     with pytest.raises(SpdsError, match=r"generate.batch_size: 4 rows .* set generate.batch_size to at most 3"):
         decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
     assert len(decoder.answer(batch[:3], 12, temperature=0.0, top_p=1.0, seed=0)) == 3
@@ -196,8 +198,8 @@ def test_generate_runs_the_kernels_the_student_names_or_refuses(tiny, student, r
     any row is written, naming the setting, as it stops training."""
     from conftest import edit_config
 
-    from spds.contract import load_config
-    from spds.generate import generate
+    from spds.contract.gate import load_config
+    from spds.generation.generate import generate
 
     (tiny / "questions.jsonl").write_text('{"question_id": "q0", "question": "Where is the archive?"}\n')
     edit_config(tiny, student=student, context={"text": "The archive is in Lumen Bay."})

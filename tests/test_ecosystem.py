@@ -10,7 +10,7 @@ import torch
 from conftest import edit_config
 from helpers import check, spds
 
-from spds.contract import load_config
+from spds.contract.gate import load_config
 from spds.errors import SpdsError
 
 
@@ -35,7 +35,7 @@ def test_a_hub_id_loads_from_the_local_cache_and_is_pinned_like_a_directory(tiny
         edit_config(tiny, student={"model_path": written})
         config = load_config(tiny / "config.json")
         assert config.model_path == cache / "models--tiny-org--tiny-student" / "snapshots" / revision
-    from spds.student import load_student
+    from spds.model.student import load_student
 
     student = load_student(config.model_path, "float32", "sdpa", torch.device("cpu"))
     assert student.config.num_hidden_layers >= 1  # the real from_pretrained, through the cache

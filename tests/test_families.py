@@ -12,10 +12,10 @@ import torch
 from helpers import assert_matches_reference
 from helpers import spliced_reference_loss as plain_loss
 
-from spds.contract import section
-from spds.loss import final_logit_softcap, make_loss
-from spds.model import Segment, SoftPromptModel
-from spds.student import load_student
+from spds.contract.gate import section
+from spds.model.loss import final_logit_softcap, make_loss
+from spds.model.soft_prompt import Segment, SoftPromptModel
+from spds.model.student import load_student
 
 FAMILIES = {
     k: v
@@ -93,7 +93,7 @@ def test_a_loss_built_without_the_students_logit_soft_cap_is_refused(saved):
 def test_the_memory_planner_counts_the_scores_a_soft_capped_layer_materialises(saved):
     """Gemma 2's soft-capped layers keep their score matrices whatever kernel the length chose;
     Gemma 3's windowed layers run an O(L) kernel: the recompute planner must tell them apart."""
-    from spds.attention import AttentionPlan
+    from spds.kernels.attention import AttentionPlan
 
     for family, quadratic in (("gemma2", True), ("gemma3", False)):
         student = load_student(saved[family], "float32", "sdpa", torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""student.fp8_linear: the frozen student's linear layers in FP8 (spds/fp8.py), against e4m3
+"""student.fp8_linear: the frozen student's linear layers in FP8 (spds/kernels/fp8.py), against e4m3
 arithmetic written out here in plain PyTorch, and built only where training runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from conftest import edit_config
 from torch import nn
 
-from spds.fp8 import FrozenFP8Linear, fp8_problem, quantize_rows
+from spds.kernels.fp8 import FrozenFP8Linear, fp8_problem, quantize_rows
 
 E4M3 = torch.float8_e4m3fn
 
@@ -68,9 +68,9 @@ def test_training_builds_fp8_and_eval_measures_the_student_as_loaded(tiny):
     """fp8_linear replaces every linear layer of the decoder (not the output head) when training
     builds the model, and the prompt's gradient through it points where the bf16 one does; eval
     builds the student as loaded."""
-    from spds.build import build_soft_prompt_model
-    from spds.contract import load_config
-    from spds.model import Segment
+    from spds.contract.gate import load_config
+    from spds.model.build import build_soft_prompt_model
+    from spds.model.soft_prompt import Segment
 
     edit_config(tiny, student={"fp8_linear": True, "dtype": "bfloat16"})
     config = load_config(tiny / "config.json")
@@ -105,7 +105,7 @@ def test_the_projections_of_one_input_quantize_it_once(tiny_assets, monkeypatch)
 
     from transformers import AutoModelForCausalLM
 
-    import spds.fp8 as fp8
+    import spds.kernels.fp8 as fp8
 
     shared = AutoModelForCausalLM.from_pretrained(tiny_assets / "student", dtype=torch.float32).requires_grad_(False)
     alone = copy.deepcopy(shared)

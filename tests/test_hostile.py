@@ -309,7 +309,7 @@ def test_a_full_or_read_only_output_file_system_gets_a_clear_message(prepared, t
 
 def test_a_questions_file_is_read_as_strictly_as_every_other(tmp_path):
     from spds.errors import SpdsError
-    from spds.generate import read_questions
+    from spds.generation.generate import read_questions
 
     for text, rule in [
         (b'{"question_id": "a", "question": "x", "question": "y"}\n', "rule 'unique keys'"),

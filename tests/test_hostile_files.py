@@ -207,7 +207,7 @@ CONSUMERS = {
 def test_every_numeric_field_is_bounded_and_its_bounds_are_what_its_consumer_takes(tiny, capsys):
     """Every number the schema accepts must be one its consumer can take: a seed of 2**32 once
     passed the schema and crashed numpy, a timeout of 1e300 minutes crashed timedelta."""
-    from spds.schema import load_schema
+    from spds.contract.schema import load_schema
 
     schema = load_schema("config")
     fields = list(_numeric_fields(schema))
@@ -313,7 +313,7 @@ def test_init_writes_json_under_a_json_name_and_takes_any_file_name(tiny, tiny_a
 def test_generate_never_drops_a_row_it_wrote(tmp_path):
     """A blank line once made the rerun cut every row after it (64 rows before, 44 after)."""
     from spds.errors import SpdsError
-    from spds.generate import repair_and_read
+    from spds.generation.generate import repair_and_read
 
     rows = [json.dumps({"request_id": f"r{i}", "input_ids": [1, 2]}) + "\n" for i in range(6)]
     output = tmp_path / "generated.jsonl"
@@ -366,7 +366,7 @@ def test_deepspeed_sections_are_checked_or_refused_at_validate(tiny, capsys, ds,
 def test_a_refused_process_never_releases_a_lock_it_does_not_hold(tiny, capsys):
     from spds.errors import SpdsError
     from spds.fsio import exclusive_lock
-    from spds.train import rank_zero_lock
+    from spds.training.train import rank_zero_lock
 
     lock = tiny / ".packed.lock"
     with exclusive_lock(lock, "the first prepare", remove=True):
@@ -385,7 +385,7 @@ def test_a_refused_process_never_releases_a_lock_it_does_not_hold(tiny, capsys):
 
 
 def test_stop_requests_that_are_garbled_or_stale_never_crash_or_stop_a_new_run(tmp_path, monkeypatch, capsys):
-    from spds import stop
+    from spds.training import stop
 
     monkeypatch.setenv("SPDS_LAUNCH_STARTED", "abc")
     request = stop.StopRequest()
@@ -404,10 +404,10 @@ def test_stop_requests_that_are_garbled_or_stale_never_crash_or_stop_a_new_run(t
 
 
 def test_run_files_of_the_wrong_shape_are_refused_or_skipped_by_name(prepared):
-    from spds.contract import load_config
+    from spds.contract.gate import load_config
     from spds.errors import SpdsError
-    from spds.identity import check_smoke_evidence
-    from spds.records import keep_metrics_before
+    from spds.training.identity import check_smoke_evidence
+    from spds.training.records import keep_metrics_before
 
     metrics = prepared / "metrics.jsonl"
     metrics.write_bytes(b'{"update": 1, "loss": 1.0}\n\xff\xfe{"update": 2}\n{"update": 3, "loss": 2.0}\n')

@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import ROUNDING, assert_rounding_close, divergence
 
-from spds.contract import section
-from spds.loss import TeacherTargets, make_loss
+from spds.contract.gate import section
+from spds.model.loss import TeacherTargets, make_loss
 
 
 def reference_loss(
@@ -121,9 +121,9 @@ def test_context_teacher_computes_the_context_once_and_matches_a_plain_forward(
     header ++ context ++ record."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spds import attention as attention_module
-    from spds.model import Segment, SoftPromptModel
-    from spds.teacher import ContextTeacher
+    from spds.kernels import attention as attention_module
+    from spds.model.soft_prompt import Segment, SoftPromptModel
+    from spds.model.teacher import ContextTeacher
 
     calls = []  # the packed records' queries attend the cached keys, then their own
     attention = attention_module.packed_after_cached
@@ -174,8 +174,8 @@ def test_teacher_memo_keeps_each_records_states_and_changes_no_number(tiny_asset
     recomputed (alone) instead of kept."""
     from transformers import AutoModelForCausalLM
 
-    from spds.model import Segment, SoftPromptModel
-    from spds.teacher import ContextTeacher
+    from spds.model.soft_prompt import Segment, SoftPromptModel
+    from spds.model.teacher import ContextTeacher
 
     path = tiny_assets / "student"
     student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)

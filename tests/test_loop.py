@@ -12,11 +12,11 @@ import torch
 from conftest import edit_config, make_tiny
 from helpers import FAST, ROUNDING, assert_rounding_close, check, final_state, read_json, spds
 
-from spds.contract import load_config, section
+from spds.contract.gate import load_config, section
 from spds.data.packed import PackedStore
 from spds.export import insertion_point, load_soft_prompt, splice
+from spds.model.student import load_student
 from spds.sample import VIEWS
-from spds.student import load_student
 
 
 @pytest.fixture
@@ -205,8 +205,8 @@ def test_export_round_trip_and_generation_splices_as_training(tiny):
     assert torch.equal(prompt, final_state(tiny / "run")["prompt"]) and prompt.dtype == torch.float32
     assert metadata["placement"] == "system" and metadata["update"] == "2" and int(metadata["prompt_length"]) == 4
     # First-token logits of the generation helper == training-time logits for the same record.
-    from spds.loss import make_loss
-    from spds.model import Segment, SoftPromptModel
+    from spds.model.loss import make_loss
+    from spds.model.soft_prompt import Segment, SoftPromptModel
 
     config = load_config(tiny / "config.json")
     store = PackedStore.open(config.packed_dir)
@@ -256,8 +256,8 @@ def test_peft_adapter_gives_the_same_loss_for_prefix_placement(tiny):
     student = load_student(config.model_path, "float32", "sdpa", torch.device("cpu"))
     model = peft.PeftModel.from_pretrained(student, exported["peft_adapter"]).eval()
     prompt = final_state(tiny / "run")["prompt"]
-    from spds.loss import make_loss
-    from spds.model import Segment, SoftPromptModel
+    from spds.model.loss import make_loss
+    from spds.model.soft_prompt import Segment, SoftPromptModel
 
     reference = SoftPromptModel(
         load_student(config.model_path, "float32", "sdpa", torch.device("cpu")),

@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import BF16_EPS, ROUNDING, assert_rounding_close
 
-from spds.contract import section
-from spds.loss import chunked_linear_cross_entropy, make_loss, reference_linear_cross_entropy
+from spds.contract.gate import section
+from spds.model.loss import chunked_linear_cross_entropy, make_loss, reference_linear_cross_entropy
 
 
 # fp32: reordered sums (chunks of rows) round within ROUNDING of the tensor's scale. bf16: the
@@ -62,7 +62,7 @@ def test_a_backward_scale_is_applied_in_fp32_not_rounded_to_bf16_first():
 def test_a_soft_capped_head_is_the_loss_of_its_capped_logits(objective):
     """Gemma 2's head returns c * tanh(logits / c): the kernels' value and gradient are those of
     the capped logits, written out (fp32 kernel against a float64 reference: its rounding)."""
-    from spds.loss import TeacherTargets
+    from spds.model.loss import TeacherTargets
 
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(19, 8, generator=generator, dtype=torch.float64) * 4  # logits well past the cap

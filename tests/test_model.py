@@ -7,11 +7,11 @@ import torch
 from conftest import make_tiny
 from helpers import assert_matches_reference, assert_rounding_close
 
-from spds.contract import section
+from spds.contract.gate import section
 from spds.errors import SpdsError
-from spds.loss import make_loss
-from spds.model import Segment, SoftPromptModel
-from spds.student import initial_prompt, load_student
+from spds.model.loss import make_loss
+from spds.model.soft_prompt import Segment, SoftPromptModel
+from spds.model.student import initial_prompt, load_student
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +166,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
 
 
 def test_auto_checkpointing_policy(student):
-    from spds.attention import AttentionPlan
-    from spds.recompute import RecomputePolicy
+    from spds.kernels.attention import AttentionPlan
+    from spds.model.recompute import RecomputePolicy
 
     policy = RecomputePolicy("auto", student, budget_gib=None, device=torch.device("cpu"))
     assert policy(10**9) == 0  # CPU without a budget: never

@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 import spds
-from spds.versions import TESTED
+from spds.contract.versions import TESTED
 
 # Imported under an optional feature and not installed on a CPU machine: packages_distributions()
 # cannot name them, so their distributions are written here.
@@ -187,7 +187,7 @@ def test_the_wheel_runs_the_whole_loop_outside_the_checkout(tmp_path):
         return result.stdout
 
     where = subprocess.run(
-        [str(python), "-c", "import spds.schema as c; print(c.__file__, c.SCHEMA_DIR)"],
+        [str(python), "-c", "import spds.contract.schema as c; print(c.__file__, c.SCHEMA_DIR)"],
         cwd=work,
         env=env,
         capture_output=True,

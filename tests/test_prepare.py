@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO, edit_config, make_tiny, read_rows
 
-from spds.contract import load_config
+from spds.contract.gate import load_config
 from spds.data.packed import PackedStore
 from spds.data.prepare import prepare
 from spds.errors import SpdsError

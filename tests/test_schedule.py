@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from spds.errors import SpdsError
-from spds.schedule import deal_to_ranks, global_batch, lr_factor
+from spds.training.schedule import deal_to_ranks, global_batch, lr_factor
 
 
 def test_batches_are_pure_whole_per_epoch_and_never_repeat_a_record():
@@ -32,7 +32,7 @@ def test_batches_are_pure_whole_per_epoch_and_never_repeat_a_record():
 def test_deal_by_cost_balances_what_equal_counts_cannot():
     """One 32k record and seven of 1k on two ranks: equal counts put the long one with three
     others (cost 32+3 against 4 short: the ranks wait on the first); by cost it goes alone."""
-    from spds.schedule import record_cost
+    from spds.training.schedule import record_cost
 
     positions = np.array([32768] + [1024] * 7)
     costs = record_cost(positions, quadratic_length=20000.0)
@@ -77,7 +77,7 @@ def test_learning_rate_shapes():
 
 
 def test_micro_batches_respect_count_and_token_budget():
-    from spds.schedule import Plan
+    from spds.training.schedule import Plan
 
     plan = Plan.__new__(Plan)
     plan.positions = np.array([1000, 900, 300, 290, 280, 100])

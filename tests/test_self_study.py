@@ -11,7 +11,7 @@ from conftest import edit_config, make_tiny
 from helpers import check, spds
 
 from spds.errors import SpdsError
-from spds.self_study import cut, plan, written_question
+from spds.generation.self_study import cut, plan, written_question
 
 
 def test_every_chunk_is_drawn_before_any_twice_and_kinds_follow_their_weights():

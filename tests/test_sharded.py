@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from spds.sharded import FSDP2Layout
+from spds.model.layout import FSDP2Layout
 
 
 @pytest.fixture

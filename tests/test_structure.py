@@ -41,7 +41,7 @@ def spds_imports(path):
 
 def modules() -> dict:
     found = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-    assert "spds.train" in found and "spds.model" in found  # the walk sees the package
+    assert "spds.training.train" in found and "spds.model.soft_prompt" in found  # the walk sees the package
     return found
 
 
@@ -85,3 +85,57 @@ def test_a_deferred_import_of_spds_code_says_why():
         "imports of spds code inside a function, with no comment on the line saying why "
         "(move them to the module's top, or say why they wait):\n  " + "\n  ".join(unexplained)
     )
+
+
+# The pipeline, in order: a module imports from its own folder and from folders before it (and the
+# primitives). A verb at the top may import anything. Where a folder needs a later one's vocabulary
+# the exception is named here, with why.
+FLOORS = ["kernels", "contract", "data", "model", "generation", "training"]
+PRIMITIVES = {"spds", "spds.errors", "spds.fsio"}
+VERBS = {"spds.cli", "spds.starter", "spds.evaluate", "spds.eval_questions", "spds.export", "spds.sample"}
+LATER_ALLOWED = {
+    # validate refuses an unknown self-study seed kind before any work; the built-in kinds are self-study's
+    ("spds.contract.checks", "spds.generation.self_study"),
+}
+
+
+def floor(module: str) -> int | None:
+    """The folder's place in the pipeline; None for a primitive or a verb."""
+    parts = module.split(".")
+    return FLOORS.index(parts[1]) if len(parts) > 1 and parts[1] in FLOORS else None
+
+
+def test_the_top_of_the_package_holds_only_the_verbs_and_the_primitives():
+    tops = {name for name in modules() if name.count(".") == 1 and floor(name) is None}
+    assert tops == VERBS | (PRIMITIVES - {"spds"}), (
+        "a module at the top of spds/ that is neither a verb nor a primitive: put it in the folder "
+        f"of its concern (docs/design.md, Architecture): {sorted(tops - VERBS - PRIMITIVES)}"
+    )
+
+
+def test_no_folder_imports_a_later_one_in_the_pipeline():
+    names = modules()
+    later = []
+    for name, path in names.items():
+        here = floor(name)
+        if here is None:
+            continue
+        for target, line, _ in spds_imports(path):
+            imported = known(target, names)
+            there = floor(imported) if imported else None
+            if imported in VERBS or (there is not None and there > here):
+                if (name, imported) not in LATER_ALLOWED:
+                    later.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    assert not later, (
+        f"a folder imports one later in the pipeline ({' < '.join(FLOORS)} < the verbs):\n  " + "\n  ".join(later)
+    )
+
+
+def test_each_folder_lists_its_modules_in_its_init():
+    for folder in FLOORS:
+        listed = (PACKAGE / folder / "__init__.py").read_text()
+        for path in sorted((PACKAGE / folder).glob("*.py")):
+            if path.name != "__init__.py":
+                assert f" {path.stem} " in listed.replace("\n", " ").replace(",", " "), (
+                    f"spds/{folder}/__init__.py does not list {path.stem}: each folder's docstring names its modules"
+                )

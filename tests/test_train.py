@@ -26,10 +26,10 @@ from helpers import (
     start_endless,
 )
 
-from spds.contract import load_config
+from spds.contract.gate import load_config
+from spds.contract.schema import describe_errors
 from spds.data.packed import PackedStore
-from spds.schedule import Plan
-from spds.schema import describe_errors
+from spds.training.schedule import Plan
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ import torch
 from conftest import edit_config, make_tiny
 from helpers import FAST, assert_matches_reference, check, spds
 
-from spds.contract import load_config, section
+from spds.contract.gate import load_config, section
 from spds.data.chat import render
 from spds.data.packed import PackedStore
-from spds.loss import make_loss
-from spds.model import Segment, SoftPromptModel
-from spds.student import load_student
+from spds.model.loss import make_loss
+from spds.model.soft_prompt import Segment, SoftPromptModel
+from spds.model.student import load_student
 
 CONVERSATION = [
     {"role": "user", "content": "Where is the comet?"},

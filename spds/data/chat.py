@@ -39,7 +39,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from ..errors import SpdsError
+from spds.errors import SpdsError
 
 PROBE = "scaffold-check"
 SENTINELS = ("XYZZY sentinel", "PLUGH marker")  # two contents: where renderings differ is where content goes
@@ -193,67 +193,92 @@ def derive_scaffold(
     problem = stability_problem(tokenizer, kwargs, model)
     if problem:
         raise SpdsError(problem)
-    probe = [{"role": "user", "content": PROBE}]
-    plain = render(tokenizer, probe, True, kwargs)
-    user, user_before, _ = content_span(tokenizer, lambda text: [{"role": "user", "content": text}], kwargs)
-    # The header of a second user turn, after an assistant turn: what opens a user turn, whatever precedes it.
-    second, second_before, _ = content_span(
-        tokenizer,
-        lambda text: [
-            {"role": "user", "content": PROBE},
-            {"role": "assistant", "content": ASSISTANT},
-            {"role": "user", "content": text},
-        ],
-        kwargs,
-    )
+    turns = UserTurns.rendered(tokenizer, kwargs)
     try:
         system, before, after = content_span(
-            tokenizer, lambda text: [{"role": "system", "content": text}, *probe], kwargs
+            tokenizer, lambda text: [{"role": "system", "content": text}, {"role": "user", "content": PROBE}], kwargs
         )
     except SpdsError:
         raise
     except Exception as error:  # the template refuses a system message (Gemma 2 raises)
-        lead, user_header = _first_user_turn(user, user_before, second, second_before)
+        lead, user_header = turns.first_user_turn()
         if not user_header:
             raise SpdsError(
                 f"the chat template of {model} refuses a system message ({type(error).__name__}: "
-                f"{error}) and its user turns cannot be told apart: {_show(tokenizer, user)}; use "
+                f"{error}) and its user turns cannot be told apart: {_show(tokenizer, turns.user)}; use "
                 "placement 'prefix'"
             ) from None
-        return Scaffold(
-            lead=lead,
-            system_header=[],
-            system_close=[],
-            user_header=user_header,
-            system_role="none",
-            missing_system=missing_system,
-        )
-    prefix, tail = system[:before], system[len(system) - after :]
-    if before == user_before and prefix == user[:user_before]:  # the system text goes where the user's does
-        lead, user_header = _first_user_turn(user, user_before, second, second_before)
-        return Scaffold(
-            lead=lead,
-            system_header=[],
-            system_close=[],
-            user_header=user_header,
-            system_role="in_user_turn",
-            missing_system=missing_system,
-        )
+        return Scaffold(lead, [], [], user_header, system_role="none", missing_system=missing_system)
+    prefix, tail, plain = system[:before], system[len(system) - after :], turns.plain
+    if before == turns.user_before and prefix == turns.user[:before]:  # the system text goes where the user's does
+        lead, user_header = turns.first_user_turn()
+        return Scaffold(lead, [], [], user_header, system_role="in_user_turn", missing_system=missing_system)
     if plain[:before] == prefix and plain[len(plain) - after :] == tail and len(plain) >= before + after:
-        # A system block whether given or not: a conversation without one gets the template's default.
-        default = plain[before : len(plain) - after]
-        opening = user[before + len(default) : user_before]  # the system block's close, then the user header
-        header_length = _common_suffix(opening, second[:second_before], len(opening))
-        return Scaffold(
-            lead=[],
-            system_header=prefix,
-            system_close=opening[: len(opening) - header_length],
-            user_header=opening[len(opening) - header_length :],
-            default_system=default,
-            system_role="always",
-            missing_system=missing_system,
+        return _always_a_system_block(turns, prefix, after, missing_system)
+    return _a_system_block_when_given(tokenizer, turns, system, before, after, missing_system, model)
+
+
+@dataclass(frozen=True)
+class UserTurns:
+    """The probe renderings derive_scaffold compares, without a system message: one user turn with
+    the generation prompt (plain); a user turn and where its content starts (user, user_before);
+    a second user turn after an assistant turn (second, second_before), whose header is what opens
+    a user turn whatever precedes it."""
+
+    plain: list[int]
+    user: list[int]
+    user_before: int
+    second: list[int]
+    second_before: int
+
+    @classmethod
+    def rendered(cls, tokenizer, kwargs: dict) -> UserTurns:
+        plain = render(tokenizer, [{"role": "user", "content": PROBE}], True, kwargs)
+        user, user_before, _ = content_span(tokenizer, lambda text: [{"role": "user", "content": text}], kwargs)
+        second, second_before, _ = content_span(
+            tokenizer,
+            lambda text: [
+                {"role": "user", "content": PROBE},
+                {"role": "assistant", "content": ASSISTANT},
+                {"role": "user", "content": text},
+            ],
+            kwargs,
         )
-    # A block only when given: with it = lead + block + the rest, the shortest such lead.
+        return cls(plain, user, user_before, second, second_before)
+
+    def first_user_turn(self) -> tuple[list[int], list[int]]:
+        """(lead, user header) of a template without a system block: the header is what opens a
+        user turn after an assistant turn too; what precedes it in the first turn is the lead."""
+        header_length = _common_suffix(
+            self.user[: self.user_before], self.second[: self.second_before], self.user_before
+        )
+        return self.user[: self.user_before - header_length], self.user[
+            self.user_before - header_length : self.user_before
+        ]
+
+
+def _always_a_system_block(turns: UserTurns, prefix: list[int], after: int, missing_system: str) -> Scaffold:
+    """A system block whether given or not: a conversation without one gets the template's default."""
+    before, plain = len(prefix), turns.plain
+    default = plain[before : len(plain) - after]
+    opening = turns.user[before + len(default) : turns.user_before]  # the system block's close, then the user header
+    header_length = _common_suffix(opening, turns.second[: turns.second_before], len(opening))
+    return Scaffold(
+        lead=[],
+        system_header=prefix,
+        system_close=opening[: len(opening) - header_length],
+        user_header=opening[len(opening) - header_length :],
+        default_system=default,
+        system_role="always",
+        missing_system=missing_system,
+    )
+
+
+def _a_system_block_when_given(
+    tokenizer, turns: UserTurns, system: list[int], before: int, after: int, missing_system: str, model: str
+) -> Scaffold:
+    """A block only when given: with it = lead + block + the rest, the shortest such lead."""
+    plain = turns.plain
     lead_length = next(
         (
             k
@@ -269,7 +294,7 @@ def derive_scaffold(
             "use placement 'prefix'"
         )
     block_end = len(system) - (len(plain) - lead_length)
-    user_header = plain[lead_length:user_before]
+    user_header = plain[lead_length : turns.user_before]
     if not user_header:
         raise SpdsError(f"cannot find the user-turn header in {_show(tokenizer, plain)}")
     return Scaffold(
@@ -280,13 +305,6 @@ def derive_scaffold(
         system_role="optional",
         missing_system=missing_system,
     )
-
-
-def _first_user_turn(user: list[int], user_before: int, second: list[int], second_before: int):
-    """(lead, user header) of a template without a system block: the header is what opens a user
-    turn after an assistant turn too; what precedes it in the first turn is the lead."""
-    header_length = _common_suffix(user[:user_before], second[:second_before], user_before)
-    return user[: user_before - header_length], user[user_before - header_length : user_before]
 
 
 def end_token_ids(tokenizer, configured: list[str] | None) -> list[int]:

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SpdsError
-from ..fsio import fsync_dir, read_json, sha256_file
-from ..schema import describe_errors
-from .rows import Record
+from spds.contract.schema import describe_errors
+from spds.data.rows import Record
+from spds.errors import SpdsError
+from spds.fsio import fsync_dir, read_json, sha256_file
 
 TOKENS = "tokens.uint32"
 INDEX = "index.jsonl"

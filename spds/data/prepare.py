@@ -15,15 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import __version__
-from ..config import Config
-from ..digests import sha256_path
-from ..errors import SpdsError
-from ..fsio import exclusive_lock, verified_copy
-from ..schema import require_valid
-from .chat import Scaffold, derive_scaffold, end_token_ids, stability_problem, tokenizer_identity
-from .packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
-from .rows import RowRules, read_records
+from spds import __version__
+from spds.contract.config import Config
+from spds.contract.digests import sha256_path
+from spds.contract.schema import require_valid
+from spds.data.chat import Scaffold, derive_scaffold, end_token_ids, stability_problem, tokenizer_identity
+from spds.data.packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
+from spds.data.rows import RowRules, read_records
+from spds.data.student_files import student_config
+from spds.errors import SpdsError
+from spds.fsio import exclusive_lock, verified_copy
 
 
 def load_tokenizer(config: Config):
@@ -86,7 +87,6 @@ def prepare(config: Config, log=print) -> dict:
 
 def model_vocabulary_rows(config: Config) -> int | None:
     """The student's embedding rows (config.json vocab_size): an id past them crashes training."""
-    from ..student import student_config  # deferred: spds.student imports torch; packing reads only config.json
 
     rows = student_config(config.model_path).get("vocab_size")
     return rows if isinstance(rows, int) else None

@@ -19,9 +19,9 @@ from typing import Iterator
 
 import numpy as np
 
-from ..schema import StrictValidator, describe_errors_with, load_schema
-from .chat import Scaffold, render_chat_row
-from .sources import RowError, is_table, json_lines, table_rows
+from spds.contract.schema import StrictValidator, describe_errors_with, load_schema
+from spds.data.chat import Scaffold, render_chat_row
+from spds.data.sources import RowError, is_table, json_lines, table_rows
 
 
 @dataclass

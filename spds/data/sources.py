@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import SpdsError
-from ..fsio import MAX_LINE_BYTES, open_regular, parse_json, read_json
+from spds.errors import SpdsError
+from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json, read_json
 
 
 class RowError(SpdsError):

@@ -1,0 +1,73 @@
+"""What one decoder layer keeps for backward, in bytes per position per hidden unit: the figure
+RecomputePolicy plans with (ACTIVATION_BYTES_PER_HIDDEN). Measured through spds's own forward
+(SoftPromptModel.hidden_states, no layer recomputed) as the memory still allocated after the
+forward, over positions x layers x hidden, with the student's own kernels and with Liger's.
+
+    python bench/checks/check_activation_bytes.py --model 1.7b --positions 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import bench_gpu  # noqa: E402
+
+
+def measure(student, name: str, variant: str, positions: int) -> dict:
+    from spds.model.build import build_soft_prompt_model
+    from spds.model.soft_prompt import Segment
+    from spds.model.student import apply_liger_kernels
+    from spds.training.engine import init_distributed
+
+    with tempfile.TemporaryDirectory() as scratch:
+        config = bench_gpu.spds_config(Path(scratch), 1, variant)
+        if not torch.distributed.is_initialized():
+            init_distributed(config.distributed)
+        if config.student.liger_kernels:
+            apply_liger_kernels(student)
+        model = build_soft_prompt_model(config, torch.device("cuda"), student=student)
+        model.recompute = lambda *args, **kwargs: 0  # every layer keeps its activations
+        ids = torch.randint(0, bench_gpu.VOCAB - 1000, (positions - bench_gpu.PROMPT,), device="cuda")
+        segment = Segment(ids=ids, prefix_tokens=128, insert_at=3)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        (hidden,) = model.hidden_states([segment], model.prompt)
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before
+        peak = torch.cuda.max_memory_allocated() - before
+        config_ = student.config
+        per = positions * config_.num_hidden_layers * config_.hidden_size
+        hidden.sum().backward()
+        del hidden, model
+        torch.cuda.empty_cache()
+        return dict(
+            model=name,
+            variant=variant,
+            positions=positions,
+            kept_gib=round(kept / 2**30, 2),
+            bytes_per_position_per_hidden_per_layer=round(kept / per, 2),
+            forward_peak_over_kept_gib=round((peak - kept) / 2**30, 2),
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="1.7b", choices=sorted(bench_gpu.SHAPES))
+    parser.add_argument("--positions", type=int, default=8192)
+    args = parser.parse_args()
+    student = bench_gpu.build_student(args.model)
+    for variant in ("packed", "liger"):  # Liger patches in place: the student's own kernels first
+        print(json.dumps(measure(student, args.model, variant, args.positions)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

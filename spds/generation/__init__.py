@@ -1,0 +1,6 @@
+"""The teacher writing rows: spds generate, its self-study questions, and the decoder.
+
+generate      spds generate: the teacher answers each question with the context
+self_study    the questions written from the context itself (generate.self_study)
+decode        batched decoding with the context's keys and values computed once
+"""

@@ -1,0 +1,502 @@
+"""Decoding for spds generate: a batch of prompts that share the context, answered token by token.
+
+Every prompt of a generate run is the chat template's opening, the context, then a question:
+the same first tokens, thousands of them, in every row. transformers' `generate` computes them
+again for every batch and grows its cache by concatenation at every step (each step copies the
+whole cache). Here:
+
+  * the prompts' longest common prefix is run once and its keys and values kept (keyed by the
+    prefix's ids), and every batch that shares it reads them where they are: they are never
+    copied to the rows: a row's cache holds only its question and answer, so how many rows a
+    batch holds depends on their own lengths, not on the context's;
+  * attention runs in two parts merged by their log-sum-exps (`decode_attention`): over the
+    shared prefix, with every row's queries folded into one batch, so its keys are read once per
+    step, not once per row; and over each row's own keys. The query heads that share a key/value
+    head are folded into its query rows, so grouped-query keys are read as they are. On CUDA the
+    shared part runs on cuDNN (or FlashAttention-4, where student.attention_kernel names it), a
+    row's own part on a Triton kernel that reads each row's written keys once
+    (shared_keys.own_keys_step), and another Triton kernel merges them;
+    soft-capped scores (Gemma 2) and the CPU run the same sums in plain PyTorch;
+  * each batch gets one cache allocated once for its whole length ([rows, kv heads, longest
+    question + max_new_tokens, head dim] per layer), written in place (`BatchCache`);
+  * the questions, of different lengths, are right-aligned, so that every row writes its next
+    token at the same index; the holes before a short question are masked; positions (RoPE) count
+    only a row's own tokens, as if it had never been padded. The masks go in as 4D tensors (or a
+    dict of them per layer kind), which transformers uses as given;
+  * a decode step reads and writes only buffers that live as long as the batch (`Step`), so on
+    CUDA it is captured once per batch as a CUDA graph and replayed: the model's Python (tens of
+    milliseconds a step, more than the GPU's work at these sizes) runs once, not once per token.
+    A model whose forward cannot be captured (a host sync inside) decodes eagerly, the same
+    numbers, and says so once.
+  * with generate.top_k_logprobs, each step's top-k log-probabilities are kept from the logits it
+    samples from (`TopK`): an offline teacher's targets at no second pass over the answers.
+
+Deterministic for a given seed: the same batch, on the same device and versions, samples the same
+tokens (one torch.Generator per batch, sampling outside the graph; no kernel here accumulates
+with atomics in a forward). Over 300 lines with this account of it: the cache, the step and its
+graph, and the attention they need are one mechanism, each part shaped by the others.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+
+import torch
+
+from spds.errors import SpdsError
+from spds.kernels.attention import head_dim_of, install_attention, windowed_layers
+from spds.kernels.causal import triton_available
+from spds.kernels.shared_keys import attend, fa4_shared_step, flash_fits, merge_parts, own_keys_step
+
+NAME = "spds_decode"
+
+
+def common_prefix(prompts: list[list[int]]) -> int:
+    """The length of the prompts' longest common prefix, leaving every prompt at least its last
+    token to run with the batch (the logits of the first answer token come from it)."""
+    shortest = min(len(p) for p in prompts)
+    length = 0
+    while length < shortest - 1 and all(p[length] == prompts[0][length] for p in prompts):
+        length += 1
+    return length
+
+
+class BatchCache:
+    """The keys and values of one batch. The shared prefix's (`shared`, per layer [1, kv heads,
+    prefix, head dim]) are computed once for every batch that shares them and read in place, never
+    copied to the rows. Each row's own (its question, then its answer) live in buffers allocated
+    once and written in place at the cache indices `index` (a tensor, so that a captured step
+    writes where the replay says). Offers what transformers' decoder layers call on a cache
+    (`update`, `get_seq_length`)."""
+
+    def __init__(self, layers: int, rows: int, capacity: int, device: torch.device, shared=None):
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+        self.rows = rows
+        self.capacity = -(-capacity // 16) * 16  # the efficient kernel's alignment for the mask's rows
+        self.index = torch.zeros(1, dtype=torch.long, device=device)
+        self.shared: list[tuple[torch.Tensor, torch.Tensor]] = shared or []
+        # a row's own keys start after its holes (own_from, the number of holes), and the decode
+        # step reads the `written` (int32 [rows]) it has
+        self.skip_holes([0] * rows)
+        self.written = torch.zeros(rows, dtype=torch.int32, device=device)
+        # windowed layers: the shared keys before window_from are outside every query's window; the
+        # later ones' logical positions (window_keys, None when every query sees them all) and, for
+        # the queries of the forward running now, which of them each sees (shared_mask [rows, n, keys])
+        self.window_from = 0
+        self.window_keys: torch.Tensor | None = None
+        self.shared_mask: torch.Tensor | None = None
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_, **__):  # the rest: per version
+        if self.keys[layer] is None:  # the first write of a layer: its buffers, now that its shapes are known
+            # [rows, positions, kv heads, head dim]: a row's keys one run of memory, as the decode
+            # step reads them; attention elsewhere takes the transposed view
+            shape = (self.rows, self.capacity, key.shape[1], key.shape[3])
+            # zeros, not garbage: a masked key's weight is 0, and 0 x NaN would still be NaN
+            self.keys[layer] = key.new_zeros(shape)
+            self.values[layer] = value.new_zeros(shape)
+        self.keys[layer].index_copy_(1, self.index, key.transpose(1, 2))
+        self.values[layer].index_copy_(1, self.index, value.transpose(1, 2))
+        return self.keys[layer].transpose(1, 2), self.values[layer].transpose(1, 2)
+
+    def skip_holes(self, holes: list[int]) -> None:
+        """Each row's number of holes (left padding), which its own keys start after."""
+        self.own_from = torch.tensor(holes, device=self.index.device)
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0  # never asked: every forward passes its cache_position
+
+
+class Decoder:
+    """Answers batches of prompts with one model. Keeps the keys and values of the last common
+    prefix it ran (a generate run's context, shared by all its batches). It sets the model's
+    attention to `decode_attention` (the model is its own from then on)."""
+
+    def __init__(self, model, end_ids: list[int], pad_id: int, graphs: bool = True, fa4: bool = False):
+        self.model, self.end_ids, self.pad_id = model, end_ids, pad_id
+        self.fa4 = fa4  # a decode step's shared part on FlashAttention-4 (student.attention_kernel names it)
+        config = model.config
+        self.layers = config.num_hidden_layers
+        # layers of two kinds (Gemma 2 and 3, Qwen with sliding layers) take a mask per kind; a model
+        # without layer kinds but with a window (Mistral v0.1) windows every layer
+        kinds = getattr(config, "layer_types", None) or []
+        self.layer_types = set(kinds)
+        self.window = getattr(config, "sliding_window", None)
+        self.window_everywhere = bool(self.window) and not self.layer_types
+        self.windowed = windowed_layers(config)
+        # decode_attention finds the decoder, and through it the cache of the forward running now
+        install_attention(model, NAME, decode_attention, "spds_decoder", self, "spds generate cannot decode it")
+        self.active: BatchCache | None = None  # the cache of the forward running now
+        self.graphs = graphs and model.device.type == "cuda"  # False: every step eagerly (the same numbers)
+        self.prefix_ids: list[int] | None = None  # the prefix whose keys and values are kept
+        self.prefix_states: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.prefix_forwards = 0  # how many times a prefix was run (the tests read it)
+        self.captured = 0  # batches whose decode step ran as a CUDA graph (the benchmark reads it)
+        self.seconds, self.new_tokens = 0.0, 0  # time in answer() and the tokens it picked (generate logs them)
+        # transformers renamed past_key_values to cache (5.2x); both name the same object
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    def answer(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[list[int]]:
+        """Each prompt's answer ids: up to and including its first end token, or max_new_tokens
+        ids with an end token appended (a cut answer is closed, as spds's rows must end)."""
+        return self.answer_with_top_k(prompts, max_new_tokens, temperature, top_p, seed, 0)[0]
+
+    @torch.no_grad()
+    def answer_with_top_k(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        k: int,
+        prefix_embeds: torch.Tensor | None = None,
+    ) -> tuple[list[list[int]], list[dict] | None]:
+        """`answer`'s ids and, with k > 0, each answer's top-k: at every answer token, the k most
+        likely next tokens of the logits it was picked from and their log-probabilities at
+        temperature 1 (dict(ids=[[k ids] per token], logprobs=[[k floats] per token])). A cut
+        answer's closing end token was never picked: one more step gives its logits. Taken from
+        the decode step's own logits, so an offline teacher's targets cost no second pass.
+        `prefix_embeds` ([n, hidden], the model's dtype): a shared prefix given as input embeddings
+        (the chat template's header and a soft prompt, loss.on_policy), before every prompt's ids."""
+        began = time.perf_counter()
+        device = self.model.device
+        if prefix_embeds is None:
+            prefix = common_prefix(prompts)
+            shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
+            prompts = [p[prefix:] for p in prompts]
+        else:
+            prefix, shared = len(prefix_embeds), self.embedded_states(prefix_embeds)
+        rows, longest = len(prompts), max(len(p) for p in prompts)
+        self.check_fits(rows, longest + max_new_tokens, TopK.bytes_per_row(max_new_tokens + 1, k))
+        cache = BatchCache(self.layers, rows, longest + max_new_tokens, device, shared)
+        cache.skip_holes([longest - len(p) for p in prompts])
+        self.plan_window(cache, prefix, prefix + longest + max_new_tokens - 1)
+        # a row's logical position at each of its own cache indices (-1: a hole, or not written
+        # yet), the questions right-aligned: every row's last prompt token at one index. Built on
+        # the host and copied once.
+        positions = torch.full((rows, cache.capacity), -1, dtype=torch.long)
+        ids = torch.full((rows, longest), self.pad_id, dtype=torch.long)
+        for row, own in enumerate(prompts):  # each prompt's own ids, after the shared prefix
+            ids[row, longest - len(own) :] = torch.tensor(own)
+            positions[row, longest - len(own) : longest] = torch.arange(prefix, prefix + len(own))
+        positions, ids = positions.to(device), ids.to(device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        logits = self.forward(ids, positions, cache, start=0)[:, -1]
+        step = Step(self, cache, positions, next_position=positions[:, longest - 1] + 1, write_at=longest)
+        answers = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        top = TopK(rows, max_new_tokens + 1, k, device) if k else None
+        ended = torch.zeros(rows, dtype=torch.bool, device=device)
+        ends = torch.tensor(self.end_ids, device=device)
+        for number in range(max_new_tokens):
+            if top:
+                top.keep(number, logits)
+            token = torch.where(ended, self.pad_id, pick(logits, temperature, top_p, generator))
+            answers[:, number] = token
+            ended |= torch.isin(token, ends)
+            if number + 1 == max_new_tokens or (number % 8 == 7 and bool(ended.all())):  # a host sync every 8 steps
+                break
+            logits = step(token)
+        if top and number + 1 == max_new_tokens and not bool(ended.all()):  # the cut answers' closing end token
+            top.keep(number + 1, step(token))
+        result = []
+        for row in answers.tolist():
+            end = next((i for i, t in enumerate(row) if t in self.end_ids), None)
+            result.append(row[: end + 1] if end is not None else row + [self.end_ids[0]])
+        tops = top.per_answer([len(r) for r in result]) if top else None
+        self.seconds += time.perf_counter() - began  # answers.tolist() waited for the device
+        self.new_tokens += sum(len(r) for r in result)
+        return result, tops
+
+    def check_fits(self, rows: int, positions: int, kept_per_row: int = 0) -> None:
+        """Refuse, before anything is allocated, a batch whose own keys and values and logits (and
+        `kept_per_row` bytes more a row: the top-k kept) would not fit the device's free memory: a
+        message that says what fits, not an out-of-memory error halfway through a batch."""
+        free = free_bytes(self.model.device)
+        if free is None:
+            return
+        config = self.model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        cache = -(-positions // 16) * 16 * self.layers * 2 * kv_heads * head_dim_of(config)
+        logits = 3 * 4 * config.vocab_size  # fp32 logits, probabilities, copy
+        per_row = cache * self.model.dtype.itemsize + logits + kept_per_row
+        if rows * per_row > 0.9 * free:  # a tenth for the forward's activations
+            raise SpdsError(
+                f"generate.batch_size: {rows} rows of up to {positions} positions of their own need about "
+                f"{rows * per_row / 2**30:.1f} GiB for their keys, values and logits ({per_row / 2**20:.1f} MiB a "
+                f"row), and the GPU has {free / 2**30:.1f} GiB free: set generate.batch_size to at most "
+                f"{max(1, int(0.9 * free // per_row))}"
+            )
+
+    def shared_states(self, ids: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The keys and values of the prefix `ids`, per layer [1, kv heads, len(ids), head dim]:
+        computed once per distinct prefix."""
+        if ids != self.prefix_ids:
+            self.prefix_ids, self.prefix_states = None, []  # never keep a half-made prefix
+            single = BatchCache(self.layers, 1, len(ids), device)
+            positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
+            positions[0, : len(ids)] = torch.arange(len(ids), device=device)
+            self.forward(torch.tensor([ids], device=device), positions, single, start=0, keep=0, causal=True)
+            self.prefix_states = [
+                (k[:, : len(ids)].transpose(1, 2), v[:, : len(ids)].transpose(1, 2))
+                for k, v in zip(single.keys, single.values)
+            ]
+            self.prefix_ids = list(ids)
+            self.prefix_forwards += 1
+        return self.prefix_states
+
+    def embedded_states(self, embeds: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`shared_states` of a prefix given as input embeddings [n, hidden]: computed every time
+        (a soft prompt changes at every update) and not kept."""
+        self.prefix_ids, self.prefix_states = None, []
+        single = BatchCache(self.layers, 1, len(embeds), embeds.device)
+        positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=embeds.device)
+        positions[0, : len(embeds)] = torch.arange(len(embeds), device=embeds.device)
+        self.forward(embeds[None], positions, single, start=0, keep=0, causal=True)
+        self.prefix_forwards += 1
+        return [
+            (k[:, : len(embeds)].transpose(1, 2), v[:, : len(embeds)].transpose(1, 2))
+            for k, v in zip(single.keys, single.values)
+        ]
+
+    def plan_window(self, cache: BatchCache, prefix: int, last_position: int) -> None:
+        """Which shared keys the windowed layers read: none older than the window of the batch's
+        first own token (at logical position `prefix`), and a mask only when a later query
+        (`last_position` the latest) outlives the oldest of them."""
+        if not (prefix and any(self.windowed)):
+            return
+        cache.window_from = max(0, prefix - self.window + 1)  # transformers: seen while query - key < window
+        if last_position - cache.window_from >= self.window:
+            cache.window_keys = torch.arange(cache.window_from, prefix, device=cache.index.device)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: BatchCache,
+        start: int,
+        keep: int = 1,
+        causal: bool = False,
+    ):
+        """Run `ids` ([rows, n], or input embeddings [rows, n, hidden]; written at the rows' own
+        cache indices start..start+n-1) against
+        the shared prefix and everything the rows' cache holds; the next-token logits (fp32) of each
+        row's last `keep` columns, [rows, keep, vocabulary] (keep 0: none). `causal`: one row with no
+        holes from index 0 and nothing shared (the prefix), where the kernel's own causal rule needs
+        no mask."""
+        count = ids.shape[1]
+        cache.index = torch.arange(start, start + count, device=ids.device)
+        cache.written = (start + count - cache.own_from).to(torch.int32)
+        queries = positions[:, start : start + count]
+        if causal and not self.window:  # no [n, n] mask: a 64k-token context fits
+            return self.run(ids, queries, None, cache, keep)
+        # a query sees its row's keys at or before its own position; a hole sees only itself (its
+        # outputs are never read, but must stay finite: they become keys the mask then hides)
+        visible = (positions[:, None, :] >= 0) & (positions[:, None, :] <= queries[:, :, None])
+        visible[:, torch.arange(count, device=ids.device), cache.index] = True
+        return self.run(ids, queries, self.masks(visible, queries, positions, cache), cache, keep)
+
+    def masks(self, visible: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, cache: BatchCache):
+        """The attention mask(s) over the rows' own keys for queries at logical positions `queries`
+        ([rows, n]) that may see the keys `visible` marks ([rows, n, cache capacity]; `positions`:
+        each key's logical position), windowed where the model's layers are; and, on the cache,
+        which shared keys the windowed layers' queries see."""
+        if cache.window_keys is not None:
+            cache.shared_mask = queries[:, :, None] - cache.window_keys < self.window
+        windowed = None
+        if self.window:  # transformers' window: a key is seen while query - key < window
+            windowed = visible & (queries[:, :, None] - positions[:, None, :] < self.window)
+        if "sliding_attention" in self.layer_types:
+            return {"full_attention": visible[:, None], "sliding_attention": windowed[:, None]}
+        return (windowed if self.window_everywhere else visible)[:, None]  # a 4D mask is used as given
+
+    def run(self, ids: torch.Tensor, queries: torch.Tensor, masks, cache: BatchCache, keep: int = 1):
+        """The model over `ids` at logical positions `queries` under `masks` (None: causal),
+        writing its keys and values at cache.index; the fp32 logits of the last `keep` columns."""
+        arguments = dict(
+            **{"inputs_embeds" if ids.is_floating_point() else "input_ids": ids},
+            position_ids=queries.clamp(min=0),
+            attention_mask=masks,
+            use_cache=True,
+            cache_position=cache.index,
+            **{self.cache_argument: cache},
+        )
+        self.active = cache
+        try:
+            if not keep:  # the prefix: its keys and values only, no vocabulary-sized work
+                self.model.base_model(**arguments)
+                return None
+            return self.model(**arguments, logits_to_keep=keep).logits.float()
+        finally:
+            self.active = None
+
+
+class Step:
+    """One decode step of a batch: the last tokens in, the next logits out, through buffers that
+    live as long as the batch (the token, each row's next position, the cache index, the cache),
+    so that the same work can be captured once as a CUDA graph and replayed for every token."""
+
+    def __init__(
+        self, decoder: Decoder, cache: BatchCache, positions: torch.Tensor, next_position: torch.Tensor, write_at: int
+    ):
+        self.decoder, self.cache, self.positions = decoder, cache, positions
+        self.token = torch.zeros(cache.rows, dtype=torch.long, device=positions.device)
+        self.next_position = next_position.clone()  # each row's logical position of the token going in
+        cache.index = torch.full((1,), write_at, dtype=torch.long, device=positions.device)
+        self.logits = None
+        self.graph = None
+        self.capture = decoder.graphs
+
+    def compute(self) -> torch.Tensor:
+        """The step on the buffers alone (what a graph captures): the token's position goes in at
+        the cache index; being the newest, it sees every key written so far."""
+        index, positions = self.cache.index, self.positions
+        positions.index_copy_(1, index, self.next_position[:, None])
+        self.cache.written.copy_(index + 1 - self.cache.own_from)
+        queries = self.next_position[:, None]
+        masks = self.decoder.masks((positions >= 0)[:, None, :], queries, positions, self.cache)
+        return self.decoder.run(self.token[:, None], queries, masks, self.cache)[:, -1]
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        self.token.copy_(token)
+        if self.capture:
+            self.capture = False
+            self.graph = captured(self)
+        if self.graph is not None:
+            self.graph.replay()
+            logits = self.logits.clone()  # the graph's output buffer is overwritten by the next replay
+        else:
+            logits = self.compute()
+        self.next_position += 1
+        self.cache.index += 1
+        return logits
+
+
+class TopK:
+    """Each decode step's top-k of its rows' logits at temperature 1, kept on the device until the
+    batch ends ([rows, steps, k] ids and log-probabilities: log-softmax's values at the top k,
+    without writing the whole log-softmax)."""
+
+    def __init__(self, rows: int, steps: int, k: int, device: torch.device):
+        # int32 ids and fp32 log-probabilities: bytes_per_row
+        self.ids = torch.zeros((rows, steps, k), dtype=torch.int32, device=device)
+        self.logprobs = torch.zeros((rows, steps, k), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_row(steps: int, k: int) -> int:
+        return steps * k * (4 + 4)
+
+    def keep(self, number: int, logits: torch.Tensor) -> None:
+        values, ids = logits.topk(self.ids.shape[2], dim=-1)
+        self.ids[:, number] = ids.to(torch.int32)
+        self.logprobs[:, number] = values - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+    def per_answer(self, lengths: list[int]) -> list[dict]:
+        ids, logprobs = self.ids.tolist(), self.logprobs.tolist()
+        return [dict(ids=i[:n], logprobs=p[:n]) for i, p, n in zip(ids, logprobs, lengths)]
+
+
+def captured(step: Step):
+    """`step.compute` as a CUDA graph (its output in step.logits), or None when the model's forward
+    cannot be captured (it syncs with the host, say): the step then runs eagerly."""
+    decoder = step.decoder
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # one eager run first, off the default stream, as capture needs;
+            step.compute()  # its writes are the ones the first replay makes again
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step.logits = step.compute()
+        decoder.captured += 1
+        return graph
+    except Exception as error:  # noqa: BLE001 (any failure to capture means: decode eagerly)
+        torch.cuda.synchronize()
+        if decoder.graphs:
+            print(
+                f"spds generate: the decode step could not be captured as a CUDA graph ({type(error).__name__}: "
+                f"{str(error)[:160]}); decoding eagerly",
+                file=sys.stderr,
+            )
+        decoder.graphs = False
+        return None
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """The device's free memory in bytes; None off CUDA (host memory is not budgeted here)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """The next token of each row: the most likely (temperature 0), or sampled at `temperature`
+    from the smallest set of tokens whose probability reaches `top_p` (nucleus sampling)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probabilities = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        ordered, order = probabilities.sort(dim=-1, descending=True)
+        before = ordered.cumsum(dim=-1) - ordered  # the mass of the more likely tokens
+        ordered = ordered.masked_fill(before >= top_p, 0.0)  # the first token always stays
+        probabilities = torch.zeros_like(probabilities).scatter_(-1, order, ordered)
+    return torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """transformers' attention signature: query [B, Hq, Lq, D], the rows' own key and value
+    [B, Hkv, Lk, D] (the whole cache), attention_mask bool [B, 1, Lq, Lk] (None: a causal forward
+    over its own Lq keys). Attention over the shared prefix and over the rows' own keys runs as two
+    parts, merged by their log-sum-exps (the softmax over all keys, regrouped): the shared part
+    folds every row's queries into one batch, so the shared keys are read once per step, not once
+    per row. The G = Hq / Hkv query heads of each key/value head become G x Lq query rows of that
+    head (query head h reads key/value head h // G, as transformers' repeat_kv has it), so grouped
+    keys are never copied. Returns [B, Lq, Hq, D]."""
+    batch, heads, count, dim = query.shape
+    kv = key.shape[1]
+    groups = heads // kv
+    scale = scaling if scaling is not None else dim**-0.5
+    if attention_mask is None:  # the prefix from cache index 0: its keys are its own first `count`
+        return causal_attention(query, key[:, :, :count], value[:, :, :count], scale, softcap), None
+    decoder = getattr(module, "spds_decoder", None)
+    cache = decoder.active if decoder is not None else None
+    layer = module.layer_idx
+    # the G query heads of a key/value head as its G x Lq rows: every part below is [B, Hkv, G x Lq, ...]
+    own = query.reshape(batch, kv, groups * count, dim)
+    if count == 1 and cache is not None and flash_fits(query, softcap) and triton_available():  # a decode step
+        # each row reads only the keys it has written, from after its holes: no mask, nothing unwritten
+        window = decoder.window if decoder.windowed[layer] else None
+        keys, values = cache.keys[layer], cache.values[layer]
+        output, lse = own_keys_step(query, keys, values, cache.own_from, cache.written, scale, window)
+    else:
+        mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * count, -1)
+        output, lse = attend(own, key, value, mask, scale, softcap)
+    if cache is not None and cache.shared:
+        keys, values = cache.shared[layer]
+        shared_mask = None
+        if decoder.windowed[layer]:
+            keys, values = keys[:, :, cache.window_from :], values[:, :, cache.window_from :]
+            if cache.shared_mask is not None:  # [B, Lq, keys] -> the folded rows' [1, 1, B x G x Lq, keys]
+                shared_mask = cache.shared_mask[:, None].expand(-1, groups, -1, -1).reshape(1, 1, -1, keys.shape[2])
+        if count == 1 and decoder.fa4 and shared_mask is None and flash_fits(query, softcap):
+            shared, shared_lse = fa4_shared_step(query, keys, values, scale)
+        else:
+            folded = own.transpose(0, 1).reshape(1, kv, batch * groups * count, dim)  # rows in (b, g, q) order
+            shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
+            shared = shared[0].reshape(kv, batch, groups * count, dim).transpose(0, 1)  # views, merged where they lie
+            shared_lse = shared_lse[0].reshape(kv, batch, groups * count).transpose(0, 1)
+        output = merge_parts(output, lse, shared, shared_lse, query.dtype)
+    output = output.reshape(batch, heads, count, dim)
+    return output.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def causal_attention(query, key, value, scale: float, softcap: float | None) -> torch.Tensor:
+    """The prefix's own attention, query row i seeing keys 0..i: [B, Lq, Hq, D]. Equal lengths leave
+    no doubt about where a kernel aligns the causal rule (top left in PyTorch's math, lower right in
+    flash)."""
+    output = attend(query, key, value, None, scale, softcap, causal=True)[0]
+    return output.transpose(1, 2).contiguous().to(query.dtype)

@@ -1,0 +1,419 @@
+"""spds generate: the teacher answers each question with the context; rows for spds prepare.
+The questions come from generate.questions, or, with generate.self_study, the teacher writes them
+itself from chunks of the context (spds/generation/self_study.py; `SelfStudy` below runs that here).
+
+The teacher (a local model, by default the student) sees the context where the soft prompt will
+go: as the system message ([system: context] + the question's messages), or, for placement
+first_user and templates without a system role (Gemma 2), at the start of the first user turn
+("context\n\nquestion", as Gemma 3's and Mistral's templates fold a system text). The row
+records what the *student* will see: the question rendered by the student's chat template
+WITHOUT the context, then the teacher's response ids, ending in an end-of-turn token; a question of
+several user turns is answered turn by turn and its row supervises every answer. Requests
+are batched in a fixed order with a seed per batch and decoded by spds/generation/decode.py (the context's
+keys and values computed once for every batch), so a run is deterministic, and resuming
+(request_ids already in the output are skipped; a half-written last line is cut) regenerates
+only what is missing, with the same result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spds.contract.config import Config
+from spds.contract.settings import GenerateSettings, SelfStudySettings
+from spds.data.chat import end_token_ids, render
+from spds.data.preflight import require_preflight
+from spds.data.student_files import load_tokenizer
+from spds.errors import SpdsError
+from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json
+from spds.generation.decode import Decoder
+from spds.generation.self_study import EXCERPT, Chunk, Seed, coverage, cut, kinds_of, plan, written_question
+from spds.kernels.attention import head_dim_of, kernels_in, require_fa4
+from spds.model.student import apply_liger_kernels, unsafe_weights
+
+
+def read_questions(path: Path) -> list[dict]:
+    questions = []
+    with open_regular(path) as stream:
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            try:
+                if len(line) > MAX_LINE_BYTES:
+                    raise ValueError(f"rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
+                row = parse_json(line)  # strictly, as every file spds reads
+                messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
+                questions.append(dict(question_id=str(row["question_id"]), messages=messages))
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
+                raise SpdsError(
+                    f"{path}:{number}: a question needs question_id and messages or question ({error})"
+                ) from None
+    return questions
+
+
+def repair_and_read(output: Path) -> set[str]:
+    """request_ids already written. Only a last line without its newline (a crash mid-append) is
+    cut; any other line that is not a row stops generate, naming it, with the file untouched: the
+    rows a teacher wrote are the most expensive data a user has."""
+    if not output.exists():
+        return set()
+    done, complete = set(), 0  # complete: the bytes up to the last newline
+    with open_regular(output) as stream:
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if not line.endswith(b"\n"):
+                if len(line) > MAX_LINE_BYTES:
+                    raise SpdsError(
+                        f"{output}:{number}: longer than {MAX_LINE_BYTES >> 20} MiB: not a row spds "
+                        "wrote; nothing was changed"
+                    )
+                break  # the torn last line
+            try:
+                row = parse_json(line)
+                done.add(row["request_id"])
+            except (ValueError, KeyError, TypeError) as error:
+                raise SpdsError(
+                    f"{output}:{number}: not a row spds generate wrote ({error or 'blank line'}); "
+                    "nothing was changed: fix or remove that line, then run generate again"
+                ) from None
+            complete += len(line)
+    if complete != output.stat().st_size:
+        with open(output, "r+b") as stream:
+            stream.truncate(complete)
+            os.fsync(stream.fileno())
+    return done
+
+
+def load_teacher(path: Path, dtype: str, device: torch.device, trust_remote_code: bool = False):
+    """The teacher for decoding, loaded with transformers' eager attention, which every model
+    has: spds.generation.decode.Decoder replaces it with its own in every layer before the first forward."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            local_files_only=True,
+            dtype=getattr(torch, dtype),
+            attn_implementation="eager",
+            trust_remote_code=trust_remote_code,  # explicit: unset, transformers asks on the terminal
+        )
+    except (OSError, RuntimeError, pickle.UnpicklingError) as error:
+        raise unsafe_weights(error, path) or error
+    return model.to(device).eval()
+
+
+def fa4_named(setting, teacher, device: torch.device) -> bool:
+    """Whether the decode step's shared part runs on FlashAttention-4: where student.attention_kernel
+    names it, as training would, and refused as training refuses it where it cannot run."""
+    if "fa4" not in kernels_in(setting):
+        return False
+    require_fa4(head_dim_of(teacher.config), device)
+    return True
+
+
+def generate(config: Config, log=print, started: float | None = None) -> dict:
+    """Write the teacher's rows for generate.questions (appending to generate.output, skipping the
+    rows it already holds). `started`: the process's start (time.time()), for the start-up split."""
+    entered = time.time()
+    settings = config.generate
+    if not settings.questions and not settings.self_study:
+        raise SpdsError("generate.questions is not set: name a questions file, or set generate.self_study")
+    context = config.context_text
+    if not context or not context.strip():
+        raise SpdsError("context.text or context.file must hold the system prompt to distill (it is empty)")
+    tokenizer = load_tokenizer(config)
+    scaffold = require_preflight(config, tokenizer)  # before the first batch: refused rows cost no hour
+    context_in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
+    kwargs = config.data.chat_template_kwargs
+    end_ids = end_token_ids(tokenizer, config.data.end_tokens)
+    study = SelfStudy.of(settings, tokenizer, context) if not settings.questions else None
+    checked = time.time()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    teacher = load_teacher(config.teacher_path, config.student.dtype, device, config.student.trust_remote_code)
+    if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
+        apply_liger_kernels(teacher)
+    loaded = time.time()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
+    decoder = Decoder(teacher, end_ids, pad, fa4=fa4_named(config.student.attention_kernel, teacher, device))
+    asking = Asking(decoder, tokenizer, context, context_in_user_turn, settings, kwargs)
+    questions = study.questions() if study else read_questions(config.resolve(settings.questions))
+    requests = [
+        dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
+        for q in questions
+        for s in range(settings.samples_per_question)
+    ]
+    output = config.resolve(settings.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = repair_and_read(output)
+    written, size = 0, settings.batch_size
+    batches = [requests[i : i + size] for i in range(0, len(requests), size)]
+    from tqdm import tqdm
+
+    splits = [("imports and config", entered - started)] if started else []
+    splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
+    log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
+    began = time.perf_counter()
+    with open(output, "a") as stream:
+        for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
+            if all(r["request_id"] in done for r in batch):
+                continue
+            if study:  # the teacher writes the batch's user messages first
+                batch = study.asked(batch, asking)
+            turns = asking.answer_turns(batch, seed=settings.seed + number)
+            for request, asked in zip(batch, turns):
+                if request["request_id"] in done:
+                    continue
+                responses = [turn.response for turn in asked]
+                row = (
+                    candidate_row(tokenizer, request, responses[0], end_ids, kwargs)
+                    if len(asked) == 1
+                    else multi_turn_row(tokenizer, request, responses, end_ids, kwargs)
+                )
+                if settings.top_k_logprobs:  # every turn's, in the order of the row's supervised tokens
+                    row["top_logprobs"] = {k: [v for turn in asked for v in turn.top[k]] for k in ("ids", "logprobs")}
+                if study:
+                    row["self_study"] = request["self_study"]
+                stream.write(json.dumps(row) + "\n")
+                written += 1
+            stream.flush()
+            os.fsync(stream.fileno())
+    decoder = asking.decoder
+    graphs = f"; the decode step ran as a CUDA graph in {decoder.captured} batches" if decoder.graphs else ""
+    log(f"wrote {written} rows ({len(done)} were already there) to {output}{graphs}")
+    if study:
+        log(study.coverage())
+    seconds = time.perf_counter() - began
+    if written:  # where the time went: decoding (the decoder's own clock) or the rows around it
+        log(
+            f"{seconds:.1f} s for the batches: {decoder.seconds:.1f} s decoding {decoder.new_tokens} new tokens "
+            f"({decoder.new_tokens / max(decoder.seconds, 1e-9):.0f} tokens/s)"
+        )
+    return dict(written=written, skipped=len(done), output=str(output))
+
+
+TURN_SEED_STRIDE = 1_000_003  # turn t of a batch samples with seed + t * stride: its own stream, reproducible
+
+
+def user_turns(messages: list[dict]) -> list[int]:
+    return [i for i, message in enumerate(messages) if message["role"] == "user"]
+
+
+@dataclass
+class Turn:
+    """The teacher's answer to one user turn: its ids (ending with an end token) and, with
+    generate.top_k_logprobs, its top-k at each of them (Decoder.answer_with_top_k)."""
+
+    response: list[int]
+    top: dict | None = None
+
+
+@dataclass
+class Asking:
+    """How every batch of a run is asked: the teacher's decoder and tokenizer, the context and
+    where it goes (the system message, or ahead of the first user turn), the sampling settings,
+    and the chat template's keyword arguments."""
+
+    decoder: Decoder
+    tokenizer: Any
+    context: str
+    context_in_user_turn: bool
+    settings: GenerateSettings
+    template_kwargs: dict
+
+    def answer(self, batch: list[dict], seed: int) -> list[Turn]:
+        """The teacher's answer to each request; a response ends at the first end token, which is
+        kept (spds/generation/decode.py)."""
+        asked = [with_context(r["messages"], self.context, self.context_in_user_turn) for r in batch]
+        prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
+        sampling = self.settings
+        answers, tops = self.decoder.answer_with_top_k(
+            prompts, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed, sampling.top_k_logprobs
+        )
+        return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
+
+    def write(self, excerpts: list[str], seeds: list[Seed], max_new_tokens: int, seed: int) -> list[str]:
+        """Self-study's user messages: the teacher reads each excerpt where the context goes and its
+        seed's instruction as the user turn, and writes one message after the seed's opening
+        (spds/generation/self_study.py)."""
+        prompts = [
+            render(
+                self.tokenizer,
+                with_context([{"role": "user", "content": kind.instruction}], excerpt, self.context_in_user_turn),
+                True,
+                self.template_kwargs,
+            )
+            + self.tokenizer.encode(kind.opening, add_special_tokens=False)
+            for excerpt, kind in zip(excerpts, seeds)
+        ]
+        sampling = self.settings
+        answers = self.decoder.answer(prompts, max_new_tokens, sampling.temperature, sampling.top_p, seed)
+        return [written_question(self.tokenizer.decode(answer[:-1], skip_special_tokens=True)) for answer in answers]
+
+    def answer_turns(self, batch: list[dict], seed: int) -> list[list[Turn]]:
+        """For each request, the teacher's answer to each of its user turns, in order: a question
+        of several user turns is answered turn by turn, each turn asked with the teacher's earlier
+        answers in the conversation (as text)."""
+        asked = [[] for _ in batch]
+        for turn in range(max(len(user_turns(r["messages"])) for r in batch)):
+            active = [i for i, r in enumerate(batch) if len(user_turns(r["messages"])) > turn]
+            conversations = [
+                conversation_through(batch[i]["messages"], turn, [t.response for t in asked[i]], self.tokenizer)
+                for i in active
+            ]
+            answered = self.answer([dict(messages=c) for c in conversations], seed + turn * TURN_SEED_STRIDE)
+            for i, answer in zip(active, answered):
+                asked[i].append(answer)
+        return asked
+
+
+def conversation_through(messages: list[dict], turn: int, answers: list[list[int]], tokenizer) -> list[dict]:
+    """The question's messages through its `turn`-th user message, each earlier user turn followed
+    by the teacher's answer to it."""
+    through = user_turns(messages)[turn]
+    conversation, answered = [], 0
+    for index, message in enumerate(messages[: through + 1]):
+        conversation.append(message)
+        if message["role"] == "user" and index < through:
+            conversation.append({"role": "assistant", "content": tokenizer.decode(answers[answered][:-1])})
+            answered += 1
+    return conversation
+
+
+def multi_turn_row(tokenizer, request: dict, responses: list[list[int]], end_ids: list[int], kwargs: dict) -> dict:
+    """A token row of a conversation answered turn by turn: the student's view of each turn's
+    opening (the template's tokens, without the context) and the teacher's exact answer ids,
+    labels on the answers only."""
+    ends = set(end_ids)
+    ids, labels, before = [], [], []
+    for turn, response in enumerate(responses):
+        conversation = conversation_through(request["messages"], turn, responses, tokenizer)
+        opening = render(tokenizer, conversation, True, kwargs)
+        if opening[: len(before)] != before:
+            raise SpdsError(
+                f"request {request['request_id']}: the chat template renders the conversation's earlier "
+                f"turns differently once turn {turn + 1} follows them; ask these questions one turn each"
+            )
+        new = opening[len(before) :]
+        if turn:  # the template's tokens of the previous answer, up to its end token, are the teacher's instead
+            end = next((i for i, t in enumerate(new) if t in ends), None)
+            if end is None:
+                raise SpdsError(
+                    f"request {request['request_id']}: the chat template renders the teacher's answer to "
+                    f"turn {turn} with no end-of-turn token"
+                )
+            new = new[end + 1 :]
+        if not turn:
+            prefix = len(opening)
+        ids += new + response
+        labels += [-100] * len(new) + response
+        before = opening
+    text = tokenizer.decode(responses[-1][:-1])
+    return dict(
+        request_id=request["request_id"],
+        question_id=request["question_id"],
+        sample_index=request["sample_index"],
+        input_ids=ids,
+        prefix_tokens=prefix,
+        labels=labels,
+        supervised_tokens=sum(len(r) for r in responses),
+        response_sha256=hashlib.sha256(text.encode()).hexdigest(),
+    )
+
+
+def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list[dict]:
+    """The teacher's conversation: the context as its system message, or ahead of the first user
+    turn's text."""
+    if not in_user_turn:
+        return [{"role": "system", "content": context}, *messages]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        raise SpdsError("a question's messages hold no user turn for the context to precede")
+    return [
+        *messages[:first],
+        dict(messages[first], content=f"{context}\n\n{messages[first]['content']}"),
+        *messages[first + 1 :],
+    ]
+
+
+def candidate_row(tokenizer, request: dict, response: list[int], end_ids: list[int], kwargs: dict) -> dict:
+    """A token-form row: the student's view of the question (no context) + the teacher's response."""
+    prompt = render(tokenizer, request["messages"], True, kwargs)
+    text = tokenizer.decode(response[:-1])
+    return dict(
+        request_id=request["request_id"],
+        question_id=request["question_id"],
+        sample_index=request["sample_index"],
+        input_ids=prompt + response,
+        prefix_tokens=len(prompt),
+        labels=[-100] * len(prompt) + response,
+        supervised_tokens=len(response),
+        response_sha256=hashlib.sha256(text.encode()).hexdigest(),
+    )
+
+
+WRITING_SEED = 1 << 32  # the question-writing batches sample from seeds of their own, past every answer seed
+
+
+@dataclass
+class SelfStudy:
+    """generate.self_study's conversations: each one's chunk and seed kind (spds/generation/self_study.py),
+    and the user messages the teacher wrote, written in fixed batches of conversations on first
+    need, each with its own seed, so a resumed run writes the same ones."""
+
+    settings: SelfStudySettings
+    batch_size: int
+    seed: int
+    chunks: list[Chunk]
+    seeds: dict[str, Seed]  # seed kind -> instruction and opening
+    planned: list[tuple[int, str]]  # (chunk, kind) per conversation
+    written: dict[int, str]
+
+    @classmethod
+    def of(cls, settings: GenerateSettings, tokenizer, context: str) -> SelfStudy:
+        study = settings.self_study
+        chunks = cut(tokenizer, context, study.chunk_tokens)
+        planned = plan(study.conversations, len(chunks), study.kinds, settings.seed)
+        return cls(study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {})
+
+    def questions(self) -> list[dict]:
+        """The conversations as generate's questions, their messages written later (`asked`)."""
+        return [dict(question_id=f"self-study-{i:06d}", conversation=i) for i in range(len(self.planned))]
+
+    def asked(self, batch: list[dict], asking: Asking) -> list[dict]:
+        """The batch's requests with their user message (and what the row records of it)."""
+        for number in sorted({r["conversation"] // self.batch_size for r in batch}):
+            if number * self.batch_size not in self.written:
+                self.write(number, asking)
+        requests = []
+        for request in batch:
+            i = request["conversation"]
+            chunk, kind = self.planned[i]
+            span = self.chunks[chunk]
+            recorded = dict(chunk=[span.start, span.end], kind=kind, question=self.written[i])
+            requests.append(dict(request, messages=[{"role": "user", "content": self.written[i]}], self_study=recorded))
+        return requests
+
+    def write(self, number: int, asking: Asking) -> None:
+        """The user messages of conversation batch `number`: the teacher reads a chunk and its
+        kind's instruction, and writes one."""
+        first = number * self.batch_size
+        conversations = range(first, min(first + self.batch_size, len(self.planned)))
+        texts = asking.write(
+            [EXCERPT.format(chunk=self.chunks[self.planned[i][0]].text) for i in conversations],
+            [self.seeds[self.planned[i][1]] for i in conversations],
+            self.settings.question_max_tokens,
+            seed=self.seed + WRITING_SEED + number,
+        )
+        for i, text in zip(conversations, texts):
+            chunk = self.chunks[self.planned[i][0]]
+            # an empty message cannot be asked: the chunk's first line stands in for it
+            self.written[i] = text or f"What does the document say about this: {chunk.text.strip().splitlines()[0]}"
+
+    def coverage(self) -> str:
+        return coverage(self.planned, self.chunks)

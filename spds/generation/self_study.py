@@ -1,0 +1,157 @@
+"""Self-study: the questions written from the context itself (generate.self_study).
+
+A user with a long document and no question log still needs questions that reach every part of
+it: a soft prompt carries only what its training rows make the teacher say. Self-study (as in
+Cartridges) has the teacher write them:
+
+  * the context is cut into chunks of about generate.self_study.chunk_tokens of the teacher's
+    tokens, a boundary moved to the next line break when one is near, so that a chunk holds whole
+    lines (a fact sheet's facts) where the text has them;
+  * conversation i gets a chunk and a seed kind (`plan`): the chunks in a seeded order, every
+    chunk drawn once before any is drawn twice, and each chunk asked with the kinds in turn (a
+    kind of weight w, w times a cycle), so detail questions reach every chunk;
+  * the teacher reads the chunk and the kind's instruction and writes one user message
+    (`written_question`), its reply already opened with the kind's label ("Question:" or
+    "Request:", `OPENINGS`): a small instruct model asked for a question otherwise answers the
+    instruction, chats or retells the excerpt more often than it asks; generate then answers
+    the message with the whole context, as it answers a questions file.
+
+Everything is a function of (context, settings, seed): a rerun writes the same rows, and a
+resumed one skips those written.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from spds.contract.settings import SelfStudySettings
+from spds.errors import SpdsError
+
+# The built-in seed kinds: the instruction the teacher reads after the chunk. Detail questions
+# carry facts; the others vary what the answers do with them (docs/config.md: self-study).
+SEED_PROMPTS = {
+    "detail": (
+        "Write one question that can be answered from the excerpt above. Ask about one specific "
+        "detail in it (a name, a number, a date, a place or a property), and name what the question "
+        "is about so that it makes sense on its own. Write only the question."
+    ),
+    "summary": (
+        "Write one short request asking an assistant to summarize what the document says about the "
+        "subject of the excerpt above. Name the subject. Write only the request."
+    ),
+    "use_case": (
+        "Think of a person who needs the information in the excerpt above for a practical task. "
+        "Write the one question they would ask an assistant. Write only the question."
+    ),
+    "comparison": (
+        "Write one question asking how two things mentioned in the excerpt above differ or relate. "
+        "Write only the question."
+    ),
+    "creative": (
+        "Write one short creative request (a story, a poem or a slogan) about something in the "
+        "excerpt above, naming it. Write only the request."
+    ),
+    "structure": (
+        "Write one request asking an assistant to list the facts of the excerpt above as a bulleted "
+        "list or a table. Write only the request."
+    ),
+}
+# The label the teacher's reply starts with, so that what it writes next is the message itself.
+# A kind named in seed_prompts keeps the opening of the built-in kind of its name; a new kind has
+# none.
+OPENINGS = {
+    "detail": "Question:",
+    "summary": "Request:",
+    "use_case": "Question:",
+    "comparison": "Question:",
+    "creative": "Request:",
+    "structure": "Request:",
+}
+EXCERPT = "Here is an excerpt of a document.\n\n{chunk}"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start: int  # the teacher's token range of the context, [start, end)
+    end: int
+    text: str
+
+
+def cut(tokenizer, context: str, size: int) -> list[Chunk]:
+    """The context in chunks of about `size` tokens. A boundary moves forward to just after the
+    next line break within half a chunk; the last chunk takes a remainder shorter than half a
+    chunk."""
+    ids = tokenizer.encode(context, add_special_tokens=False)
+    if not ids or not context.strip():
+        raise SpdsError("context: the context is empty: self-study writes its questions from it")
+    if size > len(ids):
+        raise SpdsError(
+            f"generate.self_study.chunk_tokens: {size} is larger than the context ({len(ids)} tokens "
+            "of the teacher's): set it at most the context's length, so that the chunks differ"
+        )
+    breaks = [i + 1 for i, t in enumerate(ids) if "\n" in tokenizer.decode([t])]  # a line ends after token i
+    chunks, start = [], 0
+    while start < len(ids):
+        end = start + size
+        if len(ids) - end < size // 2:
+            end = len(ids)
+        else:
+            end = next((b for b in breaks if end <= b < end + size // 2), end)
+        chunks.append(Chunk(start, end, tokenizer.decode(ids[start:end])))
+        start = end
+    return chunks
+
+
+@dataclass(frozen=True)
+class Seed:
+    instruction: str  # what the teacher reads after the chunk
+    opening: str  # what its reply starts with ("" for none)
+
+
+def kinds_of(settings: SelfStudySettings) -> dict[str, Seed]:
+    """Each kind the settings weigh, with its instruction (seed_prompts overrides a built-in; an
+    unknown kind is refused by validate, spds/contract/checks.py) and opening."""
+    prompts = {**SEED_PROMPTS, **settings.seed_prompts}
+    return {kind: Seed(prompts[kind], OPENINGS.get(kind, "")) for kind in settings.kinds}
+
+
+def plan(conversations: int, chunks: int, weights: dict[str, int], seed: int) -> list[tuple[int, str]]:
+    """(chunk, kind) of each conversation: the chunks in a new seeded order each round, every chunk
+    once a round; chunk c's kind in round r is the cycle's (c + r)-th, so over a cycle's length
+    of rounds every chunk is asked with every kind, by weight."""
+    cycle = [kind for kind, weight in weights.items() for _ in range(weight)]
+    generator = random.Random(seed)  # random.Random's shuffle is the same on every Python 3
+    order: list[int] = []
+    planned = []
+    for i in range(conversations):
+        rounds, place = divmod(i, chunks)
+        if place == 0:
+            order = list(range(chunks))
+            generator.shuffle(order)
+        chunk = order[place]
+        planned.append((chunk, cycle[(chunk + rounds) % len(cycle)]))
+    return planned
+
+
+def written_question(text: str) -> str:
+    """The user message from what the teacher wrote: its first line (what follows is most often
+    an answer the writer went on to give), outer quotes and a leading "Question:" removed."""
+    text = (text.strip().splitlines() or [""])[0].strip()
+    for label in ("Question:", "Request:", "Q:"):
+        if text.startswith(label):
+            text = text[len(label) :].strip()
+    if len(text) > 1 and text[0] == text[-1] and text[0] in "\"'":
+        text = text[1:-1].strip()
+    return text
+
+
+def coverage(planned: list[tuple[int, str]], chunks: list[Chunk]) -> str:
+    """One line: how often each chunk and each kind was drawn."""
+    per_chunk = Counter(chunk for chunk, _ in planned)
+    counts = [per_chunk.get(c, 0) for c in range(len(chunks))]
+    kinds = Counter(kind for _, kind in planned)
+    return f"coverage: {len(chunks)} chunks of the context, each drawn {min(counts)}-{max(counts)} times; " + ", ".join(
+        f"{kind} {count}" for kind, count in kinds.items()
+    )
