@@ -129,19 +129,11 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
         raise SpdsError("context.text or context.file must hold the system prompt to distill (it is empty)")
     tokenizer = load_tokenizer(config)
     scaffold = require_preflight(config, tokenizer)  # before the first batch: refused rows cost no hour
-    context_in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
-    kwargs = config.data.chat_template_kwargs
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
     study = SelfStudy.of(settings, tokenizer, context) if not settings.questions else None
     checked = time.time()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    teacher = load_teacher(config.teacher_path, config.student.dtype, device, config.student.trust_remote_code)
-    if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
-        apply_liger_kernels(teacher)
+    asking = load_asking(config, tokenizer, scaffold, end_ids)
     loaded = time.time()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
-    decoder = Decoder(teacher, end_ids, pad, fa4=fa4_named(config.student.attention_kernel, teacher, device))
-    asking = Asking(decoder, tokenizer, context, context_in_user_turn, settings, kwargs)
     questions = study.questions() if study else read_questions(config.resolve(settings.questions))
     requests = [
         dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
@@ -151,38 +143,11 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     output = config.resolve(settings.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     done = repair_and_read(output)
-    written, size = 0, settings.batch_size
-    batches = [requests[i : i + size] for i in range(0, len(requests), size)]
-    from tqdm import tqdm
-
     splits = [("imports and config", entered - started)] if started else []
     splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
     log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
     began = time.perf_counter()
-    with open(output, "a") as stream:
-        for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
-            if all(r["request_id"] in done for r in batch):
-                continue
-            if study:  # the teacher writes the batch's user messages first
-                batch = study.asked(batch, asking)
-            turns = asking.answer_turns(batch, seed=settings.seed + number)
-            for request, asked in zip(batch, turns):
-                if request["request_id"] in done:
-                    continue
-                responses = [turn.response for turn in asked]
-                row = (
-                    candidate_row(tokenizer, request, responses[0], end_ids, kwargs)
-                    if len(asked) == 1
-                    else multi_turn_row(tokenizer, request, responses, end_ids, kwargs)
-                )
-                if settings.top_k_logprobs:  # every turn's, in the order of the row's supervised tokens
-                    row["top_logprobs"] = {k: [v for turn in asked for v in turn.top[k]] for k in ("ids", "logprobs")}
-                if study:
-                    row["self_study"] = request["self_study"]
-                stream.write(json.dumps(row) + "\n")
-                written += 1
-            stream.flush()
-            os.fsync(stream.fileno())
+    written = append_rows(output, requests, done, asking, study, end_ids)
     decoder = asking.decoder
     graphs = f"; the decode step ran as a CUDA graph in {decoder.captured} batches" if decoder.graphs else ""
     log(f"wrote {written} rows ({len(done)} were already there) to {output}{graphs}")
@@ -195,6 +160,64 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
             f"({decoder.new_tokens / max(decoder.seconds, 1e-9):.0f} tokens/s)"
         )
     return dict(written=written, skipped=len(done), output=str(output))
+
+
+def append_rows(output: Path, requests: list[dict], done: set[str], asking: Asking, study, end_ids: list[int]) -> int:
+    """The teacher's rows for the requests not yet in `output`, appended a batch at a time, each
+    batch fsynced; batch k samples with seed + k whatever was done before (a resumed run writes
+    what a straight one would). Returns the rows written."""
+    from tqdm import tqdm
+
+    settings, tokenizer, written = asking.settings, asking.tokenizer, 0
+    batches = [requests[i : i + settings.batch_size] for i in range(0, len(requests), settings.batch_size)]
+    with open(output, "a") as stream:
+        for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
+            if all(r["request_id"] in done for r in batch):
+                continue
+            if study:  # the teacher writes the batch's user messages first
+                batch = study.asked(batch, asking)
+            turns = asking.answer_turns(batch, seed=settings.seed + number)
+            for request, asked in zip(batch, turns):
+                if request["request_id"] in done:
+                    continue
+                row = teacher_row(tokenizer, request, asked, end_ids, asking.template_kwargs)
+                stream.write(json.dumps(row) + "\n")
+                written += 1
+            stream.flush()
+            os.fsync(stream.fileno())
+    return written
+
+
+def load_asking(config: Config, tokenizer, scaffold, end_ids: list[int]) -> Asking:
+    """The teacher loaded on spds's decoder, asked as generate asks it: the context where the
+    student's template puts a system message, or in the first user turn where it has none."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    teacher = load_teacher(config.teacher_path, config.student.dtype, device, config.student.trust_remote_code)
+    if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
+        apply_liger_kernels(teacher)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
+    decoder = Decoder(teacher, end_ids, pad, fa4=fa4_named(config.student.attention_kernel, teacher, device))
+    in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
+    return Asking(
+        decoder, tokenizer, config.context_text, in_user_turn, config.generate, config.data.chat_template_kwargs
+    )
+
+
+def teacher_row(tokenizer, request: dict, asked: list[Turn], end_ids: list[int], kwargs: dict) -> dict:
+    """One candidate row from the teacher's turns: the token form, with each turn's top-k
+    log-probabilities (generate.top_k_logprobs) in the order of the row's supervised tokens, and
+    what self-study asked (chunk, kind) when it wrote the question."""
+    responses = [turn.response for turn in asked]
+    row = (
+        candidate_row(tokenizer, request, responses[0], end_ids, kwargs)
+        if len(asked) == 1
+        else multi_turn_row(tokenizer, request, responses, end_ids, kwargs)
+    )
+    if asked[0].top is not None:
+        row["top_logprobs"] = {k: [v for turn in asked for v in turn.top[k]] for k in ("ids", "logprobs")}
+    if "self_study" in request:
+        row["self_study"] = request["self_study"]
+    return row
 
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of a batch samples with seed + t * stride: its own stream, reproducible

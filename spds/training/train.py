@@ -206,38 +206,15 @@ def train_step(
     if samples:
         segments.update({r: s for r, s in samples.segments.items() if r in segments})
         denominator += samples.added_tokens
-    local_loss = torch.zeros((), dtype=torch.float32, device=device)
-    with engine.no_sync():  # accumulate locally; no averaging, no 1/GAS
-        for records, recompute_positions, counted in plan.passes(step, rank, engine.module.layout.lockstep):
-            batch = [segments[i] for i in records]
-            agreed = {"recompute_positions": recompute_positions} if recompute_positions else {}
-            # the teacher first: its activations are freed before the student's are stored
-            targets = teacher.targets(batch) if teacher else None
-            loss_sum = engine(batch, teacher=targets, **agreed)
-            if counted:
-                engine.backward(loss_sum)
-                local_loss += loss_sum.detach()
-            else:  # a lockstep filler: the other ranks' collectives, an exactly zero gradient
-                engine.backward(loss_sum * 0.0)
+    local_loss = accumulate(engine, teacher, segments, plan, step, rank)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # this rank's passes done: how long it computed, before waiting
     busy = [0.0] * plan.world
     busy[rank] = time.monotonic() - started
     engine.allreduce_gradients()  # exact SUM over ranks (gradient_allreduce_op "sum")
     loss_sum, stop_votes, *busy = all_reduce_sum([local_loss, stop.vote(), *busy], device)
-    prompt = engine.module.prompt
-    prompt.grad.div_(denominator)  # fp32, once, identical on every rank
-    grad_norm = float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm or float("inf")))
-    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-        raise SpdsError(
-            f"update {step.update}: the loss ({loss_sum / denominator}) or the prompt gradient norm "
-            f"({grad_norm}) is not finite; nothing was applied, and the last committed checkpoint is "
-            "the resume point (lower optim.learning_rate or set optim.max_grad_norm)"
-        )
-    check_precision(engine)
     learning_rate = engine.get_lr()[0]
-    engine.step()
-    check_precision(engine, student=False)  # the moments the step just wrote
+    grad_norm = apply_update(engine, step.update, loss_sum, denominator, max_grad_norm)
     seconds = time.monotonic() - started
     metric = dict(
         loss=loss_sum / denominator,
@@ -256,6 +233,44 @@ def train_step(
     if samples:
         metric["on_policy"] = samples.metric()
     return metric, stop_votes > 0
+
+
+def accumulate(engine: Engine, teacher: Teacher | None, segments: dict, plan: Plan, step: Step, rank: int):
+    """This rank's passes of the update, each backward of a plain loss sum accumulated locally (no
+    averaging, no 1/GAS); returns the summed loss of the passes that count."""
+    local_loss = torch.zeros((), dtype=torch.float32, device=engine.module.prompt.device)
+    with engine.no_sync():
+        for records, recompute_positions, counted in plan.passes(step, rank, engine.module.layout.lockstep):
+            batch = [segments[i] for i in records]
+            agreed = {"recompute_positions": recompute_positions} if recompute_positions else {}
+            # the teacher first: its activations are freed before the student's are stored
+            targets = teacher.targets(batch) if teacher else None
+            loss_sum = engine(batch, teacher=targets, **agreed)
+            if counted:
+                engine.backward(loss_sum)
+                local_loss += loss_sum.detach()
+            else:  # a lockstep filler: the other ranks' collectives, an exactly zero gradient
+                engine.backward(loss_sum * 0.0)
+    return local_loss
+
+
+def apply_update(engine: Engine, update: int, loss_sum: float, denominator: int, max_grad_norm: float | None) -> float:
+    """The summed prompt gradient divided by the global supervised-token count (fp32, once,
+    identical on every rank), clipped if asked, checked finite, then the optimizer's step. Returns
+    the gradient norm before clipping."""
+    prompt = engine.module.prompt
+    prompt.grad.div_(denominator)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm or float("inf")))
+    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        raise SpdsError(
+            f"update {update}: the loss ({loss_sum / denominator}) or the prompt gradient norm "
+            f"({grad_norm}) is not finite; nothing was applied, and the last committed checkpoint is "
+            "the resume point (lower optim.learning_rate or set optim.max_grad_norm)"
+        )
+    check_precision(engine)
+    engine.step()
+    check_precision(engine, student=False)  # the moments the step just wrote
+    return grad_norm
 
 
 def on_policy_sampler(config: Config, model, store: PackedStore) -> Sampler | None:
