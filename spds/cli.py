@@ -27,7 +27,7 @@ def cmd_validate(args) -> int:
     failures = 0
     for path in args.configs:
         try:
-            config = load_config(path)
+            config = load_config(path, before_generate=True)  # validate runs before generate writes its rows
             require_preflight(config)  # what prepare would refuse, before any generation or packing
             print(
                 f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})",

@@ -148,3 +148,20 @@ def test_an_unknown_seed_kind_is_named_with_the_built_in_ones(study_dir):
     result = spds(["validate", "config.json"], study_dir)
     assert result.returncode == 1
     assert "riddle: no such seed kind" in result.stderr and "seed_prompts" in result.stderr
+
+
+def test_validate_passes_before_generate_writes_the_rows_and_names_any_other_missing_candidate(study_dir):
+    # validate comes before the hour of generation (examples/real/demo.sh): the candidate file that
+    # generate writes does not exist yet and is no problem; a candidate file nothing writes is one.
+    edit_config(study_dir, data={"candidates": [{"path": "rows.jsonl"}]}, generate={"output": "rows.jsonl"})
+    assert not (study_dir / "rows.jsonl").exists()
+    result = spds(["validate", "config.json"], study_dir)
+    assert result.returncode == 0, result.stderr
+    edit_config(study_dir, data={"candidates": [{"path": "rows.jsonl"}, {"path": "typo.jsonl"}]})
+    result = spds(["validate", "config.json"], study_dir)
+    assert result.returncode == 1 and "data.candidates[1].path" in result.stderr, result.stderr
+    assert "data.candidates[0].path" not in result.stderr
+    # prepare reads the rows: there, the file generate has not written yet is named
+    edit_config(study_dir, data={"candidates": [{"path": "rows.jsonl"}]})
+    result = spds(["prepare", "config.json"], study_dir)
+    assert result.returncode == 1 and "data.candidates[0].path" in result.stderr, result.stderr

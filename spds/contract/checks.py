@@ -162,7 +162,11 @@ def output_problems(config: Config) -> list[str]:
     return problems
 
 
-def input_problems(config: Config, require_candidates: bool = True) -> list[str]:
+def input_problems(config: Config, require_candidates: bool = True, before_generate: bool = False) -> list[str]:
+    """Every input the config names that does not hold. require_candidates False: none of the
+    candidate files need exist (spds generate, which writes them). before_generate: the one that
+    spds generate writes (generate.output, when the config generates) need not exist yet (spds
+    validate, run before generating); every other candidate file must."""
     problems = model_directory_problems("student.model_path", config.model_path, ("config.json",))
     if config.student.tokenizer_path is not None or not problems:
         problems += model_directory_problems(
@@ -179,9 +183,11 @@ def input_problems(config: Config, require_candidates: bool = True) -> list[str]
             if directory not in seen and directory.is_dir():
                 problems += custom_code_problems(key, directory)
             seen.add(directory)
+    generates = config.generate.questions is not None or config.generate.self_study is not None
+    generated = config.resolve(config.generate.output) if before_generate and generates else None
     for i, path in enumerate(config.candidate_paths):
         saved_dataset = path.is_dir() and (path / "state.json").is_file()  # datasets' save_to_disk
-        if not (path.is_file() or saved_dataset) and require_candidates:  # spds generate writes them
+        if not (path.is_file() or saved_dataset) and require_candidates and path != generated:
             problems.append(
                 f"data.candidates[{i}].path: {path} is not a file (jsonl, parquet) or a datasets save_to_disk directory"
             )
