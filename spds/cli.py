@@ -27,7 +27,7 @@ def cmd_validate(args) -> int:
     failures = 0
     for path in args.configs:
         try:
-            config = load_config(path, before_generate=True)  # validate runs before generate writes its rows
+            config = load_config(path, candidates="generate writes one")  # validate runs before generate
             require_preflight(config)  # what prepare would refuse, before any generation or packing
             print(
                 f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})",
@@ -77,7 +77,7 @@ def cmd_stop(args) -> int:
     if args.output_dir:  # where the launch scripts found it at launch: the config may have moved since
         output_dir = Path(args.output_dir)
     elif args.config:
-        output_dir = load_config(args.config, check_pins=False, require_candidates=False).output_dir
+        output_dir = load_config(args.config, check_pins=False, candidates="unread").output_dir
     else:
         raise SpdsError("name the run's CONFIG (or --output-dir)")
     path = request(output_dir, args.why)
@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
     from spds.contract.gate import load_config  # per verb
     from spds.generation.generate import generate  # per verb
 
-    generate(load_config(args.config, require_candidates=False), started=STARTED)
+    generate(load_config(args.config, candidates="unread"), started=STARTED)
     return 0
 
 

@@ -186,7 +186,8 @@ def init(model: str, data: str, out: Path, context: str | None = None) -> Path:
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
             stream.write(text)
         # the whole contract, and what prepare checks (the config names MODEL's own tokenizer)
-        require_preflight(load_config(candidate, check_pins=False, require_candidates=context is None), tokenizer)
+        written_later = "generate writes one" if context else "must exist"  # self-study: generate writes DATA
+        require_preflight(load_config(candidate, check_pins=False, candidates=written_later), tokenizer)
     finally:
         candidate.unlink(missing_ok=True)
     if out.exists():  # written meanwhile by someone else: still never overwritten

@@ -81,6 +81,17 @@ def test_init_writes_a_commented_config_that_validates(tiny, tiny_assets):
     assert json.loads(json.dumps(load_config(tiny / "run.yaml").raw))["soft_prompt"]["length"] == 256
 
 
+def test_init_with_a_context_writes_a_self_study_config_that_validates_before_generate(tiny, tiny_assets):
+    # The first two steps of a user with a document and no rows: DATA is what generate will write.
+    (tiny / "context.md").write_text("Brightwater Robotics was founded in 2011 in Tromso. " * 8)
+    student = str(tiny_assets / "student")
+    check(spds(["init", student, "rows.jsonl", "--context", "context.md", "--out", "run.yaml"], tiny))
+    assert "self_study" in (tiny / "run.yaml").read_text() and not (tiny / "rows.jsonl").exists()
+    check(spds(["validate", "run.yaml"], tiny))
+    prepare = spds(["prepare", "run.yaml"], tiny)  # prepare reads the rows: not written yet, and named
+    assert prepare.returncode == 1 and "rows.jsonl" in prepare.stderr, prepare.stderr
+
+
 def test_parquet_and_a_saved_dataset_pack_exactly_as_the_jsonl_of_the_same_rows(tiny):
     import datasets
     import pyarrow as pa

@@ -162,11 +162,14 @@ def output_problems(config: Config) -> list[str]:
     return problems
 
 
-def input_problems(config: Config, require_candidates: bool = True, before_generate: bool = False) -> list[str]:
-    """Every input the config names that does not hold. require_candidates False: none of the
-    candidate files need exist (spds generate, which writes them). before_generate: the one that
-    spds generate writes (generate.output, when the config generates) need not exist yet (spds
-    validate, run before generating); every other candidate file must."""
+CANDIDATES = ("must exist", "generate writes one", "unread")
+
+
+def input_problems(config: Config, candidates: str = "must exist") -> list[str]:
+    """Every input the config names that does not hold. `candidates`: which candidate files must
+    exist: all ("must exist": prepare, train, eval); all but the one spds generate writes
+    (generate.output, when the config generates: validate and init, run before generating); none
+    ("unread": generate itself, stop)."""
     problems = model_directory_problems("student.model_path", config.model_path, ("config.json",))
     if config.student.tokenizer_path is not None or not problems:
         problems += model_directory_problems(
@@ -183,11 +186,14 @@ def input_problems(config: Config, require_candidates: bool = True, before_gener
             if directory not in seen and directory.is_dir():
                 problems += custom_code_problems(key, directory)
             seen.add(directory)
+    assert candidates in CANDIDATES, candidates
     generates = config.generate.questions is not None or config.generate.self_study is not None
-    generated = config.resolve(config.generate.output) if before_generate and generates else None
+    waived = set(config.candidate_paths) if candidates == "unread" else set()
+    if candidates == "generate writes one" and generates:
+        waived.add(config.resolve(config.generate.output))
     for i, path in enumerate(config.candidate_paths):
         saved_dataset = path.is_dir() and (path / "state.json").is_file()  # datasets' save_to_disk
-        if not (path.is_file() or saved_dataset) and require_candidates and path != generated:
+        if not (path.is_file() or saved_dataset or path in waived):
             problems.append(
                 f"data.candidates[{i}].path: {path} is not a file (jsonl, parquet) or a datasets save_to_disk directory"
             )

@@ -105,15 +105,11 @@ def _floats(value, where: tuple = ()):
 
 
 def load_config(
-    path: str | Path,
-    check_pins: bool = True,
-    require_candidates: bool = True,
-    use_pins: bool = True,
-    before_generate: bool = False,
+    path: str | Path, check_pins: bool = True, candidates: str = "must exist", use_pins: bool = True
 ) -> Config:
     """Load, apply defaults, validate; raise SpdsError listing every problem, or return Config.
     use_pins False: the pins file beside the config is not read (spds pin, which replaces it).
-    require_candidates, before_generate: which candidate files may not exist yet (checks.input_problems)."""
+    candidates: which candidate files must exist yet (checks.input_problems)."""
     path = Path(path).resolve()
     raw = parse_config_file(path)
     if not isinstance(raw, dict):
@@ -126,7 +122,7 @@ def load_config(
     if problems:
         raise SpdsError(f"{path}: config does not match schemas/config.schema.json", problems)
     config = Config(path=path, raw=raw)
-    problems = input_problems(config, require_candidates, before_generate) + deepspeed_config_problems(config)
+    problems = input_problems(config, candidates) + deepspeed_config_problems(config)
     if check_pins:
         problems += pin_problems(config)
     if problems:

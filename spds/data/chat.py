@@ -249,12 +249,9 @@ class UserTurns:
     def first_user_turn(self) -> tuple[list[int], list[int]]:
         """(lead, user header) of a template without a system block: the header is what opens a
         user turn after an assistant turn too; what precedes it in the first turn is the lead."""
-        header_length = _common_suffix(
-            self.user[: self.user_before], self.second[: self.second_before], self.user_before
-        )
-        return self.user[: self.user_before - header_length], self.user[
-            self.user_before - header_length : self.user_before
-        ]
+        opening, second_opening = self.user[: self.user_before], self.second[: self.second_before]
+        start = self.user_before - _common_suffix(opening, second_opening, self.user_before)
+        return opening[:start], opening[start:]
 
 
 def _always_a_system_block(turns: UserTurns, prefix: list[int], after: int, missing_system: str) -> Scaffold:

@@ -118,7 +118,15 @@ class Started:
 
 
 def start_up(
-    config: Config, smoke: bool, out: Path, run_files: RunRecords, stop, clock, rank, world, device
+    config: Config,
+    smoke: bool,
+    out: Path,
+    run_files: RunRecords,
+    stop: StopRequest,
+    clock: StartupClock,
+    rank: int,
+    world: int,
+    device: torch.device,
 ) -> Started:
     """Data, identities, the student and its teacher, the engine, the resume point, then run.json."""
     validate_run_world(config, world)
