@@ -6,9 +6,12 @@
 #   bash bench/gpu_self_study.sh MODEL_DIR OUT [VARIANT ...]
 # One self-study set (CONVERSATIONS conversations, top-20 log-probabilities) is written once and
 # every variant trains on it, all at once on the one GPU (the 135M student leaves it mostly idle).
-# A variant is NAME=objective:teacher:init:length:lr:updates:batch[:on_policy]
-#   objective ce|kl; teacher top_k|context; init context|random_normal; on_policy: the share of
-#   each batch the student answers itself (loss.on_policy.fraction, 96 new tokens), 0 by default.
+# A variant is NAME=objective:teacher:init:length:lr:updates:batch[:on_policy[:rows]]
+#   objective ce|kl|mix; teacher top_k|context; init context|random_normal; on_policy: the share of
+#   each batch the student answers itself (loss.on_policy.fraction, 96 new tokens), 0 by default;
+#   rows: s the self-study rows (default), r the recital rows of bench/recital_rows.py (the
+#   context's own text as the answer; no top-k, so teacher context or objective ce), sr both
+#   (the self-study rows without their top-k), sr8 both with each recital row twice as often.
 set -euo pipefail
 model=$(realpath "$1"); out=$2; shift 2
 export CONVERSATIONS=${CONVERSATIONS:-1024}
@@ -27,10 +30,10 @@ variants=("$@")
 work=$(mktemp -d); mkdir -p "$out"
 cp examples/real/context.md examples/real/questions.jsonl "$work/"
 ln -s "$model" "$work/model"
-write_config() {  # write_config NAME objective teacher init length lr updates batch on_policy
+write_config() {  # write_config NAME objective teacher init length lr updates batch on_policy rows
   python3 - "$work" "$@" <<'PY'
 import json, os, sys, zlib
-work, name, objective, teacher, init, length, lr, updates, batch, on_policy = sys.argv[1:]
+work, name, objective, teacher, init, length, lr, updates, batch, on_policy, rows = sys.argv[1:]
 config = json.load(open("examples/real/run.json"))
 config["generate"]["self_study"]["conversations"] = int(os.environ["CONVERSATIONS"])
 if os.environ["KINDS"]:
@@ -42,13 +45,16 @@ config["loss"] = {"objective": objective, "teacher": teacher}
 if float(on_policy):
     config["loss"]["on_policy"] = {"fraction": float(on_policy), "max_new_tokens": 96}
 config["optim"].update(learning_rate=float(lr), updates=int(updates), effective_batch=int(batch), micro_batch=int(batch))
+files = {"s": ["self-study.jsonl"], "r": ["recital.jsonl"], "sr": ["self-study-plain.jsonl", "recital.jsonl"],
+         "sr8": ["self-study-plain.jsonl", "recital8.jsonl"]}[rows]
+config["data"]["candidates"] = [{"path": f} for f in files]
 config["data"]["packed_dir"] = f"packed-{name}"
 config["output_dir"] = f"run-{name}"
 config["distributed"] = {"master_port": 29500 + zlib.crc32(name.encode()) % 1000}
 json.dump(config, open(f"{work}/{name}.json", "w"), indent=1)
 PY
 }
-write_config generate kl top_k context 128 0.01 128 16 0
+write_config generate kl top_k context 128 0.01 128 16 0 s
 began=$(date +%s)
 python3 -m spds.cli generate "$work/generate.json" 2>&1 | grep -E "^(start-up|wrote|coverage|[0-9.]+ s for)"
 echo "generate: $(( $(date +%s) - began )) s"
@@ -69,10 +75,16 @@ for r in rows[:12]:
 facts = [json.loads(l) for l in open(sys.argv[3])]
 print("answers stating each fact:", ", ".join(f"{f['keyword']} {sum(f['keyword'].lower() in r['answer'] for r in rows)}" for f in facts))
 PY
+python3 bench/recital_rows.py "$model" "$work/context.md" "$work/recital.jsonl"
+python3 bench/recital_rows.py "$model" "$work/context.md" "$work/recital8.jsonl" --copies 8
+# the self-study rows without their top-k, to sit beside the recital rows (every row carries the same k, or none)
+python3 -c "import json,sys; [print(json.dumps({k: v for k, v in json.loads(l).items() if k != 'top_logprobs'})) for l in open(sys.argv[1])]" \
+  "$work/self-study.jsonl" > "$work/self-study-plain.jsonl"
 python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" $QUALITY --json "$out/baseline.json" | tail -1
 for variant in "${variants[@]}"; do
-  name=${variant%%=*}; IFS=: read -r objective teacher init length lr updates batch on_policy <<<"${variant#*=}"
-  write_config "$name" "$objective" "$teacher" "$init" "$length" "$lr" "$updates" "$batch" "${on_policy:-0}"
+  name=${variant%%=*}; IFS=: read -r objective teacher init length lr updates batch on_policy rows <<<"${variant#*=}"
+  write_config "$name" "$objective" "$teacher" "$init" "$length" "$lr" "$updates" "$batch" "${on_policy:-0}" "${rows:-s}"
+  sleep 3  # DeepSpeed start-ups one after another
   (
     cd "$work"
     start=$(date +%s)
