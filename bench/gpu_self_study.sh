@@ -16,6 +16,7 @@ set -euo pipefail
 model=$(realpath "$1"); out=$2; shift 2
 export CONVERSATIONS=${CONVERSATIONS:-1024}
 export KINDS=${KINDS:-}  # generate.self_study.kinds as JSON; empty: the schema's default
+export OPTIM_SEED=${OPTIM_SEED:-0}  # optim.seed of every variant (the order rows are drawn in)
 QUALITY=${QUALITY:---dtype bfloat16}  # bench/real_quality.py's options
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(
@@ -44,7 +45,7 @@ config["soft_prompt"]["init"] = {"method": init}
 config["loss"] = {"objective": objective, "teacher": teacher}
 if float(on_policy):
     config["loss"]["on_policy"] = {"fraction": float(on_policy), "max_new_tokens": 96}
-config["optim"].update(learning_rate=float(lr), updates=int(updates), effective_batch=int(batch), micro_batch=int(batch))
+config["optim"].update(seed=int(os.environ.get("OPTIM_SEED", 0)), learning_rate=float(lr), updates=int(updates), effective_batch=int(batch), micro_batch=int(batch))
 files = {"s": ["self-study.jsonl"], "r": ["recital.jsonl"], "sr": ["self-study-plain.jsonl", "recital.jsonl"],
          "sr8": ["self-study-plain.jsonl", "recital8.jsonl"]}[rows]
 config["data"]["candidates"] = [{"path": f} for f in files]
