@@ -361,8 +361,12 @@ def test_a_rank_killed_mid_run_leaves_the_survivor_one_line_and_a_truthful_termi
     assert process.returncode != 0
     assert "spds train: rank 0: another rank's process ended during a collective" in output, output[-3000:]
     # gloo's own traceback stays out of the terminal: the peer's error shows once, in spds's line
-    # (torchrun's agent then prints its own summary of the failed workers)
-    assert output.count("Connection closed by peer") == 1 and "DistNetworkError" not in output
+    # (torchrun's agent then prints its own summary of the failed workers). Which words gloo uses
+    # depends on where in the collective the survivor was when the socket went: closed or reset by
+    # the peer, or a broken pipe, each seen in CI.
+    gone = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    assert sum(output.count(words) for words in gone) == 1, output[-3000:]
+    assert output.count("another rank's process ended") == 1 and "DistNetworkError" not in output
     assert (prepared / "run" / "rank-0-traceback.log").read_text().startswith("Traceback")
     terminal = read_json(prepared / "run" / "terminal.json")
     assert terminal["status"] == "failed" and "another rank's process ended" in terminal["reason"]
