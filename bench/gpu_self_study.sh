@@ -6,17 +6,21 @@
 #   bash bench/gpu_self_study.sh MODEL_DIR OUT [VARIANT ...]
 # One self-study set (CONVERSATIONS conversations, top-20 log-probabilities) is written once and
 # every variant trains on it, all at once on the one GPU (the 135M student leaves it mostly idle).
-# A variant is NAME=objective:teacher:init:length:lr:updates:batch[:on_policy[:rows]]
+# A variant is NAME=objective:teacher:init:length:lr:updates:batch[:on_policy[:rows[:seed]]]
 #   objective ce|kl|mix; teacher top_k|context; init context|random_normal; on_policy: the share of
 #   each batch the student answers itself (loss.on_policy.fraction, 96 new tokens), 0 by default;
 #   rows: s the self-study rows (default), r the recital rows of bench/recital_rows.py (the
 #   context's own text as the answer; no top-k, so teacher context or objective ce), sr both
-#   (the self-study rows without their top-k), sr8 both with each recital row twice as often.
+#   (the self-study rows without their top-k), sr8 both with each recital row twice as often;
+#   seed: optim.seed (the order rows are drawn in), OPTIM_SEED by default. MICRO_BATCH caps
+#   optim.micro_batch (the same update in fewer rows at once: less GPU memory a training).
+#   KINDS='{..., "recite": 2}' has spds generate write recital rows itself (the built-in kind).
 set -euo pipefail
 model=$(realpath "$1"); out=$2; shift 2
 export CONVERSATIONS=${CONVERSATIONS:-1024}
 export KINDS=${KINDS:-}  # generate.self_study.kinds as JSON; empty: the schema's default
-export OPTIM_SEED=${OPTIM_SEED:-0}  # optim.seed of every variant (the order rows are drawn in)
+export OPTIM_SEED=${OPTIM_SEED:-0}  # optim.seed of a variant that names none
+export MICRO_BATCH=${MICRO_BATCH:-1024}
 QUALITY=${QUALITY:---dtype bfloat16}  # bench/real_quality.py's options
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(
@@ -31,10 +35,10 @@ variants=("$@")
 work=$(mktemp -d); mkdir -p "$out"
 cp examples/real/context.md examples/real/questions.jsonl "$work/"
 ln -s "$model" "$work/model"
-write_config() {  # write_config NAME objective teacher init length lr updates batch on_policy rows
+write_config() {  # write_config NAME objective teacher init length lr updates batch on_policy rows seed
   python3 - "$work" "$@" <<'PY'
 import json, os, sys, zlib
-work, name, objective, teacher, init, length, lr, updates, batch, on_policy, rows = sys.argv[1:]
+work, name, objective, teacher, init, length, lr, updates, batch, on_policy, rows, seed = sys.argv[1:]
 config = json.load(open("examples/real/run.json"))
 config["generate"]["self_study"]["conversations"] = int(os.environ["CONVERSATIONS"])
 if os.environ["KINDS"]:
@@ -45,7 +49,8 @@ config["soft_prompt"]["init"] = {"method": init}
 config["loss"] = {"objective": objective, "teacher": teacher}
 if float(on_policy):
     config["loss"]["on_policy"] = {"fraction": float(on_policy), "max_new_tokens": 96}
-config["optim"].update(seed=int(os.environ.get("OPTIM_SEED", 0)), learning_rate=float(lr), updates=int(updates), effective_batch=int(batch), micro_batch=int(batch))
+micro = min(int(batch), int(os.environ["MICRO_BATCH"]))
+config["optim"].update(seed=int(seed), learning_rate=float(lr), updates=int(updates), effective_batch=int(batch), micro_batch=micro)
 files = {"s": ["self-study.jsonl"], "r": ["recital.jsonl"], "sr": ["self-study-plain.jsonl", "recital.jsonl"],
          "sr8": ["self-study-plain.jsonl", "recital8.jsonl"]}[rows]
 config["data"]["candidates"] = [{"path": f} for f in files]
@@ -55,7 +60,7 @@ config["distributed"] = {"master_port": 29500 + zlib.crc32(name.encode()) % 1000
 json.dump(config, open(f"{work}/{name}.json", "w"), indent=1)
 PY
 }
-write_config generate kl top_k context 128 0.01 128 16 0 s
+write_config generate kl top_k context 128 0.01 128 16 0 s 0
 began=$(date +%s)
 python3 -m spds.cli generate "$work/generate.json" 2>&1 | grep -E "^(start-up|wrote|coverage|[0-9.]+ s for)"
 echo "generate: $(( $(date +%s) - began )) s"
@@ -83,28 +88,22 @@ python3 -c "import json,sys; [print(json.dumps({k: v for k, v in json.loads(l).i
   "$work/self-study.jsonl" > "$work/self-study-plain.jsonl"
 python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" $QUALITY --json "$out/baseline.json" | tail -1
 for variant in "${variants[@]}"; do
-  name=${variant%%=*}; IFS=: read -r objective teacher init length lr updates batch on_policy rows <<<"${variant#*=}"
-  write_config "$name" "$objective" "$teacher" "$init" "$length" "$lr" "$updates" "$batch" "${on_policy:-0}" "${rows:-s}"
+  name=${variant%%=*}; IFS=: read -r objective teacher init length lr updates batch on_policy rows seed <<<"${variant#*=}"
+  write_config "$name" "$objective" "$teacher" "$init" "$length" "$lr" "$updates" "$batch" "${on_policy:-0}" "${rows:-s}" "${seed:-$OPTIM_SEED}"
   sleep 3  # DeepSpeed start-ups one after another
-  (
+  (  # measured as soon as it is trained: a call cut short keeps the variants that finished
     cd "$work"
     start=$(date +%s)
     { python3 -m spds.cli prepare "$name.json" && python3 -m spds.cli train "$name.json" \
       && python3 -m spds.cli export "$name.json"; } > "$name.log" 2>&1
     echo "train $name: $(( $(date +%s) - start )) s" >> "$name.log"
+    [ -f "run-$name/metrics.jsonl" ] && cp "run-$name/metrics.jsonl" "$out/$name.metrics.jsonl"
+    cd - > /dev/null
+    python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" \
+      $QUALITY --prompt "$work/run-$name/export/soft_prompt.safetensors" --json "$out/$name.json" > "$work/$name.quality" 2>&1
+    grep -E "^update (1|64|128)/|train $name" "$work/$name.log" | sed "s/^/$name: /"
+    grep -qE "^update 1/" "$work/$name.log" || tail -n 15 "$work/$name.log"  # why it did not train
+    tail -n 1 "$work/$name.quality" | sed "s/^/$name: /"
   ) &
 done
 wait
-for variant in "${variants[@]}"; do  # measured side by side too
-  name=${variant%%=*}
-  python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" \
-    $QUALITY --prompt "$work/run-$name/export/soft_prompt.safetensors" --json "$out/$name.json" > "$work/$name.quality" 2>&1 &
-done
-wait
-for variant in "${variants[@]}"; do
-  name=${variant%%=*}
-  grep -E "^update (1|64|128)/|train $name" "$work/$name.log" | sed "s/^/$name: /"
-  grep -qE "^update 1/" "$work/$name.log" || tail -n 15 "$work/$name.log"  # why it did not train
-  [ -f "$work/run-$name/metrics.jsonl" ] && cp "$work/run-$name/metrics.jsonl" "$out/$name.metrics.jsonl"
-  tail -n 1 "$work/$name.quality" | sed "s/^/$name: /"
-done

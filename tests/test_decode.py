@@ -108,6 +108,34 @@ def test_top_k_taken_while_decoding_equals_transformers_forward(saved, family):
         assert (torch.tensor(top["logprobs"]) - expected.values).abs().max() < 1e-4, family
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_top_k_of_given_answers_equals_transformers_forward(saved, family):
+    """Decoder.score (a recital's answer is given, not sampled): at every token of each given
+    answer, the top-k equal a plain forward's over the prompt and answer; copies of one request
+    (samples_per_question) share their whole answer, yet each is scored after its prompt; a prefix
+    that is part of the one kept is read from it, not run again."""
+    model = load_teacher(saved[family], "float32", torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(11)
+    batch = prompts(generator)
+    answers = [torch.randint(2, 300, (n,), generator=generator).tolist() + [END] for n in (7, 2, 11, 4)]
+    batch, answers = batch + batch[:1], answers + answers[:1]  # a copy of the first request
+    decoder = Decoder(model, [END], pad_id=0)
+    decoder.answer([p + [5, 6] for p in batch], 2, 0.0, 1.0, seed=0)  # keeps a longer prefix than score needs
+    tops = decoder.score(batch, answers, k=4)
+    assert decoder.prefix_forwards == 1
+    for prompt, answer, top in zip(batch, answers, tops):
+        with torch.no_grad():
+            logits = plain(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
+        assert top["ids"] == expected.indices.tolist(), family
+        # fp32: the two-part softmax and another order of sums (~1e-6, as above)
+        assert (torch.tensor(top["logprobs"]) - expected.values).abs().max() < 1e-4, family
+    assert tops[-1]["ids"] == tops[0]["ids"]  # the copy: its own row, the same top-k (values to rounding)
+    copies = decoder.score(batch[:1] * 2, answers[:1] * 2, k=4)  # all the batch's prompts and answers alike
+    assert [top["ids"] for top in copies] == [tops[0]["ids"]] * 2
+
+
 def test_rows_hold_only_their_own_positions_and_read_the_prefix_in_place(saved, monkeypatch):
     """What lets a batch hold a thousand rows under a long context: each row's cache is its
     question and answer only, and every batch reads the prefix's one copy."""

@@ -11,7 +11,7 @@ from conftest import edit_config, make_tiny
 from helpers import check, spds
 
 from spds.errors import SpdsError
-from spds.generation.self_study import cut, plan, written_question
+from spds.generation.self_study import RECITAL_ASKS, Lines, cut, plan, recital, written_question
 
 
 def test_every_chunk_is_drawn_before_any_twice_and_kinds_follow_their_weights():
@@ -31,7 +31,7 @@ def test_chunks_cover_the_context_once_and_end_at_line_breaks():
     tokenizer = make_tiny.chatml_tokenizer()
     context = "".join(f"Log {i} is in drawer {i}.\n" for i in range(40))  # ~20 tokens a line
     ids = tokenizer.encode(context, add_special_tokens=False)
-    chunks = cut(tokenizer, context, 64)
+    chunks = cut(tokenizer, Lines.of(tokenizer, context), 64)
     assert chunks[0].start == 0 and chunks[-1].end == len(ids)
     assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))  # no gap, no overlap
     assert "".join(c.text for c in chunks) == context
@@ -44,8 +44,9 @@ def test_chunks_cover_the_context_once_and_end_at_line_breaks():
     [("   \n", 16, "the context is empty"), ("A short context.", 4096, "larger than the context")],
 )
 def test_a_context_self_study_cannot_cut_is_refused_by_name(context, size, rule):
+    tokenizer = make_tiny.chatml_tokenizer()
     with pytest.raises(SpdsError, match=rule):
-        cut(make_tiny.chatml_tokenizer(), context, size)
+        cut(tokenizer, Lines.of(tokenizer, context), size)
 
 
 def test_the_written_question_is_the_first_line_without_labels_or_quotes():
@@ -53,6 +54,30 @@ def test_the_written_question_is_the_first_line_without_labels_or_quotes():
     # the writer, its reply opened with "Question:", often goes on to answer on the next line
     assert written_question(" Where is drawer 4?\nAnswer: in the hall.") == "Where is drawer 4?"
     assert written_question("") == ""
+
+
+SHEET = "# Drawers\n\n" + "".join(f"{i}. Log {i} lies in drawer {7 * i}.\n" for i in range(12))
+
+
+def test_a_chunks_recitals_start_at_each_of_its_lines_in_turn_and_quote_whole_lines():
+    tokenizer = make_tiny.chatml_tokenizer()
+    lines = Lines.of(tokenizer, SHEET)
+    chunks = cut(tokenizer, lines, 64)
+    chunk = chunks[1]
+    starts = [s for s in lines.starts if chunk.start <= s < chunk.end]
+    assert len(starts) >= 2
+    recitals = [recital(tokenizer, lines, chunk, ordinal, 64) for ordinal in range(3 * len(starts))]
+    # every line of the chunk once before any twice, each line in one phrasing before the next phrasing
+    assert [r.start for r in recitals] == starts * 3
+    assert [r.question.split('"')[0] for r in recitals] == [ask.split('"')[0] for ask in RECITAL_ASKS for _ in starts]
+    for r in recitals:
+        text = tokenizer.decode(lines.ids[r.start : r.end])
+        assert text.endswith("\n") and text.strip() == r.text and r.text in SHEET  # whole lines, verbatim
+        assert f'"{" ".join(r.text.split()[:4])}"' in r.question  # the line's first words, quoted
+        assert 32 <= r.end - r.start <= 64  # half a chunk to a chunk
+    # a chunk where no line starts (the context's last, cut mid-line) recites the line it begins in
+    inside = cut(tokenizer, Lines.of(tokenizer, "word " * 80), 32)[1]
+    assert recital(tokenizer, Lines.of(tokenizer, "word " * 80), inside, 0, 32).start == 0
 
 
 @pytest.fixture
@@ -93,6 +118,7 @@ def test_self_study_is_deterministic_resumes_without_loss_or_duplicates_and_reco
             "use_case",
             "comparison",
             "creative",
+            "recite",
         }
         # the row is the student's view of the written question (no context) and the teacher's answer
         prompt = tokenizer.decode(row["input_ids"][: row["prefix_tokens"]])
@@ -134,6 +160,10 @@ def test_self_study_is_deterministic_resumes_without_loss_or_duplicates_and_reco
         (dict(generate={"questions": None, "self_study": {"conversations": 0}}), "conversations"),
         (dict(generate={"questions": None, "self_study": {"conversations": 4, "kinds": {"Detail!": 1}}}), "kinds"),
         (dict(eval={"questions": "nowhere.jsonl"}), "eval.questions"),
+        (
+            dict(generate={"questions": None, "self_study": {"conversations": 4, "seed_prompts": {"recite": "Ask."}}}),
+            "seed_prompts.recite",
+        ),
     ],
 )
 def test_validate_refuses_self_study_settings_that_cannot_work_naming_the_key(study_dir, sections, named):
@@ -165,3 +195,52 @@ def test_validate_passes_before_generate_writes_the_rows_and_names_any_other_mis
     edit_config(study_dir, data={"candidates": [{"path": "rows.jsonl"}]})
     result = spds(["prepare", "config.json"], study_dir)
     assert result.returncode == 1 and "data.candidates[0].path" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_recite_rows_answer_with_the_contexts_own_lines_and_carry_the_teachers_top_k(study_dir):
+    """A recite conversation's answer is the context's text, not a sample, and its top-k is the
+    teacher's at each of those tokens with the context, as plain transformers computes it; the rows
+    resume like the others."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    edit_config(
+        study_dir,
+        student={"dtype": "float32"},  # the teacher as plain transformers loads it below
+        context={"text": SHEET},
+        generate={"self_study": {"conversations": 12, "chunk_tokens": 64, "kinds": {"detail": 1, "recite": 2}}},
+    )
+    check(spds(["generate", "config.json"], study_dir))
+    output = study_dir / "generated.jsonl"
+    first = output.read_bytes()
+    rows = [json.loads(line) for line in first.splitlines()]
+    recited = [r for r in rows if r["self_study"]["kind"] == "recite"]
+    assert len(recited) == 16 and len(rows) == 24  # 2 of 3 conversations, 2 samples each
+    student = json.loads((study_dir / "config.json").read_text())["student"]["model_path"]
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    plain = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32, attn_implementation="eager")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    context_ids = tokenizer.encode(SHEET, add_special_tokens=False)
+    for row in recited:
+        study = row["self_study"]
+        answer = row["input_ids"][row["prefix_tokens"] :]
+        start, stop = study["recited"]
+        assert answer[-1] == end and tokenizer.decode(answer[:-1]) == tokenizer.decode(context_ids[start:stop]).strip()
+        assert study["chunk"][0] <= start < study["chunk"][1]
+        messages = [{"role": "system", "content": SHEET}, {"role": "user", "content": study["question"]}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            logits = plain(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        kept = torch.tensor(row["top_logprobs"]["logprobs"])
+        # fp32: spds's two-part attention sums in another order than eager's (~1e-6); the tiny
+        # random model has near-ties, so the ids are checked by their log-probabilities
+        assert (kept - logprobs.topk(3, dim=-1).values).abs().max() < 1e-4
+        assert (kept - logprobs.gather(1, torch.tensor(row["top_logprobs"]["ids"]))).abs().max() < 1e-4
+    assert len({r["self_study"]["recited"][0] for r in recited}) >= 4  # the chunks' lines in turn, not one line
+    assert all("recited" not in r["self_study"] and "top_logprobs" in r for r in rows if r not in recited)
+    lines = first.splitlines(keepends=True)
+    output.write_bytes(b"".join(lines[:7]) + lines[7][:30])
+    check(spds(["generate", "config.json"], study_dir))
+    assert output.read_bytes() == first

@@ -13,7 +13,7 @@ from spds.contract.pins import pins_path
 from spds.contract.schema import describe_errors
 from spds.errors import SpdsError
 from spds.fsio import read_json
-from spds.generation.self_study import SEED_PROMPTS
+from spds.generation.self_study import BUILT_IN_KINDS, RECITE
 
 
 def model_directory_problems(key: str, path: Path, needs: tuple[str, ...]) -> list[str]:
@@ -236,11 +236,16 @@ def context_problems(config: Config) -> list[str]:
         if used and not has_context:
             problems.append(f"{key}: {why}, and the config has none: set context.file or context.text")
     study = config.generate.self_study
-    unknown = sorted(set(study.kinds) - set(SEED_PROMPTS) - set(study.seed_prompts)) if study else []
+    unknown = sorted(set(study.kinds) - set(BUILT_IN_KINDS) - set(study.seed_prompts)) if study else []
     if unknown:
         problems.append(
             f"generate.self_study.kinds: {', '.join(unknown)}: no such seed kind; the built-in ones are "
-            f"{', '.join(SEED_PROMPTS)}, and generate.self_study.seed_prompts adds your own"
+            f"{', '.join(BUILT_IN_KINDS)}, and generate.self_study.seed_prompts adds your own"
+        )
+    if study is not None and RECITE in study.seed_prompts:
+        problems.append(
+            f"generate.self_study.seed_prompts.{RECITE}: {RECITE} has no instruction: its answer is the "
+            "context's own text, asked for from a line's first words; name your own kind instead"
         )
     if study is not None and config.generate.questions is not None:
         problems.append(

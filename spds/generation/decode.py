@@ -51,6 +51,7 @@ from spds.kernels.causal import triton_available
 from spds.kernels.shared_keys import attend, fa4_shared_step, flash_fits, merge_parts, own_keys_step
 
 NAME = "spds_decode"
+SCORE_LOGITS_BYTES = 1 << 30  # Decoder.score's fp32 logits of one group of answers
 
 
 def common_prefix(prompts: list[list[int]]) -> int:
@@ -166,28 +167,10 @@ class Decoder:
         (the chat template's header and a soft prompt, loss.on_policy), before every prompt's ids."""
         began = time.perf_counter()
         device = self.model.device
-        if prefix_embeds is None:
-            prefix = common_prefix(prompts)
-            shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
-            prompts = [p[prefix:] for p in prompts]
-        else:
-            prefix, shared = len(prefix_embeds), self.embedded_states(prefix_embeds)
-        rows, longest = len(prompts), max(len(p) for p in prompts)
-        self.check_fits(rows, longest + max_new_tokens, TopK.bytes_per_row(max_new_tokens + 1, k))
-        cache = BatchCache(self.layers, rows, longest + max_new_tokens, device, shared)
-        cache.skip_holes([longest - len(p) for p in prompts])
-        self.plan_window(cache, prefix, prefix + longest + max_new_tokens - 1)
-        # a row's logical position at each of its own cache indices (-1: a hole, or not written
-        # yet), the questions right-aligned: every row's last prompt token at one index. Built on
-        # the host and copied once.
-        positions = torch.full((rows, cache.capacity), -1, dtype=torch.long)
-        ids = torch.full((rows, longest), self.pad_id, dtype=torch.long)
-        for row, own in enumerate(prompts):  # each prompt's own ids, after the shared prefix
-            ids[row, longest - len(own) :] = torch.tensor(own)
-            positions[row, longest - len(own) : longest] = torch.arange(prefix, prefix + len(own))
-        positions, ids = positions.to(device), ids.to(device)
+        kept = TopK.bytes_per_row(max_new_tokens + 1, k)
+        cache, positions, longest, logits = self.prefill(prompts, max_new_tokens, kept, prefix_embeds)
+        logits, rows = logits[:, -1], len(prompts)
         generator = torch.Generator(device=device).manual_seed(seed)
-        logits = self.forward(ids, positions, cache, start=0)[:, -1]
         step = Step(self, cache, positions, next_position=positions[:, longest - 1] + 1, write_at=longest)
         answers = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         top = TopK(rows, max_new_tokens + 1, k, device) if k else None
@@ -213,6 +196,68 @@ class Decoder:
         self.new_tokens += sum(len(r) for r in result)
         return result, tops
 
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        room: int,
+        kept_per_row: int = 0,
+        prefix_embeds: torch.Tensor | None = None,
+        keep: int = 1,
+        shared_within: int | None = None,
+    ) -> tuple[BatchCache, torch.Tensor, int, torch.Tensor]:
+        """The prompts run into a new batch cache with `room` positions after the longest: their
+        common prefix (or `prefix_embeds`) from the kept shared states, each prompt's own ids
+        right-aligned after it. Returns the cache, each row's logical position at each of its cache
+        indices (-1: a hole, or not written yet), the longest prompt's own length (the index the
+        next token goes in at) and the fp32 logits of every row's last `keep` positions, which must
+        lie past the shared prefix: `shared_within` bounds its length."""
+        device = self.model.device
+        if prefix_embeds is None:
+            prefix = min(common_prefix(prompts), shared_within if shared_within is not None else len(prompts[0]))
+            shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
+            prompts = [p[prefix:] for p in prompts]
+        else:
+            prefix, shared = len(prefix_embeds), self.embedded_states(prefix_embeds)
+        rows, longest = len(prompts), max(len(p) for p in prompts)
+        self.check_fits(rows, longest + room, kept_per_row)
+        cache = BatchCache(self.layers, rows, longest + room, device, shared)
+        cache.skip_holes([longest - len(p) for p in prompts])
+        self.plan_window(cache, prefix, prefix + longest + room - 1)
+        # the questions right-aligned: every row's last prompt token at one index. Built on the
+        # host and copied once.
+        positions = torch.full((rows, cache.capacity), -1, dtype=torch.long)
+        ids = torch.full((rows, longest), self.pad_id, dtype=torch.long)
+        for row, own in enumerate(prompts):  # each prompt's own ids, after the shared prefix
+            ids[row, longest - len(own) :] = torch.tensor(own)
+            positions[row, longest - len(own) : longest] = torch.arange(prefix, prefix + len(own))
+        positions, ids = positions.to(device), ids.to(device)
+        return cache, positions, longest, self.forward(ids, positions, cache, start=0, keep=keep)
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], answers: list[list[int]], k: int) -> list[dict]:
+        """Each given answer's top-k under the model, as `answer_with_top_k` keeps a sampled
+        one's: at each answer token, the k most likely tokens after the prompt and the answer before
+        it, and their log-probabilities at temperature 1. One teacher-forced forward over each
+        prompt and its answer (the common prefix from the kept states), in groups whose logits
+        stay within SCORE_LOGITS_BYTES."""
+        began = time.perf_counter()
+        sequences = [p + a[:-1] for p, a in zip(prompts, answers)]  # the last answer token is never input
+        keep = max(len(a) for a in answers)
+        per_row = keep * self.model.config.vocab_size * 4
+        group = max(1, SCORE_LOGITS_BYTES // per_row)
+        tops = []
+        for first in range(0, len(sequences), group):
+            chunk = slice(first, first + group)
+            # the prefix shared stops before the prompts end: copies of one request share their answer too
+            within = min(len(p) for p in prompts[chunk]) - 1
+            logits = self.prefill(sequences[chunk], 0, 2 * per_row, keep=keep, shared_within=within)[3]
+            for row, answer in enumerate(answers[chunk]):
+                top = TopK(1, len(answer), k, logits.device)
+                top.keep(slice(None), logits[row, keep - len(answer) :][None])
+                tops += top.per_answer([len(answer)])
+        self.seconds += time.perf_counter() - began
+        return tops
+
     def check_fits(self, rows: int, positions: int, kept_per_row: int = 0) -> None:
         """Refuse, before anything is allocated, a batch whose own keys and values and logits (and
         `kept_per_row` bytes more a row: the top-k kept) would not fit the device's free memory: a
@@ -236,7 +281,10 @@ class Decoder:
     def shared_states(self, ids: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The keys and values of the prefix `ids`, per layer [1, kv heads, len(ids), head dim]:
         computed once per distinct prefix."""
-        if ids != self.prefix_ids:
+        kept = self.prefix_ids
+        if kept is not None and len(ids) < len(kept) and kept[: len(ids)] == ids:  # a part of the kept prefix
+            return [(k[:, :, : len(ids)], v[:, :, : len(ids)]) for k, v in self.prefix_states]
+        if ids != kept:
             self.prefix_ids, self.prefix_states = None, []  # never keep a half-made prefix
             single = BatchCache(self.layers, 1, len(ids), device)
             positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
@@ -391,7 +439,9 @@ class TopK:
     def bytes_per_row(steps: int, k: int) -> int:
         return steps * k * (4 + 4)
 
-    def keep(self, number: int, logits: torch.Tensor) -> None:
+    def keep(self, number: int | slice, logits: torch.Tensor) -> None:
+        """The top-k of `logits` ([rows, vocabulary], or [rows, steps, vocabulary] for a slice of
+        steps) as step(s) `number`."""
         values, ids = logits.topk(self.ids.shape[2], dim=-1)
         self.ids[:, number] = ids.to(torch.int32)
         self.logprobs[:, number] = values - torch.logsumexp(logits, dim=-1, keepdim=True)

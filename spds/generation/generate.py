@@ -22,7 +22,8 @@ import json
 import os
 import pickle
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,26 @@ import torch
 
 from spds.contract.config import Config
 from spds.contract.settings import GenerateSettings, SelfStudySettings
-from spds.data.chat import end_token_ids, render
+from spds.data.chat import end_token_ids, render, render_chat_row
 from spds.data.preflight import require_preflight
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
 from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json
 from spds.generation.decode import Decoder
-from spds.generation.self_study import EXCERPT, Chunk, Seed, coverage, cut, kinds_of, plan, written_question
+from spds.generation.self_study import (
+    EXCERPT,
+    RECITE,
+    Chunk,
+    Lines,
+    Recital,
+    Seed,
+    coverage,
+    cut,
+    kinds_of,
+    plan,
+    recital,
+    written_question,
+)
 from spds.kernels.attention import head_dim_of, kernels_in, require_fa4
 from spds.model.student import apply_liger_kernels, unsafe_weights
 
@@ -175,7 +189,7 @@ def append_rows(output: Path, requests: list[dict], done: set[str], asking: Aski
             if all(r["request_id"] in done for r in batch):
                 continue
             if study:  # the teacher writes the batch's user messages first
-                batch = study.asked(batch, asking)
+                batch = study.asked(batch, asking, end_ids)
             turns = asking.answer_turns(batch, seed=settings.seed + number)
             for request, asked in zip(batch, turns):
                 if request["request_id"] in done:
@@ -278,13 +292,29 @@ class Asking:
         answers = self.decoder.answer(prompts, max_new_tokens, sampling.temperature, sampling.top_p, seed)
         return [written_question(self.tokenizer.decode(answer[:-1], skip_special_tokens=True)) for answer in answers]
 
+    def scored(self, batch: list[dict]) -> list[Turn]:
+        """Requests whose answer is given (`response`: a recital's ids), not sampled: with
+        generate.top_k_logprobs, the teacher's top-k at each of its tokens, read with the context
+        as a sampled answer's are (Decoder.score)."""
+        responses = [r["response"] for r in batch]
+        k = self.settings.top_k_logprobs
+        if not k:
+            return [Turn(response) for response in responses]
+        asked = [with_context(r["messages"], self.context, self.context_in_user_turn) for r in batch]
+        prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
+        return [Turn(response, top) for response, top in zip(responses, self.decoder.score(prompts, responses, k))]
+
     def answer_turns(self, batch: list[dict], seed: int) -> list[list[Turn]]:
         """For each request, the teacher's answer to each of its user turns, in order: a question
         of several user turns is answered turn by turn, each turn asked with the teacher's earlier
-        answers in the conversation (as text)."""
+        answers in the conversation (as text). A request with its answer given is only scored."""
         asked = [[] for _ in batch]
-        for turn in range(max(len(user_turns(r["messages"])) for r in batch)):
-            active = [i for i, r in enumerate(batch) if len(user_turns(r["messages"])) > turn]
+        given = [i for i, r in enumerate(batch) if "response" in r]
+        for i, turn in zip(given, self.scored([batch[i] for i in given]) if given else []):
+            asked[i].append(turn)
+        sampled = [r for r in batch if "response" not in r]
+        for turn in range(max((len(user_turns(r["messages"])) for r in sampled), default=0)):
+            active = [i for i, r in enumerate(batch) if "response" not in r and len(user_turns(r["messages"])) > turn]
             conversations = [
                 conversation_through(batch[i]["messages"], turn, [t.response for t in asked[i]], self.tokenizer)
                 for i in active
@@ -395,21 +425,27 @@ class SelfStudy:
     chunks: list[Chunk]
     seeds: dict[str, Seed]  # seed kind -> instruction and opening
     planned: list[tuple[int, str]]  # (chunk, kind) per conversation
-    written: dict[int, str]
+    written: dict[int, str]  # conversation -> its user message
+    lines: Lines
+    tokenizer: Any
+    recitals: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, settings: GenerateSettings, tokenizer, context: str) -> SelfStudy:
         study = settings.self_study
-        chunks = cut(tokenizer, context, study.chunk_tokens)
+        lines = Lines.of(tokenizer, context)
+        chunks = cut(tokenizer, lines, study.chunk_tokens)
         planned = plan(study.conversations, len(chunks), study.kinds, settings.seed)
-        return cls(study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {})
+        return cls(study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {}, lines, tokenizer)
 
     def questions(self) -> list[dict]:
         """The conversations as generate's questions, their messages written later (`asked`)."""
         return [dict(question_id=f"self-study-{i:06d}", conversation=i) for i in range(len(self.planned))]
 
-    def asked(self, batch: list[dict], asking: Asking) -> list[dict]:
-        """The batch's requests with their user message (and what the row records of it)."""
+    def asked(self, batch: list[dict], asking: Asking, end_ids: list[int]) -> list[dict]:
+        """The batch's requests with their user message (and what the row records of it); a
+        recital's with its answer too (`response`: the recited text as the student's chat template
+        renders an answer, through its end-of-turn token)."""
         for number in sorted({r["conversation"] // self.batch_size for r in batch}):
             if number * self.batch_size not in self.written:
                 self.write(number, asking)
@@ -418,20 +454,51 @@ class SelfStudy:
             i = request["conversation"]
             chunk, kind = self.planned[i]
             span = self.chunks[chunk]
-            recorded = dict(chunk=[span.start, span.end], kind=kind, question=self.written[i])
-            requests.append(dict(request, messages=[{"role": "user", "content": self.written[i]}], self_study=recorded))
+            given, recorded = {}, dict(chunk=[span.start, span.end], kind=kind, question=self.written[i])
+            message = [{"role": "user", "content": self.written[i]}]
+            if kind == RECITE:  # the answer as the chat template renders it, to its end-of-turn token
+                recited = self.recital(i)
+                try:
+                    ids, prefix, _ = render_chat_row(
+                        self.tokenizer, message, recited.text, end_ids, asking.template_kwargs
+                    )
+                except ValueError as error:
+                    raise SpdsError(f"generate.self_study.kinds.{RECITE}: {error}") from None
+                given = dict(response=ids[prefix:])
+                recorded["recited"] = [recited.start, recited.end]
+            requests.append(dict(request, messages=message, self_study=recorded, **given))
         return requests
+
+    def recital(self, conversation: int) -> Recital:
+        """Conversation `conversation`'s recital: its chunk's how-many-th recital it is decides
+        the line and the phrasing."""
+        chunk = self.planned[conversation][0]
+        if not self.recitals:  # how many recitals of its chunk come before each conversation's
+            seen = Counter()
+            for c, kind in self.planned:
+                self.recitals.append(seen[c])
+                seen[c] += kind == RECITE
+        ordinal = self.recitals[conversation]
+        return recital(self.tokenizer, self.lines, self.chunks[chunk], ordinal, self.settings.chunk_tokens)
 
     def write(self, number: int, asking: Asking) -> None:
         """The user messages of conversation batch `number`: the teacher reads a chunk and its
-        kind's instruction, and writes one."""
+        kind's instruction, and writes one (a recital's is its own)."""
         first = number * self.batch_size
-        conversations = range(first, min(first + self.batch_size, len(self.planned)))
-        texts = asking.write(
-            [EXCERPT.format(chunk=self.chunks[self.planned[i][0]].text) for i in conversations],
-            [self.seeds[self.planned[i][1]] for i in conversations],
-            self.settings.question_max_tokens,
-            seed=self.seed + WRITING_SEED + number,
+        batch = range(first, min(first + self.batch_size, len(self.planned)))
+        for i in batch:
+            if self.planned[i][1] == RECITE:
+                self.written[i] = self.recital(i).question
+        conversations = [i for i in batch if self.planned[i][1] != RECITE]
+        texts = (
+            asking.write(
+                [EXCERPT.format(chunk=self.chunks[self.planned[i][0]].text) for i in conversations],
+                [self.seeds[self.planned[i][1]] for i in conversations],
+                self.settings.question_max_tokens,
+                seed=self.seed + WRITING_SEED + number,
+            )
+            if conversations
+            else []
         )
         for i, text in zip(conversations, texts):
             chunk = self.chunks[self.planned[i][0]]

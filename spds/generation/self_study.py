@@ -14,7 +14,13 @@ Cartridges) has the teacher write them:
     (`written_question`), its reply already opened with the kind's label ("Question:" or
     "Request:", `OPENINGS`): a small instruct model asked for a question otherwise answers the
     instruction, chats or retells the excerpt more often than it asks; generate then answers
-    the message with the whole context, as it answers a questions file.
+    the message with the whole context, as it answers a questions file;
+  * the kind `recite` asks no teacher to write: its user message asks for the document word for
+    word from a line's first words, and its answer is the document's own text from that line on
+    (`Recital`). A small teacher states a later fact in a few of a thousand answers, and a prompt
+    cannot learn a fact its rows never say; a recital states every line of the context, exactly,
+    as often as its chunk is drawn. generate scores the given answer with the teacher (its top-k
+    at each token, as a sampled answer has) and samples nothing.
 
 Everything is a function of (context, settings, seed): a rerun writes the same rows, and a
 resumed one skips those written.
@@ -70,6 +76,14 @@ OPENINGS = {
     "structure": "Request:",
 }
 EXCERPT = "Here is an excerpt of a document.\n\n{chunk}"
+RECITE = "recite"  # the built-in kind whose answer is the context's own text (Recital)
+RECITAL_ASKS = [
+    'Quote the document word for word from "{start}" on.',
+    'What does the document say, word for word, starting at "{start}"?',
+    'Repeat the part of the document that begins "{start}".',
+]
+RECITAL_START_WORDS = 4  # the words of a line's start that a recital's question quotes
+BUILT_IN_KINDS = [*SEED_PROMPTS, RECITE]
 
 
 @dataclass(frozen=True)
@@ -79,29 +93,80 @@ class Chunk:
     text: str
 
 
-def cut(tokenizer, context: str, size: int) -> list[Chunk]:
-    """The context in chunks of about `size` tokens. A boundary moves forward to just after the
-    next line break within half a chunk; the last chunk takes a remainder shorter than half a
-    chunk."""
-    ids = tokenizer.encode(context, add_special_tokens=False)
-    if not ids or not context.strip():
-        raise SpdsError("context: the context is empty: self-study writes its questions from it")
-    if size > len(ids):
+@dataclass(frozen=True)
+class Lines:
+    """The context in the teacher's tokens, and where its lines start."""
+
+    ids: list[int]
+    starts: list[int]  # the token indices a line starts at: 0 and each one after a line break
+
+    @classmethod
+    def of(cls, tokenizer, context: str) -> Lines:
+        ids = tokenizer.encode(context, add_special_tokens=False)
+        if not ids or not context.strip():
+            raise SpdsError("context: the context is empty: self-study writes its questions from it")
+        breaks = [i + 1 for i, t in enumerate(ids) if "\n" in tokenizer.decode([t])]  # a line ends after token i
+        return cls(ids, [0, *(b for b in breaks if b < len(ids))])
+
+    def end_near(self, start: int, size: int) -> int:
+        """Where a span of about `size` tokens from `start` ends: just after the first line break
+        at or past start + size within half of `size` more, else at start + size; the context's end
+        when less than half of `size` would be left after it."""
+        end = start + size
+        if len(self.ids) - end < size // 2:
+            return len(self.ids)
+        return next((b for b in self.starts if end <= b < end + size // 2), end)
+
+
+def cut(tokenizer, lines: Lines, size: int) -> list[Chunk]:
+    """The context in consecutive chunks of about `size` tokens, each ending at a line break where
+    one is near (Lines.end_near)."""
+    if size > len(lines.ids):
         raise SpdsError(
-            f"generate.self_study.chunk_tokens: {size} is larger than the context ({len(ids)} tokens "
+            f"generate.self_study.chunk_tokens: {size} is larger than the context ({len(lines.ids)} tokens "
             "of the teacher's): set it at most the context's length, so that the chunks differ"
         )
-    breaks = [i + 1 for i, t in enumerate(ids) if "\n" in tokenizer.decode([t])]  # a line ends after token i
     chunks, start = [], 0
-    while start < len(ids):
-        end = start + size
-        if len(ids) - end < size // 2:
-            end = len(ids)
-        else:
-            end = next((b for b in breaks if end <= b < end + size // 2), end)
-        chunks.append(Chunk(start, end, tokenizer.decode(ids[start:end])))
+    while start < len(lines.ids):
+        end = lines.end_near(start, size)
+        chunks.append(Chunk(start, end, tokenizer.decode(lines.ids[start:end])))
         start = end
     return chunks
+
+
+@dataclass(frozen=True)
+class Recital:
+    """A recite conversation: the user message quoting a line's first words, and the answer, the
+    context's own text from that line on: whole lines, from half a chunk to a chunk of them (fewer
+    where the next line would pass a chunk; a line longer than a chunk is cut there)."""
+
+    start: int  # the teacher's token range of the context recited, [start, end)
+    end: int
+    question: str
+    text: str
+
+
+def recital(tokenizer, lines: Lines, chunk: Chunk, ordinal: int, size: int) -> Recital:
+    """The `ordinal`-th recital of `chunk` (counting from 0): it starts at the chunk's lines in
+    turn (a line with no words skipped; a chunk where no line starts recites the line it begins in),
+    every line asked in one phrasing of RECITAL_ASKS before any in the next."""
+    starts = [
+        s
+        for s in lines.starts
+        if chunk.start <= s < chunk.end and tokenizer.decode(lines.ids[s : line_end(lines, s)]).split()
+    ] or [max(s for s in lines.starts if s <= chunk.start)]
+    round_, line = divmod(ordinal, len(starts))
+    start = starts[line]
+    breaks = [b for b in lines.starts[1:] + [len(lines.ids)] if start < b <= start + size]
+    end = next((b for b in breaks if b >= start + size // 2), breaks[-1] if breaks else start + size)
+    text = tokenizer.decode(lines.ids[start:end]).strip()
+    words = " ".join(text.split()[:RECITAL_START_WORDS])
+    return Recital(start, end, RECITAL_ASKS[round_ % len(RECITAL_ASKS)].format(start=words), text)
+
+
+def line_end(lines: Lines, start: int) -> int:
+    """The token index after the line that starts at `start`."""
+    return next((s for s in lines.starts if s > start), len(lines.ids))
 
 
 @dataclass(frozen=True)
@@ -111,10 +176,11 @@ class Seed:
 
 
 def kinds_of(settings: SelfStudySettings) -> dict[str, Seed]:
-    """Each kind the settings weigh, with its instruction (seed_prompts overrides a built-in; an
-    unknown kind is refused by validate, spds/contract/checks.py) and opening."""
+    """Each kind the teacher writes for, with its instruction (seed_prompts overrides a built-in;
+    an unknown kind is refused by validate, spds/contract/checks.py) and opening; recite, which it
+    does not write for, is not among them."""
     prompts = {**SEED_PROMPTS, **settings.seed_prompts}
-    return {kind: Seed(prompts[kind], OPENINGS.get(kind, "")) for kind in settings.kinds}
+    return {kind: Seed(prompts[kind], OPENINGS.get(kind, "")) for kind in settings.kinds if kind != RECITE}
 
 
 def plan(conversations: int, chunks: int, weights: dict[str, int], seed: int) -> list[tuple[int, str]]:
