@@ -86,7 +86,8 @@ python3 bench/recital_rows.py "$model" "$work/context.md" "$work/recital8.jsonl"
 # the self-study rows without their top-k, to sit beside the recital rows (every row carries the same k, or none)
 python3 -c "import json,sys; [print(json.dumps({k: v for k, v in json.loads(l).items() if k != 'top_logprobs'})) for l in open(sys.argv[1])]" \
   "$work/self-study.jsonl" > "$work/self-study-plain.jsonl"
-python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" $QUALITY --json "$out/baseline.json" | tail -1
+[ "${BASELINE:-1}" = 0 ] ||  # BASELINE=0: the bare and context answers only beside each variant's
+  python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" $QUALITY --json "$out/baseline.json" | tail -1
 for variant in "${variants[@]}"; do
   name=${variant%%=*}; IFS=: read -r objective teacher init length lr updates batch on_policy rows seed <<<"${variant#*=}"
   write_config "$name" "$objective" "$teacher" "$init" "$length" "$lr" "$updates" "$batch" "${on_policy:-0}" "${rows:-s}" "${seed:-$OPTIM_SEED}"
@@ -98,6 +99,8 @@ for variant in "${variants[@]}"; do
       && python3 -m spds.cli export "$name.json"; } > "$name.log" 2>&1
     echo "train $name: $(( $(date +%s) - start )) s" >> "$name.log"
     [ -f "run-$name/metrics.jsonl" ] && cp "run-$name/metrics.jsonl" "$out/$name.metrics.jsonl"
+    # the prompt itself, so that a call cut short can still be measured elsewhere
+    [ -f "run-$name/export/soft_prompt.safetensors" ] && cp "run-$name/export/soft_prompt.safetensors" "$out/$name.safetensors"
     cd - > /dev/null
     python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" \
       $QUALITY --prompt "$work/run-$name/export/soft_prompt.safetensors" --json "$out/$name.json" > "$work/$name.quality" 2>&1
