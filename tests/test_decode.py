@@ -88,6 +88,17 @@ def test_every_steps_logits_equal_transformers_forward(saved, family, monkeypatc
     assert worst < 1e-4, (family, worst)
 
 
+def assert_top_k_of_plain_forward(plain, batch, answers, tops, family):
+    """Each answer's kept top-4 against transformers' forward over its whole prompt and answer."""
+    for prompt, answer, top in zip(batch, answers, tops):
+        with torch.no_grad():
+            logits = plain(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
+        assert top["ids"] == expected.indices.tolist(), family
+        # fp32: the two-part softmax and another order of sums (~1e-6, as above)
+        assert (torch.tensor(top["logprobs"]) - expected.values).abs().max() < 1e-4, family
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_top_k_taken_while_decoding_equals_transformers_forward(saved, family):
     """generate.top_k_logprobs comes from the decode step's own logits: at every answer token (a cut
@@ -99,13 +110,7 @@ def test_top_k_taken_while_decoding_equals_transformers_forward(saved, family):
     batch = prompts(torch.Generator().manual_seed(7))
     answers, tops = Decoder(model, [END], pad_id=0).answer_with_top_k(batch, 6, 0.7, 1.0, seed=3, k=4)
     assert any(END not in answer[:-1] and len(answer) == 7 for answer in answers)  # a cut answer, closed
-    for prompt, answer, top in zip(batch, answers, tops):
-        with torch.no_grad():
-            logits = plain(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
-        expected = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
-        assert top["ids"] == expected.indices.tolist(), family
-        # fp32: the two-part softmax and another order of sums (~1e-6, as above)
-        assert (torch.tensor(top["logprobs"]) - expected.values).abs().max() < 1e-4, family
+    assert_top_k_of_plain_forward(plain, batch, answers, tops, family)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -124,13 +129,7 @@ def test_top_k_of_given_answers_equals_transformers_forward(saved, family):
     decoder.answer([p + [5, 6] for p in batch], 2, 0.0, 1.0, seed=0)  # keeps a longer prefix than score needs
     tops = decoder.score(batch, answers, k=4)
     assert decoder.prefix_forwards == 1
-    for prompt, answer, top in zip(batch, answers, tops):
-        with torch.no_grad():
-            logits = plain(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
-        expected = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
-        assert top["ids"] == expected.indices.tolist(), family
-        # fp32: the two-part softmax and another order of sums (~1e-6, as above)
-        assert (torch.tensor(top["logprobs"]) - expected.values).abs().max() < 1e-4, family
+    assert_top_k_of_plain_forward(plain, batch, answers, tops, family)
     assert tops[-1]["ids"] == tops[0]["ids"]  # the copy: its own row, the same top-k (values to rounding)
     copies = decoder.score(batch[:1] * 2, answers[:1] * 2, k=4)  # all the batch's prompts and answers alike
     assert [top["ids"] for top in copies] == [tops[0]["ids"]] * 2
