@@ -23,7 +23,7 @@ import os
 import pickle
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -428,7 +428,7 @@ class SelfStudy:
     written: dict[int, str]  # conversation -> its user message
     lines: Lines
     tokenizer: Any
-    recitals: list[int] = field(default_factory=list)
+    recitals: list[int]  # per conversation: its chunk's recitals before it
 
     @classmethod
     def of(cls, settings: GenerateSettings, tokenizer, context: str) -> SelfStudy:
@@ -436,7 +436,13 @@ class SelfStudy:
         lines = Lines.of(tokenizer, context)
         chunks = cut(tokenizer, lines, study.chunk_tokens)
         planned = plan(study.conversations, len(chunks), study.kinds, settings.seed)
-        return cls(study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {}, lines, tokenizer)
+        recitals, seen = [], Counter()  # how many recitals of its chunk come before each conversation
+        for chunk, kind in planned:
+            recitals.append(seen[chunk])
+            seen[chunk] += kind == RECITE
+        return cls(
+            study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {}, lines, tokenizer, recitals
+        )
 
     def questions(self) -> list[dict]:
         """The conversations as generate's questions, their messages written later (`asked`)."""
@@ -473,11 +479,6 @@ class SelfStudy:
         """Conversation `conversation`'s recital: its chunk's how-many-th recital it is decides
         the line and the phrasing."""
         chunk = self.planned[conversation][0]
-        if not self.recitals:  # how many recitals of its chunk come before each conversation's
-            seen = Counter()
-            for c, kind in self.planned:
-                self.recitals.append(seen[c])
-                seen[c] += kind == RECITE
         ordinal = self.recitals[conversation]
         return recital(self.tokenizer, self.lines, self.chunks[chunk], ordinal, self.settings.chunk_tokens)
 
