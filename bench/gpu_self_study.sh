@@ -9,12 +9,10 @@
 # A variant is NAME=objective:teacher:init:length:lr:updates:batch[:on_policy[:rows[:seed]]]
 #   objective ce|kl|mix; teacher top_k|context; init context|random_normal; on_policy: the share of
 #   each batch the student answers itself (loss.on_policy.fraction, 96 new tokens), 0 by default;
-#   rows: s the self-study rows (default), r the recital rows of bench/recital_rows.py (the
-#   context's own text as the answer; no top-k, so teacher context or objective ce), sr both
-#   (the self-study rows without their top-k), sr8 both with each recital row twice as often;
+#   rows: s, the rows spds generate wrote (the only choice since its recite kind replaced
+#   bench/recital_rows.py, whose r/sr/sr8 rows the LOG's earlier commands name at their commits);
 #   seed: optim.seed (the order rows are drawn in), OPTIM_SEED by default. MICRO_BATCH caps
 #   optim.micro_batch (the same update in fewer rows at once: less GPU memory a training).
-#   KINDS='{..., "recite": 2}' has spds generate write recital rows itself (the built-in kind).
 set -euo pipefail
 model=$(realpath "$1"); out=$2; shift 2
 export CONVERSATIONS=${CONVERSATIONS:-1024}
@@ -51,8 +49,8 @@ if float(on_policy):
     config["loss"]["on_policy"] = {"fraction": float(on_policy), "max_new_tokens": 96}
 micro = min(int(batch), int(os.environ["MICRO_BATCH"]))
 config["optim"].update(seed=int(seed), learning_rate=float(lr), updates=int(updates), effective_batch=int(batch), micro_batch=micro)
-files = {"s": ["self-study.jsonl"], "r": ["recital.jsonl"], "sr": ["self-study-plain.jsonl", "recital.jsonl"],
-         "sr8": ["self-study-plain.jsonl", "recital8.jsonl"]}[rows]
+assert rows == "s", f"rows {rows}: only s (the rows spds generate wrote)"
+files = ["self-study.jsonl"]
 config["data"]["candidates"] = [{"path": f} for f in files]
 config["data"]["packed_dir"] = f"packed-{name}"
 config["output_dir"] = f"run-{name}"
@@ -81,11 +79,6 @@ for r in rows[:12]:
 facts = [json.loads(l) for l in open(sys.argv[3])]
 print("answers stating each fact:", ", ".join(f"{f['keyword']} {sum(f['keyword'].lower() in r['answer'] for r in rows)}" for f in facts))
 PY
-python3 bench/recital_rows.py "$model" "$work/context.md" "$work/recital.jsonl"
-python3 bench/recital_rows.py "$model" "$work/context.md" "$work/recital8.jsonl" --copies 8
-# the self-study rows without their top-k, to sit beside the recital rows (every row carries the same k, or none)
-python3 -c "import json,sys; [print(json.dumps({k: v for k, v in json.loads(l).items() if k != 'top_logprobs'})) for l in open(sys.argv[1])]" \
-  "$work/self-study.jsonl" > "$work/self-study-plain.jsonl"
 [ "${BASELINE:-1}" = 0 ] ||  # BASELINE=0: the bare and context answers only beside each variant's
   python3 bench/real_quality.py "$model" "$work/context.md" "$work/questions.jsonl" $QUALITY --json "$out/baseline.json" | tail -1
 for variant in "${variants[@]}"; do
