@@ -298,7 +298,7 @@ class Asking:
         as a sampled answer's are (Decoder.score)."""
         responses = [r["response"] for r in batch]
         k = self.settings.top_k_logprobs
-        if not k:
+        if not k or not batch:
             return [Turn(response) for response in responses]
         asked = [with_context(r["messages"], self.context, self.context_in_user_turn) for r in batch]
         prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
@@ -310,7 +310,7 @@ class Asking:
         answers in the conversation (as text). A request with its answer given is only scored."""
         asked = [[] for _ in batch]
         given = [i for i, r in enumerate(batch) if "response" in r]
-        for i, turn in zip(given, self.scored([batch[i] for i in given]) if given else []):
+        for i, turn in zip(given, self.scored([batch[i] for i in given])):
             asked[i].append(turn)
         sampled = [r for r in batch if "response" not in r]
         for turn in range(max((len(user_turns(r["messages"])) for r in sampled), default=0)):

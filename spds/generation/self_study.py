@@ -29,6 +29,7 @@ resumed one skips those written.
 from __future__ import annotations
 
 import random
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass
 
@@ -95,18 +96,21 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Lines:
-    """The context in the teacher's tokens, and where its lines start."""
+    """The context in the teacher's tokens, and where its lines start and end (both sorted, looked
+    up by bisection: a long context has thousands of lines, and each recital looks up a few)."""
 
     ids: list[int]
     starts: list[int]  # the token indices a line starts at: 0 and each one after a line break
+    ends: list[int]  # the index after each line: the next line's start, or the context's end
 
     @classmethod
     def of(cls, tokenizer, context: str) -> Lines:
         ids = tokenizer.encode(context, add_special_tokens=False)
         if not ids or not context.strip():
             raise SpdsError("context: the context is empty: self-study writes its questions from it")
-        breaks = [i + 1 for i, t in enumerate(ids) if "\n" in tokenizer.decode([t])]  # a line ends after token i
-        return cls(ids, [0, *(b for b in breaks if b < len(ids))])
+        breaking = {t: "\n" in tokenizer.decode([t]) for t in set(ids)}  # each distinct token decoded once
+        starts = [0, *(i + 1 for i, t in enumerate(ids[:-1]) if breaking[t])]  # a line ends after token i
+        return cls(ids, starts, [*starts[1:], len(ids)])
 
     def end_near(self, start: int, size: int) -> int:
         """Where a span of about `size` tokens from `start` ends: just after the first line break
@@ -115,7 +119,8 @@ class Lines:
         end = start + size
         if len(self.ids) - end < size // 2:
             return len(self.ids)
-        return next((b for b in self.starts if end <= b < end + size // 2), end)
+        after = bisect_left(self.starts, end)
+        return self.starts[after] if after < len(self.starts) and self.starts[after] < end + size // 2 else end
 
 
 def cut(tokenizer, lines: Lines, size: int) -> list[Chunk]:
@@ -150,23 +155,21 @@ def recital(tokenizer, lines: Lines, chunk: Chunk, ordinal: int, size: int) -> R
     """The `ordinal`-th recital of `chunk` (counting from 0): it starts at the chunk's lines in
     turn (a line with no words skipped; a chunk where no line starts recites the line it begins in),
     every line asked in one phrasing of RECITAL_ASKS before any in the next."""
+    first, after = bisect_left(lines.starts, chunk.start), bisect_left(lines.starts, chunk.end)
     starts = [
-        s
-        for s in lines.starts
-        if chunk.start <= s < chunk.end and tokenizer.decode(lines.ids[s : line_end(lines, s)]).split()
-    ] or [max(s for s in lines.starts if s <= chunk.start)]
+        lines.starts[i]
+        for i in range(first, after)
+        if tokenizer.decode(lines.ids[lines.starts[i] : lines.ends[i]]).split()
+    ] or [lines.starts[bisect_right(lines.starts, chunk.start) - 1]]
     round_, line = divmod(ordinal, len(starts))
     start = starts[line]
-    breaks = [b for b in lines.starts[1:] + [len(lines.ids)] if start < b <= start + size]
-    end = next((b for b in breaks if b >= start + size // 2), breaks[-1] if breaks else start + size)
+    # the line ends in (start, start + size]: the first past half a chunk, else the last of them
+    low, high = bisect_right(lines.ends, start), bisect_right(lines.ends, start + size)
+    past_half = bisect_left(lines.ends, start + size // 2, low, high)
+    end = lines.ends[past_half] if past_half < high else lines.ends[high - 1] if high > low else start + size
     text = tokenizer.decode(lines.ids[start:end]).strip()
     words = " ".join(text.split()[:RECITAL_START_WORDS])
     return Recital(start, end, RECITAL_ASKS[round_ % len(RECITAL_ASKS)].format(start=words), text)
-
-
-def line_end(lines: Lines, start: int) -> int:
-    """The token index after the line that starts at `start`."""
-    return next((s for s in lines.starts if s > start), len(lines.ids))
 
 
 @dataclass(frozen=True)
