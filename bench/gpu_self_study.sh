@@ -17,6 +17,7 @@ set -euo pipefail
 model=$(realpath "$1"); out=$2; shift 2
 export CONVERSATIONS=${CONVERSATIONS:-1024}
 export KINDS=${KINDS:-}  # generate.self_study.kinds as JSON; empty: the schema's default
+export TEMPERATURE=${TEMPERATURE:-}  # generate.temperature; empty: run.json's
 export OPTIM_SEED=${OPTIM_SEED:-0}  # optim.seed of a variant that names none
 export MICRO_BATCH=${MICRO_BATCH:-1024}
 QUALITY=${QUALITY:---dtype bfloat16}  # bench/real_quality.py's options
@@ -42,6 +43,8 @@ config["generate"]["self_study"]["conversations"] = int(os.environ["CONVERSATION
 if os.environ["KINDS"]:
     config["generate"]["self_study"]["kinds"] = json.loads(os.environ["KINDS"])
 config["generate"]["batch_size"] = 256
+if os.environ["TEMPERATURE"]:
+    config["generate"]["temperature"] = float(os.environ["TEMPERATURE"])
 config["soft_prompt"]["length"] = int(length)
 config["soft_prompt"]["init"] = {"method": init}
 config["loss"] = {"objective": objective, "teacher": teacher}

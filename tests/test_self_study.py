@@ -9,9 +9,22 @@ from collections import Counter
 import pytest
 from conftest import edit_config, make_tiny
 from helpers import check, spds
+from test_templates import TEMPLATES, fixture_tokenizer
 
+from spds.data.chat import render
 from spds.errors import SpdsError
-from spds.generation.self_study import RECITAL_ASKS, Lines, cut, plan, recital, written_question
+from spds.generation.self_study import (
+    FACT_EXAMPLES,
+    RECITAL_ASKS,
+    Lines,
+    cut,
+    fact_line,
+    fact_messages,
+    line_starts,
+    plan,
+    recital,
+    written_question,
+)
 
 
 def test_every_chunk_is_drawn_before_any_twice_and_kinds_follow_their_weights():
@@ -75,9 +88,45 @@ def test_a_chunks_recitals_start_at_each_of_its_lines_in_turn_and_quote_whole_li
         assert text.endswith("\n") and text.strip() == r.text and r.text in SHEET  # whole lines, verbatim
         assert f'"{" ".join(r.text.split()[:4])}"' in r.question  # the line's first words, quoted
         assert 32 <= r.end - r.start <= 64  # half a chunk to a chunk
-    # a chunk where no line starts (the context's last, cut mid-line) recites the line it begins in
-    inside = cut(tokenizer, Lines.of(tokenizer, "word " * 80), 32)[1]
-    assert recital(tokenizer, Lines.of(tokenizer, "word " * 80), inside, 0, 32).start == 0
+    # A paragraph longer than a chunk, cut mid-line: each chunk's recitals and fact lines start at
+    # the chunk itself (not all at the paragraph's start), and those of a chunk that also holds a
+    # line's start reach both.
+    prose = "Tern " * 80 + "\nA last line.\n"
+    lines = Lines.of(tokenizer, prose)
+    chunks = cut(tokenizer, lines, 32)
+    assert len(chunks) >= 3 and all(c.start not in lines.starts for c in chunks[1:])
+    for chunk in chunks[1:-1]:
+        assert recital(tokenizer, lines, chunk, 0, 32).start == chunk.start
+        fact = fact_line(tokenizer, lines, chunk, 0, 32)
+        assert fact.start == chunk.start and fact.end - fact.start <= 32 and "Tern" in fact.text
+    last = chunks[-1]
+    assert [recital(tokenizer, lines, last, n, 32).start for n in range(2)] == [last.start, lines.starts[-1]]
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_a_fact_question_is_written_from_each_line_in_turn_after_worked_examples_in_every_published_template(name):
+    tokenizer = fixture_tokenizer(name)
+    lines = Lines.of(tokenizer, SHEET)
+    chunk = cut(tokenizer, lines, 64)[1]
+    starts = line_starts(tokenizer, lines, chunk)
+    assert len(starts) >= 2
+    facts = [fact_line(tokenizer, lines, chunk, ordinal, 64) for ordinal in range(2 * len(starts))]
+    assert [f.start for f in facts] == starts * 2  # every line of the chunk once before any twice
+    for fact in facts:
+        line = tokenizer.decode(lines.ids[fact.start : fact.end])
+        assert line.endswith("\n")  # the whole line
+        number, sentence = line.strip().split(". ", 1)
+        assert number.isdigit() and fact.text == sentence  # without its list marker
+    # What the teacher reads, rendered by the published template (templates that demand turns
+    # alternate, Mistral's and Gemma's, included): each example a user turn answered by the
+    # assistant, then the line, then the assistant's turn opens for the question.
+    messages = fact_messages(facts[0].text)
+    rendered = tokenizer.decode(render(tokenizer, messages, True, {}))
+    assert rendered == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    shown = [text for example in FACT_EXAMPLES for text in example] + [f'"{facts[0].text}"']
+    places = [rendered.index(text) for text in shown]
+    assert places == sorted(places)
+    assert [m["role"] for m in messages] == ["user", "assistant"] * len(FACT_EXAMPLES) + ["user"]
 
 
 @pytest.fixture
@@ -101,6 +150,8 @@ def study_dir(tiny_assets, tmp_path):
 def test_self_study_is_deterministic_resumes_without_loss_or_duplicates_and_records_each_chunk(
     study_dir, tmp_path_factory
 ):
+    kinds = {"fact": 1, "detail": 1, "recite": 1}  # one of each way a message is made
+    edit_config(study_dir, generate={"self_study": {"conversations": 12, "chunk_tokens": 16, "kinds": kinds}})
     result = check(spds(["generate", "config.json"], study_dir))
     assert "coverage:" in result.stdout
     output = study_dir / "generated.jsonl"
@@ -112,18 +163,14 @@ def test_self_study_is_deterministic_resumes_without_loss_or_duplicates_and_reco
     for row in rows:
         study = row["self_study"]
         start, end = study["chunk"]
-        assert 0 <= start < end <= len(context_ids) and study["kind"] in {
-            "detail",
-            "summary",
-            "use_case",
-            "comparison",
-            "creative",
-            "recite",
-        }
+        assert 0 <= start < end <= len(context_ids)
+        if study["kind"] == "fact":  # the line its question was written from starts in its chunk
+            assert start <= study["line"][0] < study["line"][1] <= len(context_ids)
         # the row is the student's view of the written question (no context) and the teacher's answer
         prompt = tokenizer.decode(row["input_ids"][: row["prefix_tokens"]])
         assert study["question"] in prompt and make_tiny.CONTEXT not in prompt
         assert len(row["top_logprobs"]["ids"]) == row["supervised_tokens"]
+    assert {r["self_study"]["kind"] for r in rows} == set(kinds)
     # the two samples of a conversation answer the same written question
     by_question = {}
     for row in rows:
@@ -163,6 +210,10 @@ def test_self_study_is_deterministic_resumes_without_loss_or_duplicates_and_reco
         (
             dict(generate={"questions": None, "self_study": {"conversations": 4, "seed_prompts": {"recite": "Ask."}}}),
             "seed_prompts.recite",
+        ),
+        (
+            dict(generate={"questions": None, "self_study": {"conversations": 4, "seed_prompts": {"fact": "Ask."}}}),
+            "seed_prompts.fact",
         ),
     ],
 )

@@ -13,7 +13,7 @@ from spds.contract.pins import pins_path
 from spds.contract.schema import describe_errors
 from spds.errors import SpdsError
 from spds.fsio import read_json
-from spds.generation.self_study import BUILT_IN_KINDS, RECITE
+from spds.generation.self_study import BUILT_IN_KINDS, FACT, RECITE
 
 
 def model_directory_problems(key: str, path: Path, needs: tuple[str, ...]) -> list[str]:
@@ -242,11 +242,15 @@ def context_problems(config: Config) -> list[str]:
             f"generate.self_study.kinds: {', '.join(unknown)}: no such seed kind; the built-in ones are "
             f"{', '.join(BUILT_IN_KINDS)}, and generate.self_study.seed_prompts adds your own"
         )
-    if study is not None and RECITE in study.seed_prompts:
-        problems.append(
-            f"generate.self_study.seed_prompts.{RECITE}: {RECITE} has no instruction: its answer is the "
-            "context's own text, asked for from a line's first words; name your own kind instead"
-        )
+    why_uninstructed = {
+        RECITE: "its answer is the context's own text, asked for from a line's first words",
+        FACT: "the teacher writes its question from one line after built-in worked examples",
+    }
+    for kind, why in why_uninstructed.items():
+        if study is not None and kind in study.seed_prompts:
+            problems.append(
+                f"generate.self_study.seed_prompts.{kind}: {kind} has no instruction: {why}; name your own kind instead"
+            )
     if study is not None and config.generate.questions is not None:
         problems.append(
             "generate.self_study: generate.questions is set too; self-study writes the questions itself: "

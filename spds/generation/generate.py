@@ -39,13 +39,17 @@ from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json
 from spds.generation.decode import Decoder
 from spds.generation.self_study import (
     EXCERPT,
+    FACT,
     RECITE,
     Chunk,
+    FactLine,
     Lines,
     Recital,
     Seed,
     coverage,
     cut,
+    fact_line,
+    fact_messages,
     kinds_of,
     plan,
     recital,
@@ -274,19 +278,13 @@ class Asking:
         )
         return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
 
-    def write(self, excerpts: list[str], seeds: list[Seed], max_new_tokens: int, seed: int) -> list[str]:
-        """Self-study's user messages: the teacher reads each excerpt where the context goes and its
-        seed's instruction as the user turn, and writes one message after the seed's opening
-        (spds/generation/self_study.py)."""
+    def write(self, conversations: list[tuple[list[dict], str]], max_new_tokens: int, seed: int) -> list[str]:
+        """Self-study's user messages: for each (messages, opening), the teacher reads the messages
+        and writes one message after the opening (spds/generation/self_study.py)."""
         prompts = [
-            render(
-                self.tokenizer,
-                with_context([{"role": "user", "content": kind.instruction}], excerpt, self.context_in_user_turn),
-                True,
-                self.template_kwargs,
-            )
-            + self.tokenizer.encode(kind.opening, add_special_tokens=False)
-            for excerpt, kind in zip(excerpts, seeds)
+            render(self.tokenizer, messages, True, self.template_kwargs)
+            + self.tokenizer.encode(opening, add_special_tokens=False)
+            for messages, opening in conversations
         ]
         sampling = self.settings
         answers = self.decoder.answer(prompts, max_new_tokens, sampling.temperature, sampling.top_p, seed)
@@ -428,7 +426,7 @@ class SelfStudy:
     written: dict[int, str]  # conversation -> its user message
     lines: Lines
     tokenizer: Any
-    recitals: list[int]  # per conversation: its chunk's recitals before it
+    ordinals: list[int]  # per conversation: how many of its chunk's conversations of its kind come before it
 
     @classmethod
     def of(cls, settings: GenerateSettings, tokenizer, context: str) -> SelfStudy:
@@ -436,12 +434,12 @@ class SelfStudy:
         lines = Lines.of(tokenizer, context)
         chunks = cut(tokenizer, lines, study.chunk_tokens)
         planned = plan(study.conversations, len(chunks), study.kinds, settings.seed)
-        recitals, seen = [], Counter()  # how many recitals of its chunk come before each conversation
-        for chunk, kind in planned:
-            recitals.append(seen[chunk])
-            seen[chunk] += kind == RECITE
+        ordinals, seen = [], Counter()
+        for drawn in planned:
+            ordinals.append(seen[drawn])
+            seen[drawn] += 1
         return cls(
-            study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {}, lines, tokenizer, recitals
+            study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {}, lines, tokenizer, ordinals
         )
 
     def questions(self) -> list[dict]:
@@ -472,6 +470,9 @@ class SelfStudy:
                     raise SpdsError(f"generate.self_study.kinds.{RECITE}: {error}") from None
                 given = dict(response=ids[prefix:])
                 recorded["recited"] = [recited.start, recited.end]
+            if kind == FACT:
+                line = self.fact_line(i)
+                recorded["line"] = [line.start, line.end]
             requests.append(dict(request, messages=message, self_study=recorded, **given))
         return requests
 
@@ -479,8 +480,15 @@ class SelfStudy:
         """Conversation `conversation`'s recital: its chunk's how-many-th recital it is decides
         the line and the phrasing."""
         chunk = self.planned[conversation][0]
-        ordinal = self.recitals[conversation]
+        ordinal = self.ordinals[conversation]
         return recital(self.tokenizer, self.lines, self.chunks[chunk], ordinal, self.settings.chunk_tokens)
+
+    def fact_line(self, conversation: int) -> FactLine:
+        """Conversation `conversation`'s fact line: its chunk's how-many-th fact question it is
+        decides the line."""
+        chunk = self.planned[conversation][0]
+        ordinal = self.ordinals[conversation]
+        return fact_line(self.tokenizer, self.lines, self.chunks[chunk], ordinal, self.settings.chunk_tokens)
 
     def write(self, number: int, asking: Asking) -> None:
         """The user messages of conversation batch `number`: the teacher reads a chunk and its
@@ -493,8 +501,7 @@ class SelfStudy:
         conversations = [i for i in batch if self.planned[i][1] != RECITE]
         texts = (
             asking.write(
-                [EXCERPT.format(chunk=self.chunks[self.planned[i][0]].text) for i in conversations],
-                [self.seeds[self.planned[i][1]] for i in conversations],
+                [self.writing(i, asking.context_in_user_turn) for i in conversations],
                 self.settings.question_max_tokens,
                 seed=self.seed + WRITING_SEED + number,
             )
@@ -505,6 +512,18 @@ class SelfStudy:
             chunk = self.chunks[self.planned[i][0]]
             # an empty message cannot be asked: the chunk's first line stands in for it
             self.written[i] = text or f"What does the document say about this: {chunk.text.strip().splitlines()[0]}"
+
+    def writing(self, conversation: int, context_in_user_turn: bool) -> tuple[list[dict], str]:
+        """What the teacher reads to write conversation `conversation`'s user message, and what its
+        reply opens with: a fact line after the worked examples, or the chunk where the context
+        goes and the kind's instruction as the user turn."""
+        chunk, kind = self.planned[conversation]
+        if kind == FACT:
+            return fact_messages(self.fact_line(conversation).text), ""
+        seed = self.seeds[kind]
+        excerpt = EXCERPT.format(chunk=self.chunks[chunk].text)
+        asked = [{"role": "user", "content": seed.instruction}]
+        return with_context(asked, excerpt, context_in_user_turn), seed.opening
 
     def coverage(self) -> str:
         return coverage(self.planned, self.chunks)

@@ -20,7 +20,12 @@ Cartridges) has the teacher write them:
     (`Recital`). A small teacher states a later fact in a few of a thousand answers, and a prompt
     cannot learn a fact its rows never say; a recital states every line of the context, exactly,
     as often as its chunk is drawn. generate scores the given answer with the teacher (its top-k
-    at each token, as a sampled answer has) and samples nothing.
+    at each token, as a sampled answer has) and samples nothing;
+  * the kind `fact` has the teacher write the question that one line of the chunk answers (the
+    chunk's lines in turn), after worked examples given as earlier turns of the chat
+    (`fact_messages`): a small instruct model asked for a question about an excerpt writes an
+    unanswerable or unrelated one most of the time, and a prompt trained on no question that a
+    fact answers does not state that fact when asked, even where it recites it word for word.
 
 Everything is a function of (context, settings, seed): a rerun writes the same rows, and a
 resumed one skips those written.
@@ -29,6 +34,7 @@ resumed one skips those written.
 from __future__ import annotations
 
 import random
+import re
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass
@@ -78,13 +84,24 @@ OPENINGS = {
 }
 EXCERPT = "Here is an excerpt of a document.\n\n{chunk}"
 RECITE = "recite"  # the built-in kind whose answer is the context's own text (Recital)
+FACT = "fact"  # the built-in kind whose question is written from one line, after worked examples
+FACT_ASK = 'Write the question that this sentence answers: "{line}"'
+# (sentence, question): about nothing in any context, so that no example's answer is mistaken
+# for the context's
+FACT_EXAMPLES = [
+    ("The Vasa bridge is 40 metres long.", "How long is the Vasa bridge?"),
+    ("Its designer is Ada Berg.", "Who designed the Vasa bridge?"),
+    ("The museum opened in 1961 in Stockholm.", "When did the museum open?"),
+]
+LIST_MARKER = re.compile(r"^\s*(?:\d+[.)]|[-*+\u2022])\s+")  # "8. ", "- ": not part of the sentence
 RECITAL_ASKS = [
     'Quote the document word for word from "{start}" on.',
     'What does the document say, word for word, starting at "{start}"?',
     'Repeat the part of the document that begins "{start}".',
 ]
 RECITAL_START_WORDS = 4  # the words of a line's start that a recital's question quotes
-BUILT_IN_KINDS = [*SEED_PROMPTS, RECITE]
+UNINSTRUCTED = (FACT, RECITE)  # built-in kinds with no instruction that seed_prompts could reword
+BUILT_IN_KINDS = [*SEED_PROMPTS, *UNINSTRUCTED]
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,10 @@ class Lines:
         breaking = {t: "\n" in tokenizer.decode([t]) for t in set(ids)}  # each distinct token decoded once
         starts = [0, *(i + 1 for i, t in enumerate(ids[:-1]) if breaking[t])]  # a line ends after token i
         return cls(ids, starts, [*starts[1:], len(ids)])
+
+    def end_of(self, index: int) -> int:
+        """Where the line holding token `index` ends."""
+        return self.ends[bisect_right(self.starts, index) - 1]
 
     def end_near(self, start: int, size: int) -> int:
         """Where a span of about `size` tokens from `start` ends: just after the first line break
@@ -151,16 +172,23 @@ class Recital:
     text: str
 
 
+def line_starts(tokenizer, lines: Lines, chunk: Chunk) -> list[int]:
+    """Where the chunk's lines start (a line with no words skipped), after the chunk's own start
+    where it begins inside a line: every part of the chunk is reached, a long paragraph cut into
+    chunks included."""
+    first, after = bisect_left(lines.starts, chunk.start), bisect_left(lines.starts, chunk.end)
+    inside = [] if first < len(lines.starts) and lines.starts[first] == chunk.start else [chunk.start]
+    return [
+        start
+        for start in [*inside, *lines.starts[first:after]]
+        if tokenizer.decode(lines.ids[start : min(lines.end_of(start), chunk.end)]).split()
+    ] or [chunk.start]
+
+
 def recital(tokenizer, lines: Lines, chunk: Chunk, ordinal: int, size: int) -> Recital:
     """The `ordinal`-th recital of `chunk` (counting from 0): it starts at the chunk's lines in
-    turn (a line with no words skipped; a chunk where no line starts recites the line it begins in),
-    every line asked in one phrasing of RECITAL_ASKS before any in the next."""
-    first, after = bisect_left(lines.starts, chunk.start), bisect_left(lines.starts, chunk.end)
-    starts = [
-        lines.starts[i]
-        for i in range(first, after)
-        if tokenizer.decode(lines.ids[lines.starts[i] : lines.ends[i]]).split()
-    ] or [lines.starts[bisect_right(lines.starts, chunk.start) - 1]]
+    turn (line_starts), every line asked in one phrasing of RECITAL_ASKS before any in the next."""
+    starts = line_starts(tokenizer, lines, chunk)
     round_, line = divmod(ordinal, len(starts))
     start = starts[line]
     # the line ends in (start, start + size]: the first past half a chunk, else the last of them
@@ -173,17 +201,47 @@ def recital(tokenizer, lines: Lines, chunk: Chunk, ordinal: int, size: int) -> R
 
 
 @dataclass(frozen=True)
+class FactLine:
+    """The line a fact conversation's question is written from."""
+
+    start: int  # the teacher's token range of the context, [start, end)
+    end: int
+    text: str  # the line without its list marker
+
+
+def fact_line(tokenizer, lines: Lines, chunk: Chunk, ordinal: int, size: int) -> FactLine:
+    """The `ordinal`-th fact line of `chunk` (counting from 0): the chunk's lines in turn
+    (line_starts), each whole, or its first `size` tokens where it is longer."""
+    starts = line_starts(tokenizer, lines, chunk)
+    start = starts[ordinal % len(starts)]
+    end = min(lines.end_of(start), start + size)
+    return FactLine(start, end, LIST_MARKER.sub("", tokenizer.decode(lines.ids[start:end]).strip()))
+
+
+def fact_messages(line: str) -> list[dict]:
+    """What the teacher reads to write a fact question: each worked example as a user turn and
+    the assistant's question, then the line in the same words."""
+    messages = []
+    for sentence, question in FACT_EXAMPLES:
+        messages += [
+            {"role": "user", "content": FACT_ASK.format(line=sentence)},
+            {"role": "assistant", "content": question},
+        ]
+    return [*messages, {"role": "user", "content": FACT_ASK.format(line=line)}]
+
+
+@dataclass(frozen=True)
 class Seed:
     instruction: str  # what the teacher reads after the chunk
     opening: str  # what its reply starts with ("" for none)
 
 
 def kinds_of(settings: SelfStudySettings) -> dict[str, Seed]:
-    """Each kind the teacher writes for, with its instruction (seed_prompts overrides a built-in;
-    an unknown kind is refused by validate, spds/contract/checks.py) and opening; recite, which it
-    does not write for, is not among them."""
+    """Each kind the teacher writes for after an instruction, with it (seed_prompts overrides a
+    built-in; an unknown kind is refused by validate, spds/contract/checks.py) and its opening;
+    fact and recite, which have no instruction, are not among them."""
     prompts = {**SEED_PROMPTS, **settings.seed_prompts}
-    return {kind: Seed(prompts[kind], OPENINGS.get(kind, "")) for kind in settings.kinds if kind != RECITE}
+    return {kind: Seed(prompts[kind], OPENINGS.get(kind, "")) for kind in settings.kinds if kind not in UNINSTRUCTED}
 
 
 def plan(conversations: int, chunks: int, weights: dict[str, int], seed: int) -> list[tuple[int, str]]:
