@@ -173,10 +173,13 @@ def cmd_export(args) -> int:
 def cmd_init(args) -> int:
     from pathlib import Path
 
-    from spds.starter import init  # per verb
+    from spds.starter import default_recipe, init  # per verb
 
-    written = init(args.model, args.data, Path(args.out), args.context)
-    first = f"spds generate {written.name} (self-study), " if args.context else ""
+    if args.recipe and not args.context:
+        raise SpdsError("--recipe chooses the self-study recipe: it needs --context (the context to distill)")
+    recipe = (args.recipe or default_recipe()) if args.context else None
+    written = init(args.model, args.data, Path(args.out), args.context, recipe)
+    first = f"spds generate {written.name} (self-study, the {recipe.upper()} recipe), " if args.context else ""
     print(f"wrote {written} (validated); next: {first}spds pin {written.name}, spds prepare, spds smoke, spds train")
     return 0
 
@@ -211,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--context",
         help="a context file to distill from alone: the config has spds generate write DATA by self-study, "
         "with the measured recipe (docs/config.md)",
+    )
+    p.add_argument(
+        "--recipe",
+        choices=("cpu", "gpu"),
+        default=None,
+        help="with --context: the self-study recipe measured for training on a CPU (256 conversations, 64 "
+        "updates of 8) or a GPU (1,280 conversations, 128 updates of 128); default: gpu where a CUDA device "
+        "is visible, else cpu",
     )
     p.add_argument("--out", default="run.yaml", help="the config to write (default run.yaml; never overwritten)")
     p.set_defaults(run=cmd_init)

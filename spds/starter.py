@@ -59,20 +59,58 @@ FIELDS = [
 
 
 # What `spds init MODEL DATA --context FILE` writes: the best recipe measured on the real example
-# (docs/config.md: self-study; bench/RESULTS.md has what it carries and what it does not).
-SELF_STUDY_RECIPE = {
+# for the device it will train on (docs/config.md: self-study; bench/RESULTS.md has what each
+# carries and what it does not, and what it costs). The GPU's has ten times the conversations and
+# sixteen times the rows an update: there they cost minutes, on two CPU cores hours.
+SELF_STUDY_COMMON = {
     "soft_prompt": {"length": 128, "init": {"method": "context"}},
     "generate": {
         "questions": None,
-        "self_study": {"conversations": 256, "chunk_tokens": 64},
+        "self_study": {"chunk_tokens": 64},
         "samples_per_question": 1,
         "max_new_tokens": 96,
         "top_k_logprobs": 20,
     },
-    "loss": {"objective": "kl", "teacher": "top_k"},
-    "optim": {"updates": 64, "effective_batch": 8, "learning_rate": 0.01, "warmup_updates": 4, "schedule": "cosine"},
     "data": {"eval_fraction": 0.05},
 }
+SELF_STUDY_RECIPES = {
+    "cpu": {
+        "student": {"dtype": "float32"},  # as measured; a CPU without bf16 units runs fp32 faster too
+        "generate": {"self_study": {"conversations": 256}},
+        "loss": {"objective": "kl", "teacher": "top_k"},
+        "optim": {"updates": 64, "effective_batch": 8, "micro_batch": 8, "learning_rate": 0.01},
+    },
+    "gpu": {
+        "student": {"dtype": "bfloat16"},
+        "generate": {"self_study": {"conversations": 1280}},
+        "loss": {"objective": "mix", "teacher": "top_k"},
+        "optim": {"updates": 128, "effective_batch": 128, "micro_batch": 32, "learning_rate": 0.1},
+    },
+}
+SELF_STUDY_SCHEDULE = {"warmup_updates": 4, "schedule": "cosine", "min_lr_ratio": 0.1}
+
+
+def self_study_recipe(device: str) -> dict:
+    """SELF_STUDY_COMMON with the recipe of `device` (cpu or gpu) merged in, section by section."""
+    recipe = json.loads(json.dumps(SELF_STUDY_COMMON))
+    for section, chosen in SELF_STUDY_RECIPES[device].items():
+        for key, value in chosen.items():
+            if isinstance(value, dict):
+                recipe.setdefault(section, {}).setdefault(key, {}).update(value)
+            else:
+                recipe.setdefault(section, {})[key] = value
+    recipe["optim"].update(SELF_STUDY_SCHEDULE)
+    return recipe
+
+
+def default_recipe() -> str:
+    """gpu where this machine has a CUDA device, else cpu: where `spds init` runs is most often
+    where the run will."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
 SELF_STUDY_FIELDS = [
     ("soft_prompt", "init"),
     ("generate", "self_study"),
@@ -81,6 +119,7 @@ SELF_STUDY_FIELDS = [
     ("generate", "max_new_tokens"),
     ("generate", "top_k_logprobs"),
     ("loss", "teacher"),
+    ("optim", "min_lr_ratio"),
 ]
 
 
@@ -155,9 +194,10 @@ def render(values: dict, schema: dict, fields: list = FIELDS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def init(model: str, data: str, out: Path, context: str | None = None) -> Path:
+def init(model: str, data: str, out: Path, context: str | None = None, recipe: str | None = None) -> Path:
     """A starter config for MODEL and DATA; with `context`, for self-study: generate writes DATA
-    from the context alone, with the recipe SELF_STUDY_RECIPE holds."""
+    from the context alone, with the measured recipe for `recipe` (cpu or gpu; None:
+    default_recipe())."""
     out = Path(out).resolve()
     if out.exists():
         raise SpdsError(f"{out} exists: spds init never overwrites a config (choose another --out)")
@@ -165,8 +205,9 @@ def init(model: str, data: str, out: Path, context: str | None = None) -> Path:
     values = {key: {} for key in schema["properties"] if schema["properties"][key].get("type") == "object"}
     values.update(student={"model_path": model}, data={"candidates": [{"path": data}]}, output_dir="run")
     fields = FIELDS
+    recipe = (recipe or default_recipe()) if context is not None else None
     if context is not None:
-        for section, chosen in SELF_STUDY_RECIPE.items():
+        for section, chosen in self_study_recipe(recipe).items():
             values[section].update(chosen)
         values["context"] = {"file": context}
         values["generate"]["output"] = data
@@ -178,6 +219,13 @@ def init(model: str, data: str, out: Path, context: str | None = None) -> Path:
     values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = placement, kwargs
     as_json = out.suffix.lower() == ".json"
     text = render_json(values, fields) if as_json else render(values, schema, fields)
+    if recipe and not as_json:  # said after the header lines, before the fields
+        lines = text.split("\n")
+        said = (
+            f"# The self-study recipe for a {recipe.upper()} (spds init --recipe {recipe}), measured on a real "
+            "small model: docs/config.md, bench/RESULTS.md."
+        )
+        text = "\n".join([*lines[:2], said, *lines[2:]])
     # Checked as written, from a new file beside it (relative paths resolve alike; mkstemp: no
     # file of the user's is replaced or removed).
     descriptor, name = tempfile.mkstemp(prefix=".init-", suffix=".json" if as_json else ".yaml", dir=out.parent)

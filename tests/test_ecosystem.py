@@ -90,6 +90,24 @@ def test_init_with_a_context_writes_a_self_study_config_that_validates_before_ge
     check(spds(["validate", "run.yaml"], tiny))
     prepare = spds(["prepare", "run.yaml"], tiny)  # prepare reads the rows: not written yet, and named
     assert prepare.returncode == 1 and "rows.jsonl" in prepare.stderr, prepare.stderr
+    # Without --recipe, on a machine without a CUDA device: the CPU's measured recipe.
+    cpu = load_config(tiny / "run.yaml", check_pins=False, candidates="generate writes one").raw
+    assert "for a CPU (spds init --recipe cpu)" in (tiny / "run.yaml").read_text()
+    assert (cpu["generate"]["self_study"]["conversations"], cpu["optim"]["effective_batch"]) == (256, 8)
+    assert (cpu["loss"]["objective"], cpu["optim"]["learning_rate"], cpu["student"]["dtype"]) == ("kl", 0.01, "float32")
+    # --recipe gpu: the GPU's (docs/config.md), which validates here too (it is trained elsewhere).
+    written = check(
+        spds(["init", student, "rows.jsonl", "--context", "context.md", "--recipe", "gpu", "--out", "gpu.yaml"], tiny)
+    )
+    assert "the GPU recipe" in written.stdout
+    gpu = load_config(tiny / "gpu.yaml", check_pins=False, candidates="generate writes one").raw
+    assert (gpu["generate"]["self_study"]["conversations"], gpu["generate"]["self_study"]["chunk_tokens"]) == (1280, 64)
+    assert (gpu["optim"]["updates"], gpu["optim"]["effective_batch"], gpu["optim"]["learning_rate"]) == (128, 128, 0.1)
+    assert (gpu["loss"]["objective"], gpu["loss"]["teacher"], gpu["student"]["dtype"]) == ("mix", "top_k", "bfloat16")
+    check(spds(["validate", "gpu.yaml"], tiny))
+    alone = spds(["init", student, "rows.jsonl", "--recipe", "gpu", "--out", "other.yaml"], tiny)
+    assert alone.returncode != 0 and "--recipe" in alone.stderr and "--context" in alone.stderr
+    assert not (tiny / "other.yaml").exists()
 
 
 def test_parquet_and_a_saved_dataset_pack_exactly_as_the_jsonl_of_the_same_rows(tiny):
