@@ -177,7 +177,7 @@ def cmd_init(args) -> int:
 
     if args.recipe and not args.context:
         raise SpdsError("--recipe chooses the self-study recipe: it needs --context (the context to distill)")
-    recipe = (args.recipe or default_recipe()) if args.context else None
+    recipe = args.recipe or default_recipe()
     written = init(args.model, args.data, Path(args.out), args.context, recipe)
     first = f"spds generate {written.name} (self-study, the {recipe.upper()} recipe), " if args.context else ""
     print(f"wrote {written} (validated); next: {first}spds pin {written.name}, spds prepare, spds smoke, spds train")

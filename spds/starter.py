@@ -60,47 +60,39 @@ FIELDS = [
 
 # What `spds init MODEL DATA --context FILE` writes: the best recipe measured on the real example
 # for the device it will train on (docs/config.md: self-study; bench/RESULTS.md has what each
-# carries and what it does not, and what it costs). The GPU's has ten times the conversations and
+# carries and what it does not, and what it costs). The GPU's has five times the conversations and
 # sixteen times the rows an update: there they cost minutes, on two CPU cores hours.
-SELF_STUDY_COMMON = {
-    "soft_prompt": {"length": 128, "init": {"method": "context"}},
-    "generate": {
-        "questions": None,
-        "self_study": {"chunk_tokens": 64},
-        "samples_per_question": 1,
-        "max_new_tokens": 96,
-        "top_k_logprobs": 20,
-    },
-    "data": {"eval_fraction": 0.05},
+SELF_STUDY_RECIPES = {  # device -> what differs between the two
+    "cpu": dict(dtype="float32", conversations=256, objective="kl", updates=64, rows=8, micro_batch=8, lr=0.01),
+    "gpu": dict(dtype="bfloat16", conversations=1280, objective="mix", updates=128, rows=128, micro_batch=32, lr=0.1),
 }
-SELF_STUDY_RECIPES = {
-    "cpu": {
-        "student": {"dtype": "float32"},  # as measured; a CPU without bf16 units runs fp32 faster too
-        "generate": {"self_study": {"conversations": 256}},
-        "loss": {"objective": "kl", "teacher": "top_k"},
-        "optim": {"updates": 64, "effective_batch": 8, "micro_batch": 8, "learning_rate": 0.01},
-    },
-    "gpu": {
-        "student": {"dtype": "bfloat16"},
-        "generate": {"self_study": {"conversations": 1280}},
-        "loss": {"objective": "mix", "teacher": "top_k"},
-        "optim": {"updates": 128, "effective_batch": 128, "micro_batch": 32, "learning_rate": 0.1},
-    },
-}
-SELF_STUDY_SCHEDULE = {"warmup_updates": 4, "schedule": "cosine", "min_lr_ratio": 0.1}
 
 
 def self_study_recipe(device: str) -> dict:
-    """SELF_STUDY_COMMON with the recipe of `device` (cpu or gpu) merged in, section by section."""
-    recipe = json.loads(json.dumps(SELF_STUDY_COMMON))
-    for section, chosen in SELF_STUDY_RECIPES[device].items():
-        for key, value in chosen.items():
-            if isinstance(value, dict):
-                recipe.setdefault(section, {}).setdefault(key, {}).update(value)
-            else:
-                recipe.setdefault(section, {})[key] = value
-    recipe["optim"].update(SELF_STUDY_SCHEDULE)
-    return recipe
+    """The config sections of the recipe for `device` (cpu or gpu)."""
+    r = SELF_STUDY_RECIPES[device]
+    return {
+        "student": {"dtype": r["dtype"]},  # the CPU's fp32 as measured (a CPU without bf16 units runs it faster too)
+        "soft_prompt": {"length": 128, "init": {"method": "context"}},
+        "generate": {
+            "questions": None,
+            "self_study": {"conversations": r["conversations"], "chunk_tokens": 64},
+            "samples_per_question": 1,
+            "max_new_tokens": 96,
+            "top_k_logprobs": 20,
+        },
+        "loss": {"objective": r["objective"], "teacher": "top_k"},
+        "optim": {
+            "updates": r["updates"],
+            "effective_batch": r["rows"],
+            "micro_batch": r["micro_batch"],
+            "learning_rate": r["lr"],
+            "warmup_updates": 4,
+            "schedule": "cosine",
+            "min_lr_ratio": 0.1,
+        },
+        "data": {"eval_fraction": 0.05},
+    }
 
 
 def default_recipe() -> str:
@@ -162,10 +154,11 @@ def comment(schema_field: dict) -> str:
     return f"  # {first}" if first else ""
 
 
-def render(values: dict, schema: dict, fields: list = FIELDS) -> str:
+def render(values: dict, schema: dict, fields: list = FIELDS, note: str | None = None) -> str:
     lines = [
         "# spds config written by `spds init`: every field, type and default is in schemas/config.schema.json.",
         "# Relative paths resolve against this file's directory. Check it with `spds validate`.",
+        *([note] if note else []),
     ]
     current = None
     for section, name in sorted(fields, key=lambda field: SECTION_ORDER.index(field[0])):
@@ -194,23 +187,25 @@ def render(values: dict, schema: dict, fields: list = FIELDS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def init(model: str, data: str, out: Path, context: str | None = None, recipe: str | None = None) -> Path:
+def init(model: str, data: str, out: Path, context: str | None = None, recipe: str = "cpu") -> Path:
     """A starter config for MODEL and DATA; with `context`, for self-study: generate writes DATA
-    from the context alone, with the measured recipe for `recipe` (cpu or gpu; None:
-    default_recipe())."""
+    from the context alone, with the measured recipe for `recipe` (cpu or gpu)."""
     out = Path(out).resolve()
     if out.exists():
         raise SpdsError(f"{out} exists: spds init never overwrites a config (choose another --out)")
     schema = load_schema("config")
     values = {key: {} for key in schema["properties"] if schema["properties"][key].get("type") == "object"}
     values.update(student={"model_path": model}, data={"candidates": [{"path": data}]}, output_dir="run")
-    fields = FIELDS
-    recipe = (recipe or default_recipe()) if context is not None else None
+    fields, note = FIELDS, None
     if context is not None:
         for section, chosen in self_study_recipe(recipe).items():
             values[section].update(chosen)
         values["context"] = {"file": context}
         values["generate"]["output"] = data
+        note = (
+            f"# The self-study recipe for a {recipe.upper()} (spds init --recipe {recipe}), measured on a real "
+            "small model: docs/config.md, bench/RESULTS.md."
+        )
         fields = FIELDS + [field for field in SELF_STUDY_FIELDS if field not in FIELDS]
     apply_defaults(values, schema)
     placement, kwargs, tokenizer = template_choices(model, out.parent)
@@ -218,14 +213,7 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
         chat_rows_need_a_template(out.parent / Path(data).expanduser())
     values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = placement, kwargs
     as_json = out.suffix.lower() == ".json"
-    text = render_json(values, fields) if as_json else render(values, schema, fields)
-    if recipe and not as_json:  # said after the header lines, before the fields
-        lines = text.split("\n")
-        said = (
-            f"# The self-study recipe for a {recipe.upper()} (spds init --recipe {recipe}), measured on a real "
-            "small model: docs/config.md, bench/RESULTS.md."
-        )
-        text = "\n".join([*lines[:2], said, *lines[2:]])
+    text = render_json(values, fields) if as_json else render(values, schema, fields, note)
     # Checked as written, from a new file beside it (relative paths resolve alike; mkstemp: no
     # file of the user's is replaced or removed).
     descriptor, name = tempfile.mkstemp(prefix=".init-", suffix=".json" if as_json else ".yaml", dir=out.parent)

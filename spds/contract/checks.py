@@ -13,7 +13,7 @@ from spds.contract.pins import pins_path
 from spds.contract.schema import describe_errors
 from spds.errors import SpdsError
 from spds.fsio import read_json
-from spds.generation.self_study import BUILT_IN_KINDS, FACT, RECITE
+from spds.generation.self_study import BUILT_IN_KINDS, UNINSTRUCTED
 
 
 def model_directory_problems(key: str, path: Path, needs: tuple[str, ...]) -> list[str]:
@@ -242,11 +242,7 @@ def context_problems(config: Config) -> list[str]:
             f"generate.self_study.kinds: {', '.join(unknown)}: no such seed kind; the built-in ones are "
             f"{', '.join(BUILT_IN_KINDS)}, and generate.self_study.seed_prompts adds your own"
         )
-    why_uninstructed = {
-        RECITE: "its answer is the context's own text, asked for from a line's first words",
-        FACT: "the teacher writes its question from one line after built-in worked examples",
-    }
-    for kind, why in why_uninstructed.items():
+    for kind, why in UNINSTRUCTED.items():
         if study is not None and kind in study.seed_prompts:
             problems.append(
                 f"generate.self_study.seed_prompts.{kind}: {kind} has no instruction: {why}; name your own kind instead"

@@ -100,7 +100,10 @@ RECITAL_ASKS = [
     'Repeat the part of the document that begins "{start}".',
 ]
 RECITAL_START_WORDS = 4  # the words of a line's start that a recital's question quotes
-UNINSTRUCTED = (FACT, RECITE)  # built-in kinds with no instruction that seed_prompts could reword
+UNINSTRUCTED = {  # built-in kinds with no instruction that seed_prompts could reword, and why
+    FACT: "the teacher writes its question from one line after built-in worked examples",
+    RECITE: "its answer is the context's own text, asked for from a line's first words",
+}
 BUILT_IN_KINDS = [*SEED_PROMPTS, *UNINSTRUCTED]
 
 
