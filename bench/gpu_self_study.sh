@@ -12,7 +12,8 @@
 #   rows: s, the rows spds generate wrote (the only choice since its recite kind replaced
 #   bench/recital_rows.py, whose r/sr/sr8 rows the LOG's earlier commands name at their commits);
 #   seed: optim.seed (the order rows are drawn in), OPTIM_SEED by default; more: further config
-#   keys, `section.key=JSON` separated by `;` (optim.min_lr_ratio=0). MICRO_BATCH caps
+#   keys, `section.key=JSON` separated by `;` (optim.min_lr_ratio=0; a key may be deeper:
+#   generate.self_study.temperatures={}). GENERATE_MORE: the same for generate's config. MICRO_BATCH caps
 #   optim.micro_batch (the same update in fewer rows at once: less GPU memory a training); DTYPE
 #   sets the trainings' student.dtype (run.json's float32 by default, the CPU's; generate keeps
 #   run.json's, so the rows stay those written before). AVERAGE=K also measures the mean of the
@@ -71,12 +72,15 @@ if int(os.environ["AVERAGE"]):
     config["checkpoint"] = {"every": int(os.environ["AVERAGE_EVERY"]), "keep_last": int(os.environ["AVERAGE"])}
 for item in filter(None, more.split(";")):
     key, value = item.split("=", 1)
-    section, field = key.split(".")
-    config.setdefault(section, {})[field] = json.loads(value)
+    *path, field = key.split(".")
+    section = config
+    for name in path:
+        section = section.setdefault(name, {})
+    section[field] = json.loads(value)
 json.dump(config, open(f"{work}/{name}.json", "w"), indent=1)
 PY
 }
-write_config generate kl top_k context 128 0.01 128 16 0 s 0 ""
+write_config generate kl top_k context 128 0.01 128 16 0 s 0 "${GENERATE_MORE:-}"
 began=$(date +%s)
 python3 -m spds.cli generate "$work/generate.json" 2>&1 | grep -E "^(start-up|wrote|coverage|[0-9.]+ s for)"
 echo "generate: $(( $(date +%s) - began )) s"

@@ -12,7 +12,7 @@ from test_families import FAMILIES, save_family
 from transformers import AutoModelForCausalLM
 
 from spds.errors import SpdsError
-from spds.generation.decode import Decoder, common_prefix
+from spds.generation.decode import Decoder, common_prefix, pick
 from spds.generation.generate import load_teacher
 
 END = 1
@@ -73,7 +73,10 @@ def test_every_steps_logits_equal_transformers_forward(saved, family, monkeypatc
     model = load_teacher(saved[family], "float32", torch.device("cpu"))
     plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32, attn_implementation="eager")
     seen = []
-    monkeypatch.setattr(spds.generation.decode, "pick", lambda logits, *_: seen.append(logits) or logits.argmax(dim=-1))
+    original = spds.generation.decode.pick
+    monkeypatch.setattr(
+        spds.generation.decode, "pick", lambda logits, *a: seen.append(logits.clone()) or original(logits, *a)
+    )
     batch = prompts(torch.Generator().manual_seed(4))
     answers = Decoder(model, [END], pad_id=0).answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
     worst = 0.0
@@ -191,6 +194,45 @@ def test_sampling_is_the_same_for_a_seed_and_the_prefix_is_the_batchs_own(saved)
     assert first == second and first != other
     assert all(a[-1] == END and END not in a[:-1] for a in first)  # every answer ends once, at its end
     assert common_prefix(batch) == 40 and common_prefix([[3, 4], [3, 4]]) == 1  # each keeps its last token
+
+
+def test_a_sampled_token_is_torch_multinomials_draw():
+    """pick samples without torch.multinomial's checks (two passes over the floats a step), and
+    draws what it would draw: the same generator, consumed the same way, gives the same tokens,
+    step after step (a nucleus included)."""
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(0)) * 4
+    for temperature, top_p in [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9)]:
+        ours, theirs = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        probabilities = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1:  # the nucleus, as transformers' TopPLogitsWarper keeps it
+            ordered, order = probabilities.sort(dim=-1, descending=True)
+            kept = ordered.cumsum(dim=-1) - ordered < top_p
+            probabilities = torch.zeros_like(probabilities).scatter_(-1, order, ordered * kept)
+        for _ in range(3):
+            expected = torch.multinomial(probabilities, 1, generator=theirs)[:, 0]
+            assert torch.equal(pick(logits, temperature, top_p, ours)[0], expected)
+
+
+def test_each_prompt_samples_at_its_own_temperature(saved):
+    """A list of temperatures: a prompt at 0 gets its greedy answer, and the others the answers
+    they get when the whole batch samples at theirs (the random numbers are drawn for every row)."""
+    model = load_teacher(saved["qwen3"], "float32", torch.device("cpu"))
+    batch = prompts(torch.Generator().manual_seed(5))
+    mixed = Decoder(model, [END], 0).answer(batch, 16, temperature=[0.0, 1.0, 0.0, 1.0], top_p=1.0, seed=7)
+    greedy = Decoder(model, [END], 0).answer(batch, 16, temperature=0.0, top_p=1.0, seed=7)
+    sampled = Decoder(model, [END], 0).answer(batch, 16, temperature=1.0, top_p=1.0, seed=7)
+    assert greedy != sampled
+    assert mixed == [greedy[0], sampled[1], greedy[2], sampled[3]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logits_that_are_not_finite_stop_the_batch_with_a_message(saved, temperature):
+    model = load_teacher(saved["qwen3"], "float32", torch.device("cpu"))
+    with torch.no_grad():
+        model.lm_head.weight[5] = float("nan")  # one token's logit NaN: softmax makes every probability NaN
+    batch = prompts(torch.Generator().manual_seed(5))
+    with pytest.raises(SpdsError, match="logits are not finite"):
+        Decoder(model, [END], 0).answer(batch, 4, temperature=temperature, top_p=1.0, seed=7)
 
 
 @pytest.mark.numeric  # rerun under ATEN_CPU_CAPABILITY avx2 and default (make test): other CPUs' kernels

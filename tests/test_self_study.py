@@ -215,6 +215,18 @@ def test_self_study_is_deterministic_resumes_without_loss_or_duplicates_and_reco
             dict(generate={"questions": None, "self_study": {"conversations": 4, "seed_prompts": {"fact": "Ask."}}}),
             "seed_prompts.fact",
         ),
+        (
+            dict(generate={"questions": None, "self_study": {"conversations": 4, "temperatures": {"recite": 0}}}),
+            "temperatures.recite",
+        ),
+        (
+            dict(generate={"questions": None, "self_study": {"conversations": 4, "temperatures": {"riddle": 0}}}),
+            "temperatures: riddle",
+        ),
+        (
+            dict(generate={"questions": None, "self_study": {"conversations": 4, "temperatures": {"fact": -1}}}),
+            "temperatures",
+        ),
     ],
 )
 def test_validate_refuses_self_study_settings_that_cannot_work_naming_the_key(study_dir, sections, named):
@@ -295,3 +307,41 @@ def test_recite_rows_answer_with_the_contexts_own_lines_and_carry_the_teachers_t
     output.write_bytes(b"".join(lines[:7]) + lines[7][:30])
     check(spds(["generate", "config.json"], study_dir))
     assert output.read_bytes() == first
+
+
+@pytest.mark.slow
+def test_a_kind_at_temperature_0_is_answered_greedily_and_the_others_sample_as_before(study_dir, tmp_path_factory):
+    """generate.self_study.temperatures: the fact kind at 0 (the default) gets the teacher's most
+    likely answer, as transformers' greedy generate gives it with the context; the detail kind's
+    rows are the ones a run with no kind temperatures samples, byte for byte."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    study = {"conversations": 6, "chunk_tokens": 64, "kinds": {"fact": 1, "detail": 1}}
+    edit_config(study_dir, student={"dtype": "float32"}, context={"text": SHEET}, generate={"self_study": study})
+    check(spds(["generate", "config.json"], study_dir))
+    rows = [json.loads(line) for line in (study_dir / "generated.jsonl").read_text().splitlines()]
+    other = tmp_path_factory.mktemp("sampled")
+    shutil.copy(study_dir / "config.json", other / "config.json")
+    edit_config(other, generate={"self_study": dict(study, temperatures={})})
+    check(spds(["generate", "config.json"], other))
+    sampled = [json.loads(line) for line in (other / "generated.jsonl").read_text().splitlines()]
+    student = json.loads((study_dir / "config.json").read_text())["student"]["model_path"]
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    plain = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32, attn_implementation="eager")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    facts = [r for r in rows if r["self_study"]["kind"] == "fact"]
+    assert len(facts) == 6  # 3 conversations, 2 samples each
+    for row, again in zip(rows, sampled):
+        answer = row["input_ids"][row["prefix_tokens"] :]
+        if row["self_study"]["kind"] == "detail":
+            assert row == again
+            continue
+        messages = [{"role": "system", "content": SHEET}, {"role": "user", "content": row["self_study"]["question"]}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        greedy = plain.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=[end]
+        )[0, len(prompt) :].tolist()
+        # the answer's tokens are greedy's, up to an end token (a cut answer's is appended)
+        assert answer[:-1] == greedy[: len(answer) - 1] and end not in answer[:-1]
+    assert any(r != a for r, a in zip(facts, (a for a in sampled if a["self_study"]["kind"] == "fact")))

@@ -14,19 +14,48 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import spds.generation.decode
-from spds.generation.decode import BatchCache, Decoder
+from spds.generation.decode import BatchCache, Decoder, pick
 from spds.generation.generate import load_teacher
 from spds.kernels.shared_keys import own_keys_step
 
 FAMILIES = {k: v for k, v in json.loads(Path("tests/fixtures/models/families.json").read_text()).items() if k[0] != "_"}
 END, VOCAB = 1, 300
 torch.backends.cuda.matmul.allow_tf32 = False  # the reference in full fp32
+
+
+def check_pick() -> list:
+    """The decoder's sampling (decode.pick: torch.multinomial's exponential race without its host
+    sync) against torch.multinomial itself on CUDA, at a real vocabulary and many rows: the same
+    generator gives the same tokens, step after step; and the time of one pick against
+    softmax and multinomial's (with its checks: two more passes over the floats)."""
+    failed = []
+    logits = torch.randn(256, 151936, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 4
+    ours, theirs = torch.Generator("cuda").manual_seed(1), torch.Generator("cuda").manual_seed(1)
+    for step in range(4):
+        expected = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=theirs)[:, 0]
+        if not torch.equal(pick(logits, 1.0, 1.0, ours)[0], expected):
+            failed.append(("pick", step))
+    seconds = {}
+    for name, run in [
+        ("multinomial", lambda: torch.multinomial(torch.softmax(logits / 1.0, dim=-1), 1, generator=theirs)),
+        ("pick", lambda: pick(logits, 1.0, 1.0, ours)),
+    ]:
+        run()
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(100):
+            run()
+        torch.cuda.synchronize()
+        seconds[name] = round((time.perf_counter() - began) * 10, 4)  # ms a call
+    print(json.dumps(dict(pick_equals_multinomial=not failed, ms_per_call_256x151936=seconds)))
+    return failed
 
 
 def check_own_keys() -> list:
@@ -96,7 +125,7 @@ def main() -> int:
     generator = torch.Generator().manual_seed(4)
     shared = torch.randint(2, VOCAB, (40,), generator=generator).tolist()
     batch = [shared + torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (5, 1, 9, 3)]
-    failed = check_own_keys()
+    failed = check_own_keys() + check_pick()
     with tempfile.TemporaryDirectory() as root:
         for family, entry in FAMILIES.items():
             fields = dict(entry["config"])
@@ -120,8 +149,8 @@ def main() -> int:
             runs = [("float32", False), ("bfloat16", False)] + ([("bfloat16", True)] if fa4_imports() else [])
             for dtype, fa4 in runs:
                 model = load_teacher(Path(root) / family, dtype, torch.device("cuda"))
-                seen = []
-                spds.generation.decode.pick = lambda logits, *_: seen.append(logits) or logits.argmax(dim=-1)
+                seen = []  # each step's logits, copied: a graph's output buffer is overwritten by the next step
+                spds.generation.decode.pick = lambda logits, *a: seen.append(logits.clone()) or pick(logits, *a)
                 decoder = Decoder(model, [END], pad_id=0, fa4=fa4)
                 answers = decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
                 worst = theirs = 0.0

@@ -13,7 +13,7 @@ from spds.contract.pins import pins_path
 from spds.contract.schema import describe_errors
 from spds.errors import SpdsError
 from spds.fsio import read_json
-from spds.generation.self_study import BUILT_IN_KINDS, UNINSTRUCTED
+from spds.generation.self_study import BUILT_IN_KINDS, RECITE, UNINSTRUCTED
 
 
 def model_directory_problems(key: str, path: Path, needs: tuple[str, ...]) -> list[str]:
@@ -241,6 +241,17 @@ def context_problems(config: Config) -> list[str]:
         problems.append(
             f"generate.self_study.kinds: {', '.join(unknown)}: no such seed kind; the built-in ones are "
             f"{', '.join(BUILT_IN_KINDS)}, and generate.self_study.seed_prompts adds your own"
+        )
+    named = sorted(set(study.temperatures) - set(BUILT_IN_KINDS) - set(study.seed_prompts)) if study else []
+    if named:
+        problems.append(
+            f"generate.self_study.temperatures: {', '.join(named)}: no such seed kind; the built-in ones are "
+            f"{', '.join(BUILT_IN_KINDS)}, and generate.self_study.seed_prompts adds your own"
+        )
+    if study is not None and RECITE in study.temperatures:
+        problems.append(
+            f"generate.self_study.temperatures.{RECITE}: a recital's answer is the context's own text: the "
+            "teacher samples none; remove the key"
         )
     for kind, why in UNINSTRUCTED.items():
         if study is not None and kind in study.seed_prompts:

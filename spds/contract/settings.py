@@ -162,6 +162,7 @@ class SelfStudySettings:
     chunk_tokens: int
     kinds: dict  # seed kind -> weight
     seed_prompts: dict  # seed kind -> the instruction the teacher reads
+    temperatures: dict  # seed kind -> the teacher's temperature for its answers
     question_max_tokens: int
 
 

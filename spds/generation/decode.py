@@ -141,7 +141,7 @@ class Decoder:
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
     def answer(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float | list[float], top_p: float, seed: int
     ) -> list[list[int]]:
         """Each prompt's answer ids: up to and including its first end token, or max_new_tokens
         ids with an end token appended (a cut answer is closed, as spds's rows must end)."""
@@ -152,7 +152,7 @@ class Decoder:
         self,
         prompts: list[list[int]],
         max_new_tokens: int,
-        temperature: float,
+        temperature: float | list[float],
         top_p: float,
         seed: int,
         k: int,
@@ -160,7 +160,8 @@ class Decoder:
     ) -> tuple[list[list[int]], list[dict] | None]:
         """`answer`'s ids and, with k > 0, each answer's top-k: at every answer token, the k most
         likely next tokens of the logits it was picked from and their log-probabilities at
-        temperature 1 (dict(ids=[[k ids] per token], logprobs=[[k floats] per token])). A cut
+        temperature 1 (dict(ids=[[k ids] per token], logprobs=[[k floats] per token])).
+        `temperature`: one for every prompt, or a list of one per prompt (`pick`). A cut
         answer's closing end token was never picked: one more step gives its logits. Taken from
         the decode step's own logits, so an offline teacher's targets cost no second pass.
         `prefix_embeds` ([n, hidden], the model's dtype): a shared prefix given as input embeddings
@@ -175,11 +176,16 @@ class Decoder:
         answers = torch.full((rows, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         top = TopK(rows, max_new_tokens + 1, k, device) if k else None
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
+        finite = torch.ones(rows, dtype=torch.bool, device=device)  # every pick was made from finite numbers
         ends = torch.tensor(self.end_ids, device=device)
+        if not isinstance(temperature, (int, float)):
+            temperature = torch.tensor(temperature, dtype=torch.float32, device=device)
         for number in range(max_new_tokens):
             if top:
                 top.keep(number, logits)
-            token = torch.where(ended, self.pad_id, pick(logits, temperature, top_p, generator))
+            picked, picked_finite = pick(logits, temperature, top_p, generator)
+            finite &= ended | picked_finite
+            token = torch.where(ended, self.pad_id, picked)
             answers[:, number] = token
             ended |= torch.isin(token, ends)
             if number + 1 == max_new_tokens or (number % 8 == 7 and bool(ended.all())):  # a host sync every 8 steps
@@ -187,6 +193,11 @@ class Decoder:
             logits = step(token)
         if top and number + 1 == max_new_tokens and not bool(ended.all()):  # the cut answers' closing end token
             top.keep(number + 1, step(token))
+        if not bool(finite.all()):  # read once a batch: a check at every step would stall the queue
+            raise SpdsError(
+                "the model's logits are not finite (inf or NaN) where the decoder picked a token: its weights "
+                "or its dtype cannot run this model (try student.dtype float32)"
+            )
         result = []
         for row in answers.tolist():
             end = next((i for i, t in enumerate(row) if t in self.end_ids), None)
@@ -411,13 +422,15 @@ class Step:
         return self.decoder.run(self.token[:, None], queries, masks, self.cache)[:, -1]
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        """The next logits after `token`: read them before the next call, which overwrites a
+        graph's output buffer in place (no copy of [rows, vocabulary] floats a step)."""
         self.token.copy_(token)
         if self.capture:
             self.capture = False
             self.graph = captured(self)
         if self.graph is not None:
             self.graph.replay()
-            logits = self.logits.clone()  # the graph's output buffer is overwritten by the next replay
+            logits = self.logits
         else:
             logits = self.compute()
         self.next_position += 1
@@ -483,18 +496,43 @@ def free_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
-def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+def pick(
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The next token of each row: the most likely (temperature 0), or sampled at `temperature`
-    from the smallest set of tokens whose probability reaches `top_p` (nucleus sampling)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    probabilities = torch.softmax(logits / temperature, dim=-1)
+    from the smallest set of tokens whose probability reaches `top_p` (nucleus sampling); and
+    whether each row's pick was made from finite numbers (NaN or inf logits make none).
+    `temperature` a tensor [rows]: each row's own, a row at 0 taking its most likely token; the
+    random numbers are drawn for every row alike, so a row samples what it would beside any others."""
+    per_row = isinstance(temperature, torch.Tensor)
+    greedy = logits.argmax(dim=-1)
+    if not per_row and temperature <= 0:
+        return greedy, picked_value(logits, greedy).isfinite()
+    if per_row:
+        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    else:
+        scaled = logits if temperature == 1 else logits / temperature  # x / 1 is x: no copy
+    probabilities = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         ordered, order = probabilities.sort(dim=-1, descending=True)
         before = ordered.cumsum(dim=-1) - ordered  # the mass of the more likely tokens
         ordered = ordered.masked_fill(before >= top_p, 0.0)  # the first token always stays
         probabilities = torch.zeros_like(probabilities).scatter_(-1, order, ordered)
-    return torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+    # torch.multinomial(probabilities, 1)'s own draw (an exponential race: the same generator
+    # consumed the same way, the same tokens), without its checks: two more passes over the
+    # [rows, vocabulary] floats at every step (their min and max, their row sums) and the
+    # asserts after them. The winner's value stands in for them (a row with a NaN or inf logit
+    # is NaN throughout after softmax), read by the caller once a batch.
+    race = probabilities.div_(torch.empty_like(probabilities).exponential_(generator=generator))
+    sampled = race.argmax(dim=-1)
+    finite = picked_value(race, sampled).isfinite()
+    if not per_row:
+        return sampled, finite
+    return torch.where(temperature > 0, sampled, greedy), finite & picked_value(logits, greedy).isfinite()
+
+
+def picked_value(values: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    return values.gather(1, picked[:, None])[:, 0]
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):

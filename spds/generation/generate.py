@@ -268,13 +268,16 @@ class Asking:
     template_kwargs: dict
 
     def answer(self, batch: list[dict], seed: int) -> list[Turn]:
-        """The teacher's answer to each request; a response ends at the first end token, which is
-        kept (spds/generation/decode.py)."""
+        """The teacher's answer to each request, at the request's own `temperature` where it has
+        one (a self-study kind's), else generate.temperature; a response ends at the first end
+        token, which is kept (spds/generation/decode.py)."""
         asked = [with_context(r["messages"], self.context, self.context_in_user_turn) for r in batch]
         prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
         sampling = self.settings
+        temperatures = [r.get("temperature", sampling.temperature) for r in batch]
+        temperature = temperatures[0] if len(set(temperatures)) == 1 else temperatures
         answers, tops = self.decoder.answer_with_top_k(
-            prompts, sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed, sampling.top_k_logprobs
+            prompts, sampling.max_new_tokens, temperature, sampling.top_p, seed, sampling.top_k_logprobs
         )
         return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
 
@@ -317,7 +320,9 @@ class Asking:
                 conversation_through(batch[i]["messages"], turn, [t.response for t in asked[i]], self.tokenizer)
                 for i in active
             ]
-            answered = self.answer([dict(messages=c) for c in conversations], seed + turn * TURN_SEED_STRIDE)
+            answered = self.answer(
+                [dict(batch[i], messages=c) for i, c in zip(active, conversations)], seed + turn * TURN_SEED_STRIDE
+            )
             for i, answer in zip(active, answered):
                 asked[i].append(answer)
         return asked
@@ -473,6 +478,8 @@ class SelfStudy:
             if kind == FACT:
                 line = self.fact_line(i)
                 recorded["line"] = [line.start, line.end]
+            if kind in self.settings.temperatures:
+                given["temperature"] = self.settings.temperatures[kind]
             requests.append(dict(request, messages=message, self_study=recorded, **given))
         return requests
 
