@@ -74,8 +74,8 @@ for item in filter(None, more.split(";")):
     key, value = item.split("=", 1)
     *path, field = key.split(".")
     section = config
-    for name in path:
-        section = section.setdefault(name, {})
+    for part in path:
+        section = section.setdefault(part, {})
     section[field] = json.loads(value)
 json.dump(config, open(f"{work}/{name}.json", "w"), indent=1)
 PY

@@ -311,19 +311,20 @@ def test_recite_rows_answer_with_the_contexts_own_lines_and_carry_the_teachers_t
 
 @pytest.mark.slow
 def test_a_kind_at_temperature_0_is_answered_greedily_and_the_others_sample_as_before(study_dir, tmp_path_factory):
-    """generate.self_study.temperatures: the fact kind at 0 (the default) gets the teacher's most
-    likely answer, as transformers' greedy generate gives it with the context; the detail kind's
-    rows are the ones a run with no kind temperatures samples, byte for byte."""
+    """generate.self_study.temperatures: the fact kind at 0 gets the teacher's most likely answer,
+    as transformers' greedy generate gives it with the context; the detail kind's rows are the
+    ones a run with no kind temperatures samples, byte for byte."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     study = {"conversations": 6, "chunk_tokens": 64, "kinds": {"fact": 1, "detail": 1}}
-    edit_config(study_dir, student={"dtype": "float32"}, context={"text": SHEET}, generate={"self_study": study})
+    greedy_facts = dict(study, temperatures={"fact": 0})
+    edit_config(study_dir, student={"dtype": "float32"}, context={"text": SHEET}, generate={"self_study": greedy_facts})
     check(spds(["generate", "config.json"], study_dir))
     rows = [json.loads(line) for line in (study_dir / "generated.jsonl").read_text().splitlines()]
     other = tmp_path_factory.mktemp("sampled")
     shutil.copy(study_dir / "config.json", other / "config.json")
-    edit_config(other, generate={"self_study": dict(study, temperatures={})})
+    edit_config(other, generate={"self_study": study})
     check(spds(["generate", "config.json"], other))
     sampled = [json.loads(line) for line in (other / "generated.jsonl").read_text().splitlines()]
     student = json.loads((study_dir / "config.json").read_text())["student"]["model_path"]
