@@ -236,18 +236,13 @@ def context_problems(config: Config) -> list[str]:
         if used and not has_context:
             problems.append(f"{key}: {why}, and the config has none: set context.file or context.text")
     study = config.generate.self_study
-    unknown = sorted(set(study.kinds) - set(BUILT_IN_KINDS) - set(study.seed_prompts)) if study else []
-    if unknown:
-        problems.append(
-            f"generate.self_study.kinds: {', '.join(unknown)}: no such seed kind; the built-in ones are "
-            f"{', '.join(BUILT_IN_KINDS)}, and generate.self_study.seed_prompts adds your own"
-        )
-    named = sorted(set(study.temperatures) - set(BUILT_IN_KINDS) - set(study.seed_prompts)) if study else []
-    if named:
-        problems.append(
-            f"generate.self_study.temperatures: {', '.join(named)}: no such seed kind; the built-in ones are "
-            f"{', '.join(BUILT_IN_KINDS)}, and generate.self_study.seed_prompts adds your own"
-        )
+    for key, kinds in (("kinds", study.kinds), ("temperatures", study.temperatures)) if study else ():
+        unknown = sorted(set(kinds) - set(BUILT_IN_KINDS) - set(study.seed_prompts))
+        if unknown:
+            problems.append(
+                f"generate.self_study.{key}: {', '.join(unknown)}: no such seed kind; the built-in ones are "
+                f"{', '.join(BUILT_IN_KINDS)}, and generate.self_study.seed_prompts adds your own"
+            )
     if study is not None and RECITE in study.temperatures:
         problems.append(
             f"generate.self_study.temperatures.{RECITE}: a recital's answer is the context's own text: the "

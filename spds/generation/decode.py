@@ -178,8 +178,9 @@ class Decoder:
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
         finite = torch.ones(rows, dtype=torch.bool, device=device)  # every pick was made from finite numbers
         ends = torch.tensor(self.end_ids, device=device)
-        if not isinstance(temperature, (int, float)):
-            temperature = torch.tensor(temperature, dtype=torch.float32, device=device)
+        if not isinstance(temperature, (int, float)):  # one per prompt: a tensor only where they differ
+            one = len(set(temperature)) == 1
+            temperature = temperature[0] if one else torch.tensor(temperature, dtype=torch.float32, device=device)
         for number in range(max_new_tokens):
             if top:
                 top.keep(number, logits)
@@ -505,8 +506,8 @@ def pick(
     `temperature` a tensor [rows]: each row's own, a row at 0 taking its most likely token; the
     random numbers are drawn for every row alike, so a row samples what it would beside any others."""
     per_row = isinstance(temperature, torch.Tensor)
-    greedy = logits.argmax(dim=-1)
     if not per_row and temperature <= 0:
+        greedy = logits.argmax(dim=-1)
         return greedy, picked_value(logits, greedy).isfinite()
     if per_row:
         scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
@@ -528,6 +529,7 @@ def pick(
     finite = picked_value(race, sampled).isfinite()
     if not per_row:
         return sampled, finite
+    greedy = logits.argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy), finite & picked_value(logits, greedy).isfinite()
 
 

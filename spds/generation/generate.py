@@ -275,9 +275,8 @@ class Asking:
         prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
         sampling = self.settings
         temperatures = [r.get("temperature", sampling.temperature) for r in batch]
-        temperature = temperatures[0] if len(set(temperatures)) == 1 else temperatures
         answers, tops = self.decoder.answer_with_top_k(
-            prompts, sampling.max_new_tokens, temperature, sampling.top_p, seed, sampling.top_k_logprobs
+            prompts, sampling.max_new_tokens, temperatures, sampling.top_p, seed, sampling.top_k_logprobs
         )
         return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
 
@@ -454,7 +453,8 @@ class SelfStudy:
     def asked(self, batch: list[dict], asking: Asking, end_ids: list[int]) -> list[dict]:
         """The batch's requests with their user message (and what the row records of it); a
         recital's with its answer too (`response`: the recited text as the student's chat template
-        renders an answer, through its end-of-turn token)."""
+        renders an answer, through its end-of-turn token), a kind's of
+        generate.self_study.temperatures with its `temperature`."""
         for number in sorted({r["conversation"] // self.batch_size for r in batch}):
             if number * self.batch_size not in self.written:
                 self.write(number, asking)
@@ -463,7 +463,8 @@ class SelfStudy:
             i = request["conversation"]
             chunk, kind = self.planned[i]
             span = self.chunks[chunk]
-            given, recorded = {}, dict(chunk=[span.start, span.end], kind=kind, question=self.written[i])
+            # how the request is answered (its given answer, its own temperature), and what its row records
+            answering, recorded = {}, dict(chunk=[span.start, span.end], kind=kind, question=self.written[i])
             message = [{"role": "user", "content": self.written[i]}]
             if kind == RECITE:  # the answer as the chat template renders it, to its end-of-turn token
                 recited = self.recital(i)
@@ -473,14 +474,14 @@ class SelfStudy:
                     )
                 except ValueError as error:
                     raise SpdsError(f"generate.self_study.kinds.{RECITE}: {error}") from None
-                given = dict(response=ids[prefix:])
+                answering["response"] = ids[prefix:]
                 recorded["recited"] = [recited.start, recited.end]
             if kind == FACT:
                 line = self.fact_line(i)
                 recorded["line"] = [line.start, line.end]
             if kind in self.settings.temperatures:
-                given["temperature"] = self.settings.temperatures[kind]
-            requests.append(dict(request, messages=message, self_study=recorded, **given))
+                answering["temperature"] = self.settings.temperatures[kind]
+            requests.append(dict(request, messages=message, self_study=recorded, **answering))
         return requests
 
     def recital(self, conversation: int) -> Recital:
