@@ -17,18 +17,20 @@ from spds.model.loss import TeacherTargets, make_loss
 
 
 def reference_loss(
-    hidden, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight, top=None
+    hidden, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight, top=None, sharpen=1.0
 ):
+    """`sharpen`: loss.kl.teacher_temperature, p^(1/sharpen) renormalised over the teacher's support."""
     logits = hidden @ weight.t()
     log_q = torch.log_softmax(logits / temperature, dim=-1)
     if top is None:
-        log_p = torch.log_softmax((teacher_hidden @ weight.t()) / temperature, dim=-1)
+        log_p = torch.log_softmax((teacher_hidden @ weight.t()) / temperature / sharpen, dim=-1)
     else:  # the same support: the teacher's top k tokens, and everything else as one bucket
         ids, logprobs = top
         q = log_q.exp()
         q_top = q.gather(1, ids)
         log_q = torch.cat([q_top, 1 - q_top.sum(-1, keepdim=True)], dim=1).log()
         log_p = torch.cat([logprobs, (1 - logprobs.exp().sum(-1, keepdim=True)).log()], dim=1)
+        log_p = torch.log_softmax(log_p / sharpen, dim=1)
     ce = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
     return ce_weight * ce + kl_weight * divergence(log_p, log_q, direction, beta)
 
@@ -40,7 +42,7 @@ def random_top_k(n: int, vocab: int, k: int, generator) -> tuple[torch.Tensor, t
     return ids, (shares * mass).log()
 
 
-CASES = [  # objective, direction, temperature, teacher
+CASES = [  # objective, direction, temperature, teacher[, loss.kl.teacher_temperature]
     ("kl", "forward", 1.0, "context"),
     ("kl", "reverse", 1.0, "context"),
     ("kl", "jsd", 1.0, "context"),
@@ -52,12 +54,17 @@ CASES = [  # objective, direction, temperature, teacher
     ("kl", "forward", 1.0, "top_k"),
     ("kl", "reverse", 1.0, "top_k"),
     ("mix", "jsd", 1.0, "top_k"),
+    ("kl", "forward", 1.0, "context", 0.5),  # a sharpened teacher: the one-q rule
+    ("mix", "reverse", 2.0, "context", 0.3),  # and the general rule
+    ("kl", "forward", 1.0, "top_k", 0.5),  # its k tokens and its tail re-tempered
+    ("mix", "jsd", 1.0, "top_k", 0.3),
 ]
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("objective,direction,temperature,teacher", CASES)
-def test_distillation_loss_and_gradient_equal_the_plain_definitions(objective, direction, temperature, teacher):
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(map(str, case)))
+def test_distillation_loss_and_gradient_equal_the_plain_definitions(case):
+    objective, direction, temperature, teacher, sharpen = (*case, 1.0)[:5]
     generator = torch.Generator().manual_seed(0)
     n, vocab, width, beta = 37, 211, 16, 0.3
     hidden = torch.randn(n, width, generator=generator, dtype=torch.float64)
@@ -72,7 +79,7 @@ def test_distillation_loss_and_gradient_equal_the_plain_definitions(objective, d
         kl_weight=2.0,
         kernel="chunked",
         chunk_tokens=20,
-        kl={"direction": direction, "temperature": temperature, "jsd_beta": beta},
+        kl={"direction": direction, "temperature": temperature, "jsd_beta": beta, "teacher_temperature": sharpen},
     )
     loss_fn = make_loss(settings)
     assert loss_fn.needs_teacher
@@ -88,7 +95,7 @@ def test_distillation_loss_and_gradient_equal_the_plain_definitions(objective, d
     ce_weight, kl_weight = (0.25, 2.0) if objective == "mix" else (0.0, 1.0)
     top_exact = None if top is None else (top[0], top[1].float().double())  # what the kernel saw, in float64
     expected = reference_loss(
-        theirs, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight, top_exact
+        theirs, weight, targets, teacher_hidden, direction, temperature, beta, ce_weight, kl_weight, top_exact, sharpen
     )
     expected.backward()
     assert float(expected.detach()) > 0

@@ -34,7 +34,7 @@ class StudentSettings:
 
 @dataclass(frozen=True)
 class PromptInitSettings:
-    method: Literal["random_normal", "text", "vocab_sample"]
+    method: Literal["random_normal", "text", "vocab_sample", "context"]
     std: float
     text: str | None
 
@@ -42,7 +42,7 @@ class PromptInitSettings:
 @dataclass(frozen=True)
 class SoftPromptSettings:
     length: int
-    placement: Literal["system", "prefix"]
+    placement: Literal["system", "first_user", "prefix"]
     init: PromptInitSettings
 
 
@@ -88,6 +88,7 @@ class OptimSettings:
 class KLSettings:
     direction: Literal["forward", "reverse", "jsd"]
     temperature: float
+    teacher_temperature: float
     jsd_beta: float
 
 

@@ -97,12 +97,15 @@ class TeacherTargets:
 class Divergence:
     """weight_ce * CE(targets) + weight_kl * D(teacher, student) summed over tokens. D at
     `temperature` (both sides' logits divided by it; no T^2 factor): forward KL(p||q), reverse
-    KL(q||p), or the generalised JSD beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q."""
+    KL(q||p), or the generalised JSD beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q.
+    The teacher's side alone is further re-tempered by `teacher_temperature` (p^(1/t), renormalised
+    over its buckets): below 1 a sharper target than the teacher itself."""
 
     ce_weight: float
     kl_weight: float
     direction: str = "forward"
     temperature: float = 1.0
+    teacher_temperature: float = 1.0
     beta: float = 0.5
     softcap: float | None = None  # the student's final logit soft cap: both sides' logits c * tanh(z / c)
 
@@ -151,7 +154,8 @@ def distillation_rows(
         log_z = torch.logsumexp(s, dim=-1, keepdim=True)
         log_q = s - log_z
         if teacher_logits is not None:  # every token its own bucket
-            value, h = bucket_divergence(torch.log_softmax(teacher_logits / spec.temperature, dim=-1), log_q, spec)
+            log_p = torch.log_softmax(teacher_logits / (spec.temperature * spec.teacher_temperature), dim=-1)
+            value, h = bucket_divergence(log_p, log_q, spec)
             grad_s = h
         else:  # top-K buckets and one tail bucket; log Q_tail from the tail's own logsumexp (no 1 - sum)
             tail_logits = s.scatter(1, top_ids, float("-inf"))
@@ -159,6 +163,8 @@ def distillation_rows(
             tiny = torch.finfo(torch.float32).tiny
             p_tail = (1.0 - top_logprobs.exp().sum(-1, keepdim=True)).clamp_min(tiny)
             log_p = torch.cat([top_logprobs, p_tail.log()], dim=1)
+            if spec.teacher_temperature != 1:  # the buckets re-tempered, the tail as one token
+                log_p = torch.log_softmax(log_p / spec.teacher_temperature, dim=1)
             log_q_buckets = torch.cat([log_q.gather(1, top_ids), log_tail_z - log_z], dim=1)
             value, h = bucket_divergence(log_p, log_q_buckets, spec)
             grad_s = torch.exp(tail_logits - log_tail_z) * h[:, -1:]  # q_j / Q_tail * H_tail; 0 on the top K
@@ -176,9 +182,11 @@ def forward_kl_rows(logits: torch.Tensor, targets: torch.Tensor, teacher_logits:
     log q), dD/ds = q - p, and CE's gradient q - onehot. Half the vocabulary-wide operations of the
     bucket rule, which it equals (there sum_b H_b = -sum p = -1): on a GPU each operation is a
     kernel launch per chunk, and they made the KL step launch-bound (bench/RESULTS.md)."""
-    temperature = spec.temperature
+    temperature, teacher_temperature = spec.temperature, spec.temperature * spec.teacher_temperature
     log_q = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
-    log_p = torch.log_softmax(teacher_logits if temperature == 1 else teacher_logits / temperature, dim=-1)
+    log_p = torch.log_softmax(
+        teacher_logits if teacher_temperature == 1 else teacher_logits / teacher_temperature, dim=-1
+    )
     p = log_p.exp()
     total = spec.kl_weight * (p * log_p.sub_(log_q)).sum()
     rows = torch.arange(len(targets), device=logits.device)
@@ -262,6 +270,7 @@ def divergence_of(settings, softcap: float | None = None) -> Divergence:
         kl_weight=kl,
         direction=settings.kl.direction,
         temperature=settings.kl.temperature,
+        teacher_temperature=settings.kl.teacher_temperature,
         beta=settings.kl.jsd_beta,
         softcap=softcap,
     )
