@@ -37,7 +37,6 @@ class PromptInitSettings:
     method: Literal["random_normal", "text", "vocab_sample", "context"]
     std: float
     text: str | None
-    fit: Literal["first", "pool"]
 
 
 @dataclass(frozen=True)

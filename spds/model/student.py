@@ -94,26 +94,13 @@ def initial_prompt(
         return torch.randn(length, embeddings.shape[1], generator=generator) * init.std
     if init.method == "vocab_sample":
         ids = torch.randint(0, embeddings.shape[0], (length,), generator=generator)
-    else:  # text (or the context): its token embeddings, repeated, or fitted to the prompt length
+    else:  # text (or the context): its token embeddings, repeated or truncated to the prompt length
         text = context if init.method == "context" else init.text
         if not text:
             raise SpdsError("soft_prompt.init.method 'context' needs context.text or context.file")
         ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
-        if len(ids) > length and init.fit == "pool":
-            return pooled(embeddings.detach()[ids.to(embeddings.device)].float().cpu(), length)
         ids = ids.repeat((length + len(ids) - 1) // len(ids))[:length]
     return embeddings.detach()[ids.to(embeddings.device)].float().cpu()
-
-
-def pooled(vectors: torch.Tensor, length: int) -> torch.Tensor:
-    """`length` vectors from more: each the mean of one run of consecutive vectors (runs as equal
-    as integers allow, in order), scaled to the run's mean norm. A mean of unrelated embeddings
-    is shorter than any of them, and the model reads a token's embedding at its usual norm."""
-    ends = [(i * len(vectors)) // length for i in range(length + 1)]
-    runs = [vectors[start:end] for start, end in zip(ends, ends[1:])]
-    means = torch.stack([run.mean(0) for run in runs])
-    norms = torch.stack([run.norm(dim=1).mean() for run in runs])
-    return means * (norms / means.norm(dim=1).clamp_min(1e-12)).unsqueeze(1)
 
 
 def quadratic_length(model_path) -> float | None:
