@@ -186,7 +186,9 @@ class Scoring:
         student = model.student
         cap = final_logit_softcap(student)
         nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"), cap)
-        kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=KLSettings("forward", 1.0, 0.5)), cap)
+        # the plain forward KL to the teacher itself, whatever divergence the prompt was trained by
+        plain = KLSettings(direction="forward", temperature=1.0, teacher_temperature=1.0, jsd_beta=0.5)
+        kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=plain), cap)
         blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
         if config.context_text:
             ids = load_tokenizer(config).encode(config.context_text, add_special_tokens=False)
