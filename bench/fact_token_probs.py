@@ -13,7 +13,7 @@ import argparse
 import json
 
 import torch
-from real_quality import system_header_end
+from real_quality import embeds, question_ids, system_header_end
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -25,8 +25,8 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    embed = model.get_input_embeddings()
-    context = tokenizer.encode(open(args.context).read(), add_special_tokens=False)
+    table = model.get_input_embeddings()
+    context = table(torch.tensor(tokenizer.encode(open(args.context).read(), add_special_tokens=False)))
     prompt = load_file(args.prompt)["prompt"].float()
     keywords = {q["question_id"]: q["keyword"] for q in map(json.loads, open(args.questions))}
     unsure = []
@@ -35,26 +35,20 @@ def main() -> None:
         start = answer_text.lower().find(keyword.lower())
         if start < 0:
             continue  # the context's own answer misses it: no fact to carry
-        ids = list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": row["question"]}], add_generation_prompt=True, return_dict=False
-            )
-        )
+        ids = question_ids(tokenizer, row["question"])
         header = system_header_end(tokenizer, ids)
         answer = tokenizer.encode(answer_text, add_special_tokens=False)
 
-        def along(inserted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """The probability of each answer token, and the most likely token there."""
-            rest = embed(torch.tensor(ids[header:] + answer))
-            with torch.no_grad():
-                x = torch.cat([embed(torch.tensor(ids[:header])), inserted, rest])
-                logits = model(inputs_embeds=x[None]).logits[0, -len(answer) - 1 : -1].float()
-            probs = logits.softmax(-1)
+        @torch.no_grad()
+        def along(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """The probability of each answer token with `block` after the system header, and the
+            most likely token there."""
+            inputs = embeds(model, ids + answer, header, block)
+            probs = model(inputs_embeds=inputs[None]).logits[0, -len(answer) - 1 : -1].float().softmax(-1)
             return probs[torch.arange(len(answer)), torch.tensor(answer)], probs.argmax(-1)
 
-        with torch.no_grad():
-            teacher, _ = along(embed(torch.tensor(context)))
-            soft, choice = along(prompt)
+        teacher, _ = along(context)
+        soft, choice = along(prompt)
         ends = [len(tokenizer.decode(answer[:i])) for i in range(len(answer) + 1)]  # each token's text span
         inside = [i for i in range(len(answer)) if ends[i + 1] > start and ends[i] < start + len(keyword)]
         held = keyword.lower() in row["soft"].lower()

@@ -182,11 +182,9 @@ def forward_kl_rows(logits: torch.Tensor, targets: torch.Tensor, teacher_logits:
     log q), dD/ds = q - p, and CE's gradient q - onehot. Half the vocabulary-wide operations of the
     bucket rule, which it equals (there sum_b H_b = -sum p = -1): on a GPU each operation is a
     kernel launch per chunk, and they made the KL step launch-bound (bench/RESULTS.md)."""
-    temperature, teacher_temperature = spec.temperature, spec.temperature * spec.teacher_temperature
+    temperature, teacher_divisor = spec.temperature, spec.temperature * spec.teacher_temperature
     log_q = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
-    log_p = torch.log_softmax(
-        teacher_logits if teacher_temperature == 1 else teacher_logits / teacher_temperature, dim=-1
-    )
+    log_p = torch.log_softmax(teacher_logits if teacher_divisor == 1 else teacher_logits / teacher_divisor, dim=-1)
     p = log_p.exp()
     total = spec.kl_weight * (p * log_p.sub_(log_q)).sum()
     rows = torch.arange(len(targets), device=logits.device)
