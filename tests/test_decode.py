@@ -277,3 +277,21 @@ def test_generate_runs_the_kernels_the_student_names_or_refuses(tiny, student, r
         generate(load_config(tiny / "config.json"), log=lambda *_: None)
     assert refusal in str(refused.value)
     assert not (tiny / "rows.jsonl").exists() or not (tiny / "rows.jsonl").read_text()
+
+
+def test_given_answers_scored_in_groups_each_of_its_own_length(saved, monkeypatch):
+    """Decoder.score splits the answers into groups whose logits fit SCORE_LOGITS_BYTES. A group
+    whose answers are all shorter than the longest of the whole call must keep its own longest's
+    logits: with a published vocabulary (151,936 rows) a group holds a few recitals, and a group of
+    short ones once failed on keeping more logits than its rows have."""
+    import spds.generation.decode
+
+    model = load_teacher(saved["qwen3"], "float32", torch.device("cpu"))
+    plain = AutoModelForCausalLM.from_pretrained(saved["qwen3"], dtype=torch.float32, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(5)
+    batch = prompts(generator)
+    answers = [torch.randint(2, 300, (n,), generator=generator).tolist() + [END] for n in (14, 2, 3, 1)]
+    per_row = 15 * model.config.vocab_size * 4  # the longest answer's logits: two rows a group
+    monkeypatch.setattr(spds.generation.decode, "SCORE_LOGITS_BYTES", 2 * per_row)
+    tops = Decoder(model, [END], pad_id=0).score(batch, answers, k=4)
+    assert_top_k_of_plain_forward(plain, batch, answers, tops, "qwen3")

@@ -254,12 +254,13 @@ class Decoder:
         stay within SCORE_LOGITS_BYTES."""
         began = time.perf_counter()
         sequences = [p + a[:-1] for p, a in zip(prompts, answers)]  # the last answer token is never input
-        keep = max(len(a) for a in answers)
-        per_row = keep * self.model.config.vocab_size * 4
+        per_row = max(len(a) for a in answers) * self.model.config.vocab_size * 4  # a bound for every group
         group = max(1, SCORE_LOGITS_BYTES // per_row)
         tops = []
         for first in range(0, len(sequences), group):
             chunk = slice(first, first + group)
+            # the group's own longest answer: a group of shorter ones has fewer positions than the call's longest
+            keep = max(len(a) for a in answers[chunk])
             # the prefix shared stops before the prompts end: copies of one request share their answer too
             within = min(len(p) for p in prompts[chunk]) - 1
             logits = self.prefill(sequences[chunk], 0, 2 * per_row, keep=keep, shared_within=within)[3]
