@@ -403,7 +403,10 @@ def time_spds(
             from spds.contract.settings import OnPolicySettings
             from spds.training.on_policy import Sampler
 
-            sampler = Sampler(OnPolicySettings(**ON_POLICY), model, store.manifest["end_token_ids"], seed=0)
+            from spds.data.student_files import decodable_ids, load_tokenizer
+
+            vocabulary = decodable_ids(load_tokenizer(config), model.student.config.vocab_size)
+            sampler = Sampler(OnPolicySettings(**ON_POLICY), model, store.manifest["end_token_ids"], 0, vocabulary)
         policy, recomputed = model.recompute, []  # layers recomputed, per micro-batch
         model.recompute = lambda *args, **kwargs: recomputed.append(policy(*args, **kwargs)) or recomputed[-1]
         engine = build_engine(config, model, 1)

@@ -295,3 +295,34 @@ def test_given_answers_scored_in_groups_each_of_its_own_length(saved, monkeypatc
     monkeypatch.setattr(spds.generation.decode, "SCORE_LOGITS_BYTES", 2 * per_row)
     tops = Decoder(model, [END], pad_id=0).score(batch, answers, k=4)
     assert_top_k_of_plain_forward(plain, batch, answers, tops, "qwen3")
+
+
+def test_the_output_layers_padded_rows_are_never_picked_nor_listed(tmp_path):
+    """A published checkpoint's output layer is wider than its tokenizer (Qwen3: 151,936 rows for
+    151,669 ids). With `vocabulary` the tokenizer's size, the decoder never samples, scores or lists
+    a padded row, even where the padded rows' logits are the largest (a random-weight model's
+    are as large as any), and its top-k log-probabilities are a softmax over the real ids alone:
+    the plain forward's logits cut to the first `vocabulary` columns, log-softmaxed."""
+    real, padded = 300, 320
+    directory = save_family(tmp_path / "qwen3", "qwen3", vocab_size=padded)
+    model = load_teacher(directory, "float32", torch.device("cpu"))
+    with torch.no_grad():  # padding rows that would win every pick
+        model.lm_head.weight[real:] = model.lm_head.weight[:real].abs().max() * 4 * model.lm_head.weight[real:].sign()
+    plain = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    plain.lm_head.weight.data.copy_(model.lm_head.weight.data)
+    batch = prompts(torch.Generator().manual_seed(2), vocab=real)
+    unmasked = Decoder(model, [END], pad_id=0).answer(batch, 6, temperature=1.0, top_p=1.0, seed=0)
+    assert any(t >= real for answer in unmasked for t in answer)  # the test's premise: padding would be drawn
+    decoder = Decoder(model, [END], pad_id=0, vocabulary=real)
+    for temperature in (0.0, 1.0):
+        answers, tops = decoder.answer_with_top_k(batch, 6, temperature, 1.0, seed=0, k=4)
+        assert all(t < real for answer in answers for t in answer)
+        for prompt, answer, top in zip(batch, answers, tops):
+            with torch.no_grad():
+                logits = plain(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1, :real]
+            expected = torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
+            assert top["ids"] == expected.indices.tolist()
+            # fp32: the two-part softmax and another order of sums (~1e-6, as above)
+            assert (torch.tensor(top["logprobs"]) - expected.values).abs().max() < 1e-4
+    scored = decoder.score(batch, answers, k=4)
+    assert [s["ids"] for s in scored] == [t["ids"] for t in tops]

@@ -22,17 +22,9 @@ from spds.contract.schema import require_valid
 from spds.data.chat import Scaffold, derive_scaffold, end_token_ids, stability_problem, tokenizer_identity
 from spds.data.packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from spds.data.rows import RowRules, read_records
-from spds.data.student_files import student_config
+from spds.data.student_files import decodable_ids, load_tokenizer, student_config
 from spds.errors import SpdsError
 from spds.fsio import exclusive_lock, verified_copy
-
-
-def load_tokenizer(config: Config):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        str(config.tokenizer_path), local_files_only=True, trust_remote_code=config.student.trust_remote_code
-    )
 
 
 def scaffold_for(config: Config, tokenizer) -> Scaffold:
@@ -153,7 +145,7 @@ def write_store(config: Config, tokenizer, inputs: dict, log, read_from: dict[Pa
         scaffold=scaffold,
         placement=config.soft_prompt.placement,
         end_ids=frozenset(inputs["end_token_ids"]),
-        vocab_size=min(len(tokenizer), model_vocabulary_rows(config) or len(tokenizer)),
+        vocab_size=decodable_ids(tokenizer, model_vocabulary_rows(config)),
         prompt_length=config.soft_prompt.length,
         context_limit=data.context_limit,
         template_kwargs=data.chat_template_kwargs,

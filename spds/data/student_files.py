@@ -17,6 +17,14 @@ def load_tokenizer(config):
     )
 
 
+def decodable_ids(tokenizer, output_rows: int | None) -> int:
+    """How many ids a model may write and a row may hold: the tokenizer's ids that the model's
+    output layer has. Published checkpoints pad the output layer past the tokenizer (Qwen2.5 and
+    Qwen3: 151,936 or 152,064 rows for about 151,665 ids) for faster matmuls; the padded rows
+    decode to nothing, so the decoder drops their logits, as vLLM does."""
+    return min(len(tokenizer), output_rows or len(tokenizer))
+
+
 def student_config(model_path) -> dict:
     """The student's config.json (a multimodal model's text part), read strictly; {} if not an object."""
     value = read_json(Path(model_path) / "config.json")

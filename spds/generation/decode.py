@@ -115,8 +115,20 @@ class Decoder:
     prefix it ran (a generate run's context, shared by all its batches). It sets the model's
     attention to `decode_attention` (the model is its own from then on)."""
 
-    def __init__(self, model, end_ids: list[int], pad_id: int, graphs: bool = True, fa4: bool = False):
+    def __init__(
+        self,
+        model,
+        end_ids: list[int],
+        pad_id: int,
+        graphs: bool = True,
+        fa4: bool = False,
+        vocabulary: int | None = None,
+    ):
         self.model, self.end_ids, self.pad_id = model, end_ids, pad_id
+        # the ids the tokenizer decodes (student_files.decodable_ids): the output layer's rows past
+        # them are padding, and their logits are dropped before any pick or top-k, so that the
+        # probabilities are a softmax over the real ids alone (vLLM's rule). None: every row
+        self.vocabulary = vocabulary
         self.fa4 = fa4  # a decode step's shared part on FlashAttention-4 (student.attention_kernel names it)
         config = model.config
         self.layers = config.num_hidden_layers
@@ -392,7 +404,7 @@ class Decoder:
             if not keep:  # the prefix: its keys and values only, no vocabulary-sized work
                 self.model.base_model(**arguments)
                 return None
-            return self.model(**arguments, logits_to_keep=keep).logits.float()
+            return self.model(**arguments, logits_to_keep=keep).logits[..., : self.vocabulary].float()
         finally:
             self.active = None
 

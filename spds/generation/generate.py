@@ -33,7 +33,7 @@ from spds.contract.config import Config
 from spds.contract.settings import GenerateSettings, SelfStudySettings
 from spds.data.chat import end_token_ids, render, render_chat_row
 from spds.data.preflight import require_preflight
-from spds.data.student_files import load_tokenizer
+from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json
 from spds.generation.decode import Decoder
@@ -214,7 +214,8 @@ def load_asking(config: Config, tokenizer, scaffold, end_ids: list[int]) -> Aski
     if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
         apply_liger_kernels(teacher)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
-    decoder = Decoder(teacher, end_ids, pad, fa4=fa4_named(config.student.attention_kernel, teacher, device))
+    fa4 = fa4_named(config.student.attention_kernel, teacher, device)
+    decoder = Decoder(teacher, end_ids, pad, fa4=fa4, vocabulary=decodable_ids(tokenizer, teacher.config.get_text_config().vocab_size))
     in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
     return Asking(
         decoder, tokenizer, config.context_text, in_user_turn, config.generate, config.data.chat_template_kwargs

@@ -71,11 +71,13 @@ class Sampler:
     training model's own frozen weights under its attention for the length of `answers` (the
     attention implementation is switched and put back: transformers reads it at every forward)."""
 
-    def __init__(self, settings: OnPolicySettings, model: SoftPromptModel, end_ids: list[int], seed: int):
+    def __init__(
+        self, settings: OnPolicySettings, model: SoftPromptModel, end_ids: list[int], seed: int, vocabulary: int
+    ):
         self.settings, self.model, self.seed = settings, model, seed
         student = model.student
         own = student.config._attn_implementation
-        self.decoder = Decoder(student, end_ids, end_ids[0])
+        self.decoder = Decoder(student, end_ids, end_ids[0], vocabulary=vocabulary)  # only ids the tokenizer has
         self.implementations = (own, student.config._attn_implementation)
         student.config._attn_implementation = own
 

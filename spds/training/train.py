@@ -26,6 +26,7 @@ import torch
 from spds.contract.config import Config
 from spds.contract.gate import load_config, validate_run_world
 from spds.data.packed import PackedStore
+from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.fsio import exclusive_lock
 from spds.kernels.attention import use_deterministic_kernels
@@ -285,7 +286,8 @@ def on_policy_sampler(config: Config, model, store: PackedStore) -> Sampler | No
     """loss.on_policy's sampler (None when off, or when start-up stopped before a model)."""
     if model is None or not config.loss.on_policy.fraction:
         return None
-    return Sampler(config.loss.on_policy, model, list(store.manifest["end_token_ids"]), config.optim.seed)
+    vocabulary = decodable_ids(load_tokenizer(config), model.student.config.get_text_config().vocab_size)
+    return Sampler(config.loss.on_policy, model, list(store.manifest["end_token_ids"]), config.optim.seed, vocabulary)
 
 
 def stop_agreed(stop: StopRequest, device) -> bool:
