@@ -401,9 +401,8 @@ def time_spds(
         sampler = None
         if variant.endswith("onpolicy"):
             from spds.contract.settings import OnPolicySettings
-            from spds.training.on_policy import Sampler
-
             from spds.data.student_files import decodable_ids, load_tokenizer
+            from spds.training.on_policy import Sampler
 
             vocabulary = decodable_ids(load_tokenizer(config), model.student.config.vocab_size)
             sampler = Sampler(OnPolicySettings(**ON_POLICY), model, store.manifest["end_token_ids"], 0, vocabulary)

@@ -22,13 +22,13 @@ STARTED = time.time()  # `spds train` to update 1 is measured from here (run.jso
 
 def cmd_validate(args) -> int:
     from spds.contract.gate import load_config  # per verb
-    from spds.data.preflight import require_preflight  # per verb
+    from spds.generation.teacher_window import require_ready  # per verb
 
     failures = 0
     for path in args.configs:
         try:
             config = load_config(path, candidates="generate writes one")  # validate runs before generate
-            require_preflight(config)  # what prepare would refuse, before any generation or packing
+            require_ready(config)  # what prepare and the teacher's window refuse, before any generation or packing
             print(
                 f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})",
                 file=sys.stderr if args.print_output_dir else sys.stdout,
@@ -55,9 +55,12 @@ def cmd_pin(args) -> int:
 
 def cmd_prepare(args) -> int:
     from spds.contract.gate import load_config  # per verb
+    from spds.data.preflight import require_preflight  # per verb
     from spds.data.prepare import prepare  # per verb
 
-    manifest = prepare(load_config(args.config))
+    config = load_config(args.config)
+    require_preflight(config)  # the windows and the template, before a row is read
+    manifest = prepare(config)
     print(json.dumps({k: manifest[k] for k in ("records", "tokens", "max_length", "counts")}))
     return 0
 
@@ -96,8 +99,11 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from spds.contract.gate import load_config  # per verb
     from spds.evaluate import evaluate  # per verb
+    from spds.generation.teacher_window import require_ready  # per verb
 
-    result = evaluate(load_config(args.config), args.checkpoint)
+    config = load_config(args.config)
+    require_ready(config)  # the windows: eval.questions' teacher and the views read the context
+    result = evaluate(config, args.checkpoint)
     if result["records"]:
         print(
             f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), "

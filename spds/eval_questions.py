@@ -28,52 +28,7 @@ from pathlib import Path
 
 from spds.contract.config import Config
 from spds.contract.digests import sha256_path
-from spds.errors import SpdsError
-from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json, sha256_json
-
-OPTIONAL = ("keyword", "answer")
-
-
-def read_eval_questions(path: Path) -> list[dict]:
-    """The questions of an eval.questions file, each checked; an SpdsError names the line and rule."""
-    questions, seen, first_with = [], {}, {}
-    with open_regular(path) as stream:
-        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = parse_json(line)
-            except ValueError as error:
-                raise SpdsError(f"{where}: not a JSON object ({error})") from None
-            if not isinstance(row, dict):
-                raise SpdsError(f"{where}: a question is a JSON object with question_id and question")
-            for key in ("question_id", "question", *OPTIONAL):
-                if key in row and (not isinstance(row[key], str) or not row[key].strip()):
-                    raise SpdsError(f"{where}: {key} must be a non-empty string")
-            for key in ("question_id", "question"):
-                if key not in row:
-                    raise SpdsError(f"{where}: rule 'fields': a question needs {key}")
-            if row["question_id"] in seen:
-                raise SpdsError(
-                    f"{where}: question_id {row['question_id']!r}: rule 'unique question_id': "
-                    f"already used at line {seen[row['question_id']]}"
-                )
-            seen[row["question_id"]] = number
-            for key in OPTIONAL:
-                if key in row:
-                    first_with.setdefault(key, number)
-            questions.append(dict(row, line=number))
-    if not questions:
-        raise SpdsError(f"{path}: holds no questions")
-    for key, number in first_with.items():
-        missing = next((q for q in questions if key not in q), None)
-        if missing is not None:
-            raise SpdsError(
-                f"{path}:{missing['line']}: question_id {missing['question_id']!r} has no {key}, and line "
-                f"{number} has one: rule 'every question or none': give every question a {key}, or none"
-            )
-    return questions
+from spds.fsio import sha256_json
 
 
 def teacher_config(config: Config, questions: Path) -> Config:

@@ -26,9 +26,11 @@ from spds.contract.config import Config
 from spds.contract.schema import require_valid
 from spds.contract.settings import KLSettings
 from spds.data.packed import PackedStore
+from spds.data.preflight import require_context_fits
+from spds.data.sources import read_eval_questions
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
-from spds.eval_questions import answer_scores, read_eval_questions, teacher_config
+from spds.eval_questions import answer_scores, teacher_config
 from spds.fsio import atomic_path, atomic_write_json
 from spds.model.build import build_soft_prompt_model
 from spds.model.loss import final_logit_softcap, make_loss
@@ -50,6 +52,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     questions = None
     if config.eval.questions:  # the teacher's answers to them, packed, before the student takes the memory
         questions = QuestionStore.made(config, rank, world, log)
+    ceiling_fits(config, [(store, held_out)] + ([(questions.store, questions.records)] if questions else []))
     model = build_soft_prompt_model(config, device, prompt=prompt, training=False)  # as training runs it
     if config.shards_student:
         shard_student(config, model, world)
@@ -74,6 +77,16 @@ def held_out_records(config: Config, store: PackedStore) -> np.ndarray:
         )
     limit = config.eval.max_records
     return held_out[:limit] if limit else held_out
+
+
+def ceiling_fits(config: Config, scored: list[tuple[PackedStore, np.ndarray]]) -> None:
+    """The ceiling reads the context in place of the prompt: refused, before the student loads,
+    where the context and the longest record scored pass the student's window."""
+    if not config.context_text:
+        return
+    longest = max((int(store.length[records].max()) for store, records in scored if len(records)), default=0)
+    context = len(load_tokenizer(config).encode(config.context_text, add_special_tokens=False))
+    require_context_fits(config, context, longest, "eval's ceiling (the student with the context)")
 
 
 def eval_ranks(config: Config) -> tuple[int, int, torch.device]:

@@ -19,11 +19,11 @@ import torch
 from spds.contract.config import Config
 from spds.data.chat import end_token_ids
 from spds.data.packed import PackedStore
+from spds.data.sources import read_questions
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
 from spds.export import insertion_point
 from spds.fsio import atomic_writer
-from spds.generation.generate import read_questions
 from spds.model.student import load_student
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
 

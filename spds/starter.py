@@ -20,10 +20,10 @@ from spds.contract.gate import load_config
 from spds.contract.hub import model_directory
 from spds.contract.schema import apply_defaults, load_schema
 from spds.data.chat import derive_scaffold, stability_problem
-from spds.data.preflight import require_preflight
 from spds.data.sources import json_lines
 from spds.errors import SpdsError
 from spds.fsio import atomic_writer
+from spds.generation.teacher_window import require_ready
 
 # (section, field) in the order a user reads them; the values come from the schema's defaults.
 FIELDS = [
@@ -223,7 +223,7 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
             stream.write(text)
         # the whole contract, and what prepare checks (the config names MODEL's own tokenizer)
         written_later = "generate writes one" if context else "must exist"  # self-study: generate writes DATA
-        require_preflight(load_config(candidate, check_pins=False, candidates=written_later), tokenizer)
+        require_ready(load_config(candidate, check_pins=False, candidates=written_later), tokenizer)
     finally:
         candidate.unlink(missing_ok=True)
     if out.exists():  # written meanwhile by someone else: still never overwritten

@@ -11,8 +11,8 @@ from conftest import edit_config, make_tiny
 from helpers import FAST, ROUNDING, check, final_state, read_json, spds
 
 from spds.data.packed import PackedStore
+from spds.data.sources import read_eval_questions
 from spds.errors import SpdsError
-from spds.eval_questions import read_eval_questions
 
 QUESTIONS = [
     {"question_id": "keeper", "question": "Who keeps the lighthouse?", "keyword": "keeper"},

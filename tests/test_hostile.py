@@ -217,8 +217,15 @@ def test_ids_beyond_the_models_embedding_rows_are_refused_at_prepare(tiny, tiny_
     config = json.loads(_config_text(tiny))
     config["student"]["model_path"] = str(model)
     (tiny / "config.json").write_text(json.dumps(config))
-    code, err = _prepare(tiny, capsys)
-    assert code == 1 and "rule 'token ids in vocabulary'" in err and ">= vocabulary size 120" in err, err
+    code, err = _prepare(tiny, capsys)  # the CLI refuses before a row is read: the end token is past the rows
+    assert code == 1 and "end token id 258 is beyond the student's 120 embedding rows" in err, err
+    from spds.contract.gate import load_config
+    from spds.data.prepare import prepare
+    from spds.errors import SpdsError
+
+    with pytest.raises(SpdsError) as refused:  # and so does every row, called as a library
+        prepare(load_config(tiny / "config.json"))
+    assert "rule 'token ids in vocabulary'" in str(refused.value) and ">= vocabulary size 120" in str(refused.value)
 
 
 # ---------------------------------------------------------------- during a run
@@ -308,8 +315,8 @@ def test_a_full_or_read_only_output_file_system_gets_a_clear_message(prepared, t
 
 
 def test_a_questions_file_is_read_as_strictly_as_every_other(tmp_path):
+    from spds.data.sources import read_questions
     from spds.errors import SpdsError
-    from spds.generation.generate import read_questions
 
     for text, rule in [
         (b'{"question_id": "a", "question": "x", "question": "y"}\n', "rule 'unique keys'"),

@@ -274,7 +274,7 @@ def test_init_picks_what_the_template_allows_and_validate_refuses_what_prepare_w
 def test_the_teacher_sees_the_context_where_the_prompt_goes():
     """spds generate: the context as the system message where the template has one; ahead of the
     first user turn's text for first_user and for a template that refuses a system message."""
-    from spds.generation.generate import with_context
+    from spds.data.chat import with_context
 
     messages = [{"role": "user", "content": "Tell me about the comet."}]
     tokenizer = fixture_tokenizer("gemma-2")

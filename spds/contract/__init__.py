@@ -9,4 +9,5 @@ pins        the sha256 of every input a config names, checked before any work
 digests     those sha256s, each file's remembered
 versions    the dependency versions spds is tested with
 hub         Hugging Face model ids, resolved offline
+model_config  a model's config.json read without the model: its text part, its position window
 """

@@ -279,11 +279,11 @@ def on_policy_problems(config: Config) -> list[str]:
             "loss.on_policy.fraction: the student's own answers have no offline teacher's log-probabilities: "
             "set loss.teacher to context (the student with the context scores them online) and give the context"
         )
-    limit = config.data.context_limit
-    if on_policy.max_new_tokens + config.soft_prompt.length >= limit:
+    limit = config.context_limit  # None: the student declares no window, which preflight reports
+    if limit is not None and on_policy.max_new_tokens + config.soft_prompt.length >= limit:
         problems.append(
             f"loss.on_policy.max_new_tokens: {on_policy.max_new_tokens} new tokens and the soft prompt's "
-            f"{config.soft_prompt.length} leave no room for a question within data.context_limit ({limit}): "
+            f"{config.soft_prompt.length} leave no room for a question within the context limit ({limit}): "
             "lower it"
         )
     if config.shards_student:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from spds.contract.hub import model_directory
+from spds.contract.model_config import Window, declared_window
 from spds.contract.schema import SHIPPED_DS_CONFIGS, shipped_deepspeed_configs
 from spds.contract.settings import (
     SECTIONS,
@@ -28,6 +29,7 @@ from spds.contract.settings import (
     TrainSettings,
     build,
 )
+from spds.errors import SpdsError
 from spds.fsio import read_json, read_text, sha256_json
 
 
@@ -85,6 +87,30 @@ class Config:
         if self.generate.teacher_path is None:
             return self.model_path
         return self.resolve_model(self.generate.teacher_path, "generate.teacher_path")
+
+    @cached_property
+    def student_window(self) -> Window | None:
+        """The positions the student reads (spds/contract/model_config.py); None where its
+        config.json states none, or the directory does not resolve (the input checks name that)."""
+        try:
+            return declared_window(self.model_path)
+        except SpdsError:
+            return None
+
+    @cached_property
+    def teacher_window(self) -> Window | None:
+        try:
+            return declared_window(self.teacher_path)
+        except SpdsError:
+            return None
+
+    @cached_property
+    def context_limit(self) -> int | None:
+        """data.context_limit, or where it is null the student's window (None: neither states one,
+        which spds/data/preflight.py refuses)."""
+        if self.data.context_limit is not None:
+            return self.data.context_limit
+        return self.student_window.positions if self.student_window else None
 
     @property
     def packed_dir(self) -> Path:

@@ -56,7 +56,7 @@ class CandidateSettings:
 class DataSettings:
     candidates: tuple[CandidateSettings, ...]
     packed_dir: str
-    context_limit: int
+    context_limit: int | None
     end_tokens: tuple | None
     chat_template_kwargs: dict
     missing_system: Literal["template", "empty"]

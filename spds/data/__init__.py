@@ -6,6 +6,6 @@ chat            where the soft prompt goes, from the tokenizer's own chat templa
 packed          the packed store: every record's exact ids, an index and a manifest
 prepare         spds prepare: candidate files -> verified rows -> packed store
 preflight       every check prepare makes from the config and the tokenizer alone, made before
-                any generation or packing (validate, init, generate)
-student_files   the student's tokenizer and config.json, read without torch
+                any generation or packing (validate, init, generate); the student's window
+student_files   the student's tokenizer, read without torch
 """

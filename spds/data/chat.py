@@ -375,3 +375,18 @@ def _reasoning_row(tokenizer, messages, response, prompt, full, ends, template_k
             f"(prompt {_show(tokenizer, prompt)}, conversation {_show(tokenizer, full)})"
         )
     return prompt + tokenizer.encode(response, add_special_tokens=False) + [end], len(prompt), None
+
+
+def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list[dict]:
+    """The teacher's conversation: the context as its system message, or ahead of the first user
+    turn's text."""
+    if not in_user_turn:
+        return [{"role": "system", "content": context}, *messages]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        raise SpdsError("a question's messages hold no user turn for the context to precede")
+    return [
+        *messages[:first],
+        dict(messages[first], content=f"{context}\n\n{messages[first]['content']}"),
+        *messages[first + 1 :],
+    ]

@@ -11,7 +11,8 @@ the student's embedding, and that the soft prompt and the template's own tokens 
 from __future__ import annotations
 
 from spds.contract.config import Config
-from spds.data.chat import end_token_ids
+from spds.contract.model_config import POSITION_KEYS
+from spds.data.chat import end_token_ids, render, with_context
 from spds.data.prepare import model_vocabulary_rows, scaffold_for
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
@@ -45,12 +46,75 @@ def preflight_problems(config: Config, tokenizer=None) -> tuple[list[str], objec
         fixed = (
             len(scaffold.lead) + len(scaffold.system_header) + len(scaffold.system_close) + len(scaffold.user_header)
         )
-        if fixed + config.soft_prompt.length + 1 >= config.data.context_limit:
+        limit = config.context_limit
+        if limit is not None and fixed + config.soft_prompt.length + 1 >= limit:
             problems.append(
-                f"data.context_limit: {config.data.context_limit} positions cannot hold the soft prompt "
+                f"data.context_limit: {limit} positions cannot hold the soft prompt "
                 f"({config.soft_prompt.length}) and the template's own {fixed} tokens with any answer"
             )
+        problems += window_problems(config, tokenizer, scaffold)
     return problems, scaffold
+
+
+def window_problems(config: Config, tokenizer, scaffold) -> list[str]:
+    """What the student's position window refuses before any work: a context limit past it, none
+    declared at all, and a context it cannot read where it must (the online teacher loss.teacher
+    context, and the context view of eval.questions). Each record's own length against the limit
+    is prepare's (rows.py); the longest record beside the context, where the student reads them
+    together, is checked where the store is known (`require_context_fits`)."""
+    window, limit = config.student_window, config.data.context_limit
+    if window is None and limit is None:
+        return [
+            f"data.context_limit: {config.model_path / 'config.json'} declares no position window "
+            f"({', '.join(POSITION_KEYS)}): set data.context_limit to the positions the student reads"
+        ]
+    if window is None:
+        return []
+    if limit is not None and limit > window.positions:
+        return [
+            f"data.context_limit: {limit} positions is past the student's window of {window.positions} "
+            f"({window.source}): lower it, or leave it null for the window"
+        ]
+    text = config.context_text
+    online = config.loss.objective != "ce" and config.loss.teacher == "context"
+    if not text or not (online or config.eval.questions):
+        return []
+    prompt = context_prompt_tokens(config, tokenizer, scaffold)
+    if prompt < window.positions:
+        return []
+    return [
+        f"{context_source(config)}: the context is {len(tokenizer.encode(text, add_special_tokens=False))} "
+        f"tokens; with the chat template the student reads {prompt} positions before any question, at or past "
+        f"its window of {window.positions} ({window.source}), and it reads the context as "
+        + ("the online teacher (loss.teacher context)" if online else "eval.questions' context view")
+        + ": shorten the context, or use a student with a longer window"
+    ]
+
+
+def context_source(config: Config) -> str:
+    return "context.file" if config.context.file else "context.text"
+
+
+def context_prompt_tokens(config: Config, tokenizer, scaffold) -> int:
+    """The tokens of the chat template holding the context where the prompt goes and an empty user
+    turn: what a model reads with the context before any question's own tokens."""
+    in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
+    asked = with_context([{"role": "user", "content": ""}], config.context_text, in_user_turn)
+    return len(render(tokenizer, asked, True, config.data.chat_template_kwargs))
+
+
+def require_context_fits(config: Config, context_tokens: int, record_tokens: int, reader: str) -> None:
+    """The student reading the context in place of the soft prompt (`reader`: the online teacher,
+    eval's ceiling) must hold it and the longest record within its window: past it RoPE gives
+    numbers, not an error."""
+    window = config.student_window
+    if window is not None and context_tokens + record_tokens > window.positions:
+        raise SpdsError(
+            f"{context_source(config)}: the context is {context_tokens} tokens and the longest record "
+            f"{record_tokens}: {reader} reads {context_tokens + record_tokens} positions, past the student's "
+            f"window of {window.positions} ({window.source}); shorten the context, or train from an offline "
+            "teacher's top-k (loss.teacher top_k, generate.top_k_logprobs)"
+        )
 
 
 def require_preflight(config: Config, tokenizer=None):

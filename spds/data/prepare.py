@@ -18,11 +18,12 @@ import numpy as np
 from spds import __version__
 from spds.contract.config import Config
 from spds.contract.digests import sha256_path
+from spds.contract.model_config import model_config
 from spds.contract.schema import require_valid
 from spds.data.chat import Scaffold, derive_scaffold, end_token_ids, stability_problem, tokenizer_identity
 from spds.data.packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from spds.data.rows import RowRules, read_records
-from spds.data.student_files import decodable_ids, load_tokenizer, student_config
+from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.fsio import exclusive_lock, verified_copy
 
@@ -63,7 +64,7 @@ def packing_inputs(config: Config, tokenizer, sources: list[dict], end_ids: list
         tokenizer=tokenizer_identity(tokenizer),
         placement=config.soft_prompt.placement,
         prompt_length=config.soft_prompt.length,
-        context_limit=data.context_limit,
+        context_limit=config.context_limit,
         end_token_ids=end_ids,
         chat_template_kwargs=data.chat_template_kwargs,
         eval_fraction=data.eval_fraction,
@@ -73,6 +74,8 @@ def packing_inputs(config: Config, tokenizer, sources: list[dict], end_ids: list
 
 
 def prepare(config: Config, log=print) -> dict:
+    if config.context_limit is None:  # preflight names it; a library caller may come without it
+        raise SpdsError("data.context_limit: the student's config.json declares no position window: set it")
     target = config.packed_dir
     return prepare_locked(config, target, target.with_name(f".{target.name}.lock"), log)
 
@@ -80,7 +83,7 @@ def prepare(config: Config, log=print) -> dict:
 def model_vocabulary_rows(config: Config) -> int | None:
     """The student's embedding rows (config.json vocab_size): an id past them crashes training."""
 
-    rows = student_config(config.model_path).get("vocab_size")
+    rows = model_config(config.model_path).get("vocab_size")
     return rows if isinstance(rows, int) else None
 
 
@@ -147,7 +150,7 @@ def write_store(config: Config, tokenizer, inputs: dict, log, read_from: dict[Pa
         end_ids=frozenset(inputs["end_token_ids"]),
         vocab_size=decodable_ids(tokenizer, model_vocabulary_rows(config)),
         prompt_length=config.soft_prompt.length,
-        context_limit=data.context_limit,
+        context_limit=config.context_limit,
         template_kwargs=data.chat_template_kwargs,
         require_top_k=offline_teacher(config),
     )

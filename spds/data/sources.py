@@ -1,6 +1,7 @@
 """Where candidate rows come from: a JSONL file, a parquet file or a datasets save_to_disk
 directory, streamed a row (or a small batch) at a time, each row with its line or row number so
-that every refusal can name the place (RowError)."""
+that every refusal can name the place (RowError). And the two question files a teacher answers:
+generate.questions (`read_questions`) and eval.questions (`read_eval_questions`)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,67 @@ def _numbered(batches) -> Iterator[tuple[int, dict]]:
         for row in batch:
             number += 1
             yield number, {key: value for key, value in row.items() if value is not None}
+
+
+def read_questions(path: Path) -> list[dict]:
+    """generate.questions: each line a question_id and messages (or one question's text)."""
+    questions = []
+    with open_regular(path) as stream:
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            try:
+                if len(line) > MAX_LINE_BYTES:
+                    raise ValueError(f"rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
+                row = parse_json(line)  # strictly, as every file spds reads
+                messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
+                questions.append(dict(question_id=str(row["question_id"]), messages=messages))
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
+                raise SpdsError(
+                    f"{path}:{number}: a question needs question_id and messages or question ({error})"
+                ) from None
+    return questions
+
+
+EVAL_OPTIONAL = ("keyword", "answer")
+
+
+def read_eval_questions(path: Path) -> list[dict]:
+    """The questions of an eval.questions file (spds/eval_questions.py), each checked; an SpdsError
+    names the line and rule."""
+    questions, seen, first_with = [], {}, {}
+    with open_regular(path) as stream:
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = parse_json(line)
+            except ValueError as error:
+                raise SpdsError(f"{where}: not a JSON object ({error})") from None
+            if not isinstance(row, dict):
+                raise SpdsError(f"{where}: a question is a JSON object with question_id and question")
+            for key in ("question_id", "question", *EVAL_OPTIONAL):
+                if key in row and (not isinstance(row[key], str) or not row[key].strip()):
+                    raise SpdsError(f"{where}: {key} must be a non-empty string")
+            for key in ("question_id", "question"):
+                if key not in row:
+                    raise SpdsError(f"{where}: rule 'fields': a question needs {key}")
+            if row["question_id"] in seen:
+                raise SpdsError(
+                    f"{where}: question_id {row['question_id']!r}: rule 'unique question_id': "
+                    f"already used at line {seen[row['question_id']]}"
+                )
+            seen[row["question_id"]] = number
+            for key in EVAL_OPTIONAL:
+                if key in row:
+                    first_with.setdefault(key, number)
+            questions.append(dict(row, line=number))
+    if not questions:
+        raise SpdsError(f"{path}: holds no questions")
+    for key, number in first_with.items():
+        missing = next((q for q in questions if key not in q), None)
+        if missing is not None:
+            raise SpdsError(
+                f"{path}:{missing['line']}: question_id {missing['question_id']!r} has no {key}, and line "
+                f"{number} has one: rule 'every question or none': give every question a {key}, or none"
+            )
+    return questions

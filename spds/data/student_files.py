@@ -1,12 +1,8 @@
 """What spds reads from the student's directory without loading its weights (and without torch):
-its tokenizer and its config.json. Packing, preflight and validate need them; the weights are
-spds/model/student.py's."""
+its tokenizer, and how many of its ids a model may write. Packing, preflight and validate need
+them; its config.json is spds/contract/model_config.py's, the weights spds/model/student.py's."""
 
 from __future__ import annotations
-
-from pathlib import Path
-
-from spds.fsio import read_json
 
 
 def load_tokenizer(config):
@@ -23,10 +19,3 @@ def decodable_ids(tokenizer, output_rows: int | None) -> int:
     Qwen3: 151,936 or 152,064 rows for about 151,665 ids) for faster matmuls; the padded rows
     decode to nothing, so the decoder drops their logits, as vLLM does."""
     return min(len(tokenizer), output_rows or len(tokenizer))
-
-
-def student_config(model_path) -> dict:
-    """The student's config.json (a multimodal model's text part), read strictly; {} if not an object."""
-    value = read_json(Path(model_path) / "config.json")
-    value = value.get("text_config", value) if isinstance(value, dict) else {}
-    return value if isinstance(value, dict) else {}

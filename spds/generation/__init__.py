@@ -3,4 +3,5 @@
 generate      spds generate: the teacher answers each question with the context
 self_study    the questions written from the context itself (generate.self_study)
 decode        batched decoding with the context's keys and values computed once
+teacher_window  what the teacher reads, checked against its position window before any work
 """

@@ -31,8 +31,8 @@ import torch
 
 from spds.contract.config import Config
 from spds.contract.settings import GenerateSettings, SelfStudySettings
-from spds.data.chat import end_token_ids, render, render_chat_row
-from spds.data.preflight import require_preflight
+from spds.data.chat import end_token_ids, render, render_chat_row, with_context
+from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json
@@ -55,25 +55,9 @@ from spds.generation.self_study import (
     recital,
     written_question,
 )
+from spds.generation.teacher_window import require_ready
 from spds.kernels.attention import head_dim_of, kernels_in, require_fa4
 from spds.model.student import apply_liger_kernels, unsafe_weights
-
-
-def read_questions(path: Path) -> list[dict]:
-    questions = []
-    with open_regular(path) as stream:
-        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            try:
-                if len(line) > MAX_LINE_BYTES:
-                    raise ValueError(f"rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
-                row = parse_json(line)  # strictly, as every file spds reads
-                messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
-                questions.append(dict(question_id=str(row["question_id"]), messages=messages))
-            except (ValueError, KeyError, TypeError, AttributeError) as error:
-                raise SpdsError(
-                    f"{path}:{number}: a question needs question_id and messages or question ({error})"
-                ) from None
-    return questions
 
 
 def repair_and_read(output: Path) -> set[str]:
@@ -146,7 +130,7 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     if not context or not context.strip():
         raise SpdsError("context.text or context.file must hold the system prompt to distill (it is empty)")
     tokenizer = load_tokenizer(config)
-    scaffold = require_preflight(config, tokenizer)  # before the first batch: refused rows cost no hour
+    scaffold = require_ready(config, tokenizer)  # before the first batch: refused rows cost no hour
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
     study = SelfStudy.of(settings, tokenizer, context) if not settings.questions else None
     checked = time.time()
@@ -215,7 +199,9 @@ def load_asking(config: Config, tokenizer, scaffold, end_ids: list[int]) -> Aski
         apply_liger_kernels(teacher)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     fa4 = fa4_named(config.student.attention_kernel, teacher, device)
-    decoder = Decoder(teacher, end_ids, pad, fa4=fa4, vocabulary=decodable_ids(tokenizer, teacher.config.get_text_config().vocab_size))
+    decoder = Decoder(
+        teacher, end_ids, pad, fa4=fa4, vocabulary=decodable_ids(tokenizer, teacher.config.get_text_config().vocab_size)
+    )
     in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
     return Asking(
         decoder, tokenizer, config.context_text, in_user_turn, config.generate, config.data.chat_template_kwargs
@@ -380,21 +366,6 @@ def multi_turn_row(tokenizer, request: dict, responses: list[list[int]], end_ids
         supervised_tokens=sum(len(r) for r in responses),
         response_sha256=hashlib.sha256(text.encode()).hexdigest(),
     )
-
-
-def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list[dict]:
-    """The teacher's conversation: the context as its system message, or ahead of the first user
-    turn's text."""
-    if not in_user_turn:
-        return [{"role": "system", "content": context}, *messages]
-    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-    if first is None:
-        raise SpdsError("a question's messages hold no user turn for the context to precede")
-    return [
-        *messages[:first],
-        dict(messages[first], content=f"{context}\n\n{messages[first]['content']}"),
-        *messages[first + 1 :],
-    ]
 
 
 def candidate_row(tokenizer, request: dict, response: list[int], end_ids: list[int], kwargs: dict) -> dict:

@@ -11,7 +11,7 @@ import pickle
 import torch
 from torch import nn
 
-from spds.data.student_files import student_config
+from spds.contract.model_config import model_config
 from spds.errors import SpdsError
 from spds.kernels.attention import avoid_cpu_flash_without_avx512
 from spds.kernels.attention import install as install_attention
@@ -107,7 +107,7 @@ def quadratic_length(model_path) -> float | None:
     """The record length at which attention's FLOPs equal the weights' (forward and input
     gradients, causal): 4 P / (6 layers heads head_dim), P the matmul parameters, lm_head
     included. From the student's config.json; None when its shapes are not all there."""
-    value = student_config(model_path)
+    value = model_config(model_path)
     try:
         hidden, layers, heads = value["hidden_size"], value["num_hidden_layers"], value["num_attention_heads"]
         head_dim = value.get("head_dim") or hidden // heads

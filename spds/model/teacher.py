@@ -46,6 +46,7 @@ import torch
 
 from spds.contract.config import Config
 from spds.data.packed import PackedStore
+from spds.data.preflight import require_context_fits
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
 from spds.kernels.attention import windowed_layers
@@ -263,6 +264,9 @@ def build_teacher(config: Config, model: SoftPromptModel, store: PackedStore, me
             "(or give the candidate rows top-k log-probabilities for an offline teacher)"
         )
     ids = load_tokenizer(config).encode(text, add_special_tokens=False)
+    require_context_fits(
+        config, len(ids), int(store.length.max(initial=0)), "the online teacher (loss.teacher context)"
+    )
     return ContextTeacher(
         model,
         torch.tensor(ids, device=model.prompt.device),

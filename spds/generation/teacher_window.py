@@ -1,0 +1,92 @@
+"""The teacher's window, checked before any work: what the teacher reads to answer a question
+(the chat template holding the context, the question, the answer it may write) must lie within
+the positions its config.json declares (spds/contract/model_config.py). Past them every model spds
+runs gives numbers, not an error: a 32k-token context on an 8k-window teacher would write rows
+from positions it was never trained on. spds validate, init, generate and eval (with
+eval.questions, which the teacher answers) run `require_ready`: everything prepare would refuse
+(spds/data/preflight.py) and this.
+"""
+
+from __future__ import annotations
+
+from spds.contract.config import Config
+from spds.data.chat import render
+from spds.data.preflight import context_prompt_tokens, context_source, preflight_problems
+from spds.data.sources import read_eval_questions, read_questions
+from spds.data.student_files import load_tokenizer
+from spds.errors import SpdsError
+from spds.generation.self_study import RECITE
+
+
+def teacher_window_problems(config: Config, tokenizer, scaffold) -> list[str]:
+    """A context whose template, longest question and longest answer pass the teacher's window; a
+    self-study chunk longer than the context."""
+    text = config.context_text
+    if not text or not (config.generate.questions or config.generate.self_study or config.eval.questions):
+        return []
+    problems = []
+    context_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    study = config.generate.self_study
+    if study is not None and study.chunk_tokens > context_tokens:
+        problems.append(
+            f"generate.self_study.chunk_tokens: {study.chunk_tokens} is more than the context's "
+            f"{context_tokens} tokens ({context_source(config)}): a chunk is a part of the context; lower it"
+        )
+    window, asked = config.teacher_window, longest_question(config, tokenizer)
+    if window is None or asked is None:
+        return problems  # no window declared: the student's rule names it; an unreadable file: generate names it
+    question, answer, bound = asked
+    need = context_prompt_tokens(config, tokenizer, scaffold) + question + answer
+    if need > window.positions:
+        problems.append(
+            f"{context_source(config)}: the context is {context_tokens} tokens; with the chat template, the "
+            f"longest question ({question} tokens) and the longest answer ({answer}: {bound}) the teacher reads "
+            f"{need} positions, past its window of {window.positions} ({window.source}): shorten the context or "
+            "the answers, or use a teacher with a longer window (generate.teacher_path)"
+        )
+    return problems
+
+
+def longest_question(config: Config, tokenizer) -> tuple[int, int, str] | None:
+    """The teacher's longest question (its tokens past an empty user turn's), the longest answer
+    it may write and the setting that bounds it; None where it answers nothing or a questions
+    file does not read (generate and eval refuse it, naming the line)."""
+    settings, kwargs = config.generate, config.data.chat_template_kwargs
+    empty = len(render(tokenizer, [{"role": "user", "content": ""}], True, kwargs))
+    answer, bound = settings.max_new_tokens, "generate.max_new_tokens"
+    lengths = []
+    study = settings.self_study
+    if study is not None:
+        lengths.append(study.question_max_tokens)
+        if RECITE in study.kinds and study.chunk_tokens + 1 > answer:  # a recital: up to a chunk, then its end
+            answer, bound = study.chunk_tokens + 1, "generate.self_study.chunk_tokens and its end token"
+    try:
+        if settings.questions is not None:
+            questions = read_questions(config.resolve(settings.questions))
+            lengths += [len(render(tokenizer, q["messages"], True, kwargs)) - empty for q in questions]
+            turns = max((sum(m["role"] == "user" for m in q["messages"]) for q in questions), default=1)
+            if turns > 1:  # every earlier answer stands in the conversation of the last turn
+                answer, bound = answer * turns, f"{turns} user turns x {bound}"
+        if config.eval.questions is not None:
+            asked = read_eval_questions(config.resolve(config.eval.questions))
+            user = [[{"role": "user", "content": q["question"]}] for q in asked]
+            lengths += [len(render(tokenizer, messages, True, kwargs)) - empty for messages in user]
+    except SpdsError:
+        return None
+    return (max(lengths), answer, bound) if lengths else None
+
+
+def require_ready(config: Config, tokenizer=None):
+    """The scaffold prepare will use, or an SpdsError listing every problem prepare would find and
+    every position past the teacher's window."""
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(config)
+        except (OSError, ValueError):
+            pass  # preflight names it
+    problems, scaffold = preflight_problems(config, tokenizer)
+    if scaffold is not None:
+        problems += teacher_window_problems(config, tokenizer, scaffold)
+    if problems:
+        raise SpdsError(f"{config.path}: this config would be refused before any work", problems)
+    return scaffold
