@@ -378,7 +378,7 @@ def time_spds(
     from spds.model.build import build_soft_prompt_model
     from spds.training.engine import build_engine, init_distributed
     from spds.training.schedule import Plan
-    from spds.training.stop import StopRequest
+    from spds.stop import StopRequest
     from spds.training.train import train_step
 
     with tempfile.TemporaryDirectory() as scratch:

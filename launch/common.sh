@@ -1,10 +1,14 @@
 # Shared by the launch scripts (sourced, not run).
 #
+# Verbs: train and smoke, and generate and eval (every rank takes a share of the batches or
+# records; spds/generation/batches.py, spds/evaluate.py).
+#
 # Stopping. A launch script runs the launcher as a child, in a process group of its own, and
 # turns SIGTERM or SIGINT to itself (a container runtime's stop, `kill PID`, Ctrl-C, SLURM's
 # --signal=B:TERM) into a stop request: `spds stop CONFIG` writes <output_dir>/stop-request.json,
 # rank 0 reads it at the next update boundary, every rank (on every node) stops after the same
-# update with a committed checkpoint, the launchers exit 0, and so does this script. Nothing
+# update with a committed checkpoint, the launchers exit 0, and so does this script. generate's
+# ranks each read it after every batch (each batch is whole on disk: the rerun completes it). Nothing
 # signals the launchers themselves: the deepspeed launcher on one node has no SIGTERM handler
 # (its ranks would run on, orphaned), and DeepSpeed's launch.py and torchrun kill ranks that
 # have not exited 30 s after they forwarded a signal, whatever the update in flight.
@@ -121,7 +125,7 @@ spds_check_host() {
   [[ "$2" =~ ^[A-Za-z0-9][A-Za-z0-9._:-]*$ ]] || die "$1 must be a hostname or address, not $(printf %q "$2")"
 }
 
-# A stop request older than this moment is stale (spds/training/stop.py); exported before anything is
+# A stop request older than this moment is stale (spds/stop.py); exported before anything is
 # launched, through .deepspeed_env to the other nodes too.
 SPDS_LAUNCH_STARTED=${SPDS_LAUNCH_STARTED:-$(date +%s.%N)}
 export SPDS_LAUNCH_STARTED
@@ -155,7 +159,7 @@ run_launcher() {
     wait "$spds_child" && status=0 || status=$?
     kill -0 "$spds_child" 2>/dev/null || break  # a signal interrupted the wait: the launch goes on
   done
-  if [ "$status" != 0 ]; then
+  if [ "$status" != 0 ] && { [ "$verb" = train ] || [ "$verb" = smoke ]; }; then  # their terminal.json
     "$SPDS_PYTHON" -m spds.cli launch-ended --output-dir "$spds_output_dir" --exit-status "$status" --verb "$verb" ||
       true
   fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Many nodes from a hostfile ("hostname slots=N" per line, see hostfile.example).
-#   launch/multi_node.sh CONFIG HOSTFILE [--verb train|smoke] [--master-addr ADDR] [--port PORT]
+#   launch/multi_node.sh CONFIG HOSTFILE [--verb train|smoke|generate|eval] [--master-addr ADDR] [--port PORT]
 #       ssh/pdsh (the deepspeed default): run once, on the first host; it starts every node.
 #   launch/multi_node.sh CONFIG HOSTFILE --no-ssh --node-rank R --master-addr ADDR [--port PORT]
 #       clusters without ssh: run once on every node, R = that node's line in the hostfile (0-based).
@@ -9,7 +9,7 @@
 # of every node at the same update boundary (common.sh).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-[ $# -ge 2 ] || die "usage: $0 CONFIG HOSTFILE [--no-ssh --node-rank R] [--master-addr ADDR] [--port PORT] [--verb train|smoke]"
+[ $# -ge 2 ] || die "usage: $0 CONFIG HOSTFILE [--no-ssh --node-rank R] [--master-addr ADDR] [--port PORT] [--verb train|smoke|generate|eval]"
 config=$1; hostfile=$2; shift 2
 verb=train; port=${MASTER_PORT:-29500}; addr=${MASTER_ADDR:-}; no_ssh=0; node_rank=""
 while [ $# -gt 0 ]; do
@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
     *) die "unknown option $1";;
   esac
 done
-case "$verb" in train|smoke) ;; *) die "--verb must be train or smoke";; esac
+case "$verb" in train|smoke|generate|eval) ;; *) die "--verb must be train, smoke, generate or eval";; esac
 spds_check_number --port "$port"
 [ -z "$addr" ] || spds_check_host --master-addr "$addr"
 [ -z "$node_rank" ] || spds_check_number --node-rank "$node_rank"

@@ -75,7 +75,7 @@ def cmd_stop(args) -> int:
     from pathlib import Path
 
     from spds.contract.gate import load_config  # per verb
-    from spds.training.stop import request  # per verb
+    from spds.stop import request  # per verb
 
     if args.output_dir:  # where the launch scripts found it at launch: the config may have moved since
         output_dir = Path(args.output_dir)
@@ -93,10 +93,12 @@ def cmd_generate(args) -> int:
     from spds.generation.generate import generate  # per verb
 
     generate(load_config(args.config, candidates="unread"), started=STARTED)
-    return 0
+    return 0  # also when stopped: its batches are whole and the same command completes them (it said so)
 
 
 def cmd_eval(args) -> int:
+    import os
+
     from spds.contract.gate import load_config  # per verb
     from spds.evaluate import evaluate  # per verb
     from spds.generation.teacher_window import require_ready  # per verb
@@ -104,6 +106,8 @@ def cmd_eval(args) -> int:
     config = load_config(args.config)
     require_ready(config)  # the windows: eval.questions' teacher and the views read the context
     result = evaluate(config, args.checkpoint)
+    if os.environ.get("RANK", "0") != "0":  # rank 0 reports for every rank
+        return 0
     if result["records"]:
         print(
             f"held-out records {result['records']} ({result['supervised_tokens']} response tokens), "
@@ -307,10 +311,10 @@ def load_launch_environment() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.verb in ("train", "smoke"):
+    if args.verb in ("train", "smoke", "generate"):
         # Before torch is imported (seconds): from here on SIGTERM/SIGINT ask for a stop at an
-        # update boundary instead of killing the process (spds/training/stop.py).
-        from spds.training.stop import StopRequest  # per verb
+        # update boundary (generate: a batch boundary) instead of killing the process (spds/stop.py).
+        from spds.stop import StopRequest  # per verb
 
         StopRequest.install()
     try:

@@ -62,8 +62,13 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
     if questions is not None:
         result["questions"] = scoring.figures(questions.store, questions.records, None)
+    answered = answer_views(config, result, directory, model.student, questions, (rank, world))
+    if "samples" in answered:
+        result["samples"] = answered["samples"]
+    if "questions" in answered:
+        result["questions"].update(answered["questions"])
     if rank == 0:
-        write_report(config, result, directory, model.student, questions, has_held_out=len(held_out) > 0)
+        write_report(config, result)
     return result
 
 
@@ -110,22 +115,31 @@ def held_out_figures(config: Config, scoring: Scoring, store: PackedStore, held_
     return figures
 
 
-def write_report(config: Config, result: dict, directory: Path, student, questions, has_held_out: bool) -> None:
-    """Rank 0: a few answers beside the figures, the questions' answers side by side (samples.md),
-    the plot, then eval.json, validated first."""
-    from spds.sample import answers, write  # spds.sample imports this module's neighbours, not its callers
+def answer_views(config: Config, result: dict, directory: Path, student, questions, ranks: tuple[int, int]) -> dict:
+    """Greedy answers bare / with the context / with the soft prompt, every rank answering its
+    share (spds/sample.py): a few held-out records' (eval.samples) and every eval.questions
+    question's; none for a student sharded over the ranks (its forward is collective)."""
+    from spds.sample import answers  # spds.sample imports this module's neighbours, not its callers
 
-    out, sharded = config.output_dir, config.shards_student
-    if config.eval.samples and not sharded and has_held_out:
-        result["samples"] = answers(
-            config,
-            config.eval.samples,
-            checkpoint=str(directory),
-            max_new_tokens=config.eval.max_new_tokens,
-            student=student,
+    answered, settings = {}, dict(checkpoint=str(directory), max_new_tokens=config.eval.max_new_tokens, student=student)
+    if config.shards_student:
+        return answered
+    if config.eval.samples and result["records"]:
+        answered["samples"] = answers(config, config.eval.samples, ranks=ranks, **settings)
+    if questions is not None:
+        answered["questions"] = questions.answered(
+            config, answers(config, len(questions.questions), questions.path, ranks=ranks, **settings)
         )
-    if questions is not None and not sharded:
-        result["questions"].update(questions.answered(config, directory, student))
+    return answered
+
+
+def write_report(config: Config, result: dict) -> None:
+    """Rank 0: the questions' answers side by side (samples.md), the plot, then eval.json,
+    validated first."""
+    from spds.sample import write  # spds.sample imports this module's neighbours, not its callers
+
+    out = config.output_dir
+    if result.get("questions", {}).get("answers"):
         write(out, result["questions"]["answers"])
     result["plot"] = plot(out / "metrics.jsonl", result["nll"] or result["questions"]["nll"], out / "eval.png")
     require_valid(result, "eval", "eval.json")
@@ -147,33 +161,27 @@ class QuestionStore:
 
     @classmethod
     def made(cls, config: Config, rank: int, world: int, log) -> QuestionStore:
-        """Rank 0 has the teacher answer the questions and packs the answers (or finds them made);
-        the other ranks wait for it."""
+        """The ranks have the teacher answer the questions, each a share of the batches
+        (spds/generation/batches.py), and rank 0 packs the answers (or finds them made)."""
         from spds.data.prepare import prepare  # per use: a plain eval packs nothing
         from spds.generation.generate import generate  # per use: a plain eval loads no teacher for decoding
 
         path = config.resolve(config.eval.questions)
         questions = read_eval_questions(path)
         derived = teacher_config(config, path)
+        if generate(derived, log=log if rank == 0 else lambda *_: None)["left"]:  # every rank answers a share
+            raise SpdsError(
+                "stopped while the teacher answered eval.questions (spds stop, a signal): its answers so far are "
+                "kept; run spds eval again to complete them"
+            )
         if rank == 0:
-            generate(derived, log=log)
             prepare(derived, log=log)
         if world > 1:
             torch.distributed.barrier()
         return cls(path, questions, PackedStore.open(derived.packed_dir))
 
-    def answered(self, config: Config, directory: Path, student) -> dict:
-        """The greedy answers, bare / with the context / with the soft prompt, and their scores."""
-        from spds.sample import answers  # spds.sample imports this module's neighbours, not this one's callers
-
-        rows = answers(
-            config,
-            len(self.questions),
-            questions=self.path,
-            checkpoint=str(directory),
-            max_new_tokens=config.eval.max_new_tokens,
-            student=student,
-        )
+    def answered(self, config: Config, rows: list[dict]) -> dict:
+        """The greedy answers (spds.sample's rows, in the questions' order), with their scores."""
         for question, row in zip(self.questions, rows):
             row.update(question_id=question["question_id"], keyword=question.get("keyword"))
         return dict(answer_scores(self.questions, rows), answers=rows)
@@ -219,7 +227,11 @@ class Scoring:
         busiest, a rank out of records repeating one without counting it (the training step's
         lockstep rule)."""
         model, world, names = self.model, self.world, list(self.blocks)
-        sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)  # NLL per condition, then KL
+        # each record's NLL per condition, then its KL, on the rank that scored it (zeros elsewhere):
+        # summed over the ranks (x + 0 is x) and then over the records in their order, the figures
+        # are the same bits on any number of ranks
+        per_record = torch.zeros(len(records), len(names) + 1, dtype=torch.float64, device=self.device)
+        row_of = {int(record): row for row, record in enumerate(records)}
         kl = teacher is not None
         every = [[[int(i)] for i in records[r::world]] for r in range(world)]
         passes = [(group, None, True) for group in every[self.rank]]
@@ -233,9 +245,10 @@ class Scoring:
                 # the soft prompt's one forward gives the KL too (the student's rows are the same)
                 fns = [self.nll_fn, self.kl_fn] if kl and name == "soft" else [self.nll_fn]
                 values = model.losses([segment], fns, targets, inserted=self.blocks[name])
-                sums[k] += float(counted) * values[0].double()
-                if len(values) > 1:
-                    sums[-1] += float(counted) * values[1].double()
+                if counted:
+                    per_record[row_of[i], k] = values[0].double()
+                    if len(values) > 1:
+                        per_record[row_of[i], -1] = values[1].double()
                 block = self.blocks[name] if self.blocks[name] is not None else model.prompt
                 positions += len(segment.ids) + len(block)
             if kl:
@@ -244,7 +257,8 @@ class Scoring:
             torch.cuda.synchronize(self.device)
         seconds = time.monotonic() - started
         if world > 1:
-            torch.distributed.all_reduce(sums)
+            torch.distributed.all_reduce(per_record)
+        sums = per_record.sum(dim=0)
         tokens = int(store.supervised_tokens[records].sum())
         nll = {name: float(sums[k]) / tokens for k, name in enumerate(names)}
         nll.setdefault("ceiling", None)

@@ -20,7 +20,7 @@ from spds.contract.config import Config
 from spds.data.chat import end_token_ids
 from spds.data.packed import PackedStore
 from spds.data.sources import read_questions
-from spds.data.student_files import load_tokenizer
+from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.export import insertion_point
 from spds.fsio import atomic_writer
@@ -74,6 +74,9 @@ def asked_text(tokenizer, ids: list[int], at: int, manifest: dict) -> str:
     return tokenizer.decode(ids[start:stop], skip_special_tokens=True).strip()
 
 
+ANSWER_BATCH = 64  # questions decoded together; fixed, so a question's batch is the same on any number of ranks
+
+
 @torch.no_grad()
 def answers(
     config: Config,
@@ -82,46 +85,92 @@ def answers(
     checkpoint: str | None = None,
     max_new_tokens: int = 64,
     student=None,
+    ranks: tuple[int, int] = (0, 1),
 ) -> list[dict]:
+    """Each question's greedy answer by each view, in the questions' order, on spds's decoder
+    (spds/generation/decode.py: the chat template's header and the view's block computed once as
+    a prefix shared by a batch of questions). `ranks` (rank, world): each rank answers every
+    world-th batch of ANSWER_BATCH and every rank gets all the rows: the same answers on any
+    number of ranks, as a question's batch is."""
     directory = checkpoint_to_read(config.output_dir, checkpoint)
     prompt, commit = prompt_of(directory)
     store = PackedStore.open(config.packed_dir)
     tokenizer = load_tokenizer(config)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     student = student or load_student(
         config.model_path, config.student.dtype, "sdpa", device, config.student.trust_remote_code
     )
     embed = student.get_input_embeddings()
-    context = config.context_text
     blocks = {"bare": prompt[:0], "soft": prompt}
-    if context:
+    if config.context_text:
         blocks["context"] = embed(
-            torch.tensor(tokenizer.encode(context, add_special_tokens=False), device=embed.weight.device)
+            torch.tensor(tokenizer.encode(config.context_text, add_special_tokens=False), device=embed.weight.device)
         )
-    end_ids = end_token_ids(tokenizer, config.data.end_tokens)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
-    rows = []
-    for asked, ids, at in prompts_to_answer(config, store, tokenizer, count, questions):
-        tokens = embed(torch.tensor(ids, device=embed.weight.device))
-        row = dict(question=asked, checkpoint=str(directory), update=commit["update"])
-        for view in VIEWS:
-            if view not in blocks:
-                row[view] = None  # no context in the config: nothing to compare with
-                continue
-            block = blocks[view].to(device=tokens.device, dtype=tokens.dtype)
-            inputs = torch.cat([tokens[:at], block, tokens[at:]])[None]
-            mask = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
-            output = student.generate(
-                inputs_embeds=inputs,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=end_ids,
-                pad_token_id=pad,
-            )
-            row[view] = tokenizer.decode(output[0], skip_special_tokens=True).strip()
-        rows.append(row)
-    return rows
+    asked = list(prompts_to_answer(config, store, tokenizer, count, questions))
+    views = Views(student, blocks, tokenizer, config.data.end_tokens)
+    rank, world = ranks
+    rows = {}
+    for first in range(rank * ANSWER_BATCH, len(asked), world * ANSWER_BATCH):
+        batch = asked[first : first + ANSWER_BATCH]
+        for offset, answered in enumerate(views.answer(batch, max_new_tokens)):
+            rows[first + offset] = dict(question=batch[offset][0], checkpoint=str(directory), update=commit["update"])
+            rows[first + offset].update(answered)
+    if world > 1:
+        shares = [None] * world
+        torch.distributed.all_gather_object(shares, rows)
+        rows = {number: row for share in shares for number, row in share.items()}
+    return [rows[number] for number in range(len(asked))]
+
+
+class Views:
+    """The student answering greedily with each view's block where the prompt goes, on spds's
+    decoder. The decoder runs the student's own weights under its attention for the length of
+    `answer` (transformers reads the attention implementation at every forward: switched and put
+    back, as the on-policy sampler does)."""
+
+    def __init__(self, student, blocks: dict, tokenizer, end_tokens):
+        from spds.generation.decode import Decoder  # per use: spds sample alone needs no decoder before
+
+        self.student, self.blocks, self.tokenizer = student, blocks, tokenizer
+        self.end_ids = end_token_ids(tokenizer, end_tokens)
+        own = student.config._attn_implementation
+        rows = student.get_output_embeddings().weight.shape[0]
+        self.decoder = Decoder(student, self.end_ids, self.end_ids[0], vocabulary=decodable_ids(tokenizer, rows))
+        self.implementations = (own, student.config._attn_implementation)
+        student.config._attn_implementation = own
+
+    def answer(self, batch: list[tuple[str, list[int], int]], max_new_tokens: int) -> list[dict]:
+        """For each (question, prompt ids, where the prompt goes): each view's answer text (None:
+        a view the config cannot give, the context without one)."""
+        embed = self.student.get_input_embeddings()
+        answered = [{view: None for view in VIEWS} for _ in batch]
+        groups: dict[tuple, list[int]] = {}  # by the ids before the prompt (a question may bring its own system turn)
+        for number, (_, ids, at) in enumerate(batch):
+            groups.setdefault(tuple(ids[:at]), []).append(number)
+        own, decoding = self.implementations
+        self.student.config._attn_implementation = decoding
+        try:
+            for view, block in self.blocks.items():
+                for header, numbers in groups.items():
+                    head = embed(torch.tensor(header, dtype=torch.long, device=embed.weight.device))
+                    prefix = torch.cat([head, block.to(device=head.device, dtype=head.dtype)])
+                    asked = [batch[n][1][batch[n][2] :] for n in numbers]
+                    texts = self.greedy(asked, prefix, max_new_tokens)
+                    for number, text in zip(numbers, texts):
+                        answered[number][view] = text
+        finally:
+            self.student.config._attn_implementation = own
+        return answered
+
+    def greedy(self, asked: list[list[int]], prefix: torch.Tensor, max_new_tokens: int) -> list[str]:
+        if not len(prefix):  # nothing before the questions (prefix placement, bare): their ids alone
+            ids = self.decoder.answer(asked, max_new_tokens, 0.0, 1.0, seed=0)
+        else:
+            ids = self.decoder.answer_with_top_k(asked, max_new_tokens, 0.0, 1.0, 0, 0, prefix_embeds=prefix)[0]
+        ends = set(self.end_ids)
+        return [
+            self.tokenizer.decode([t for t in row if t not in ends], skip_special_tokens=True).strip() for row in ids
+        ]
 
 
 def write(out: Path, rows: list[dict]) -> tuple[Path, Path]:

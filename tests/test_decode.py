@@ -120,8 +120,8 @@ def test_top_k_taken_while_decoding_equals_transformers_forward(saved, family):
 def test_top_k_of_given_answers_equals_transformers_forward(saved, family):
     """Decoder.score (a recital's answer is given, not sampled): at every token of each given
     answer, the top-k equal a plain forward's over the prompt and answer; copies of one request
-    (samples_per_question) share their whole answer, yet each is scored after its prompt; a prefix
-    that is part of the one kept is read from it, not run again."""
+    (samples_per_question) share their whole answer, yet each is scored after its prompt; the
+    prefix kept by an earlier answer is read, not run again."""
     model = load_teacher(saved[family], "float32", torch.device("cpu"))
     plain = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32, attn_implementation="eager")
     generator = torch.Generator().manual_seed(11)
@@ -129,7 +129,7 @@ def test_top_k_of_given_answers_equals_transformers_forward(saved, family):
     answers = [torch.randint(2, 300, (n,), generator=generator).tolist() + [END] for n in (7, 2, 11, 4)]
     batch, answers = batch + batch[:1], answers + answers[:1]  # a copy of the first request
     decoder = Decoder(model, [END], pad_id=0)
-    decoder.answer([p + [5, 6] for p in batch], 2, 0.0, 1.0, seed=0)  # keeps a longer prefix than score needs
+    decoder.answer([p + [5, 6] for p in batch], 2, 0.0, 1.0, seed=0)  # keeps the prefix score needs
     tops = decoder.score(batch, answers, k=4)
     assert decoder.prefix_forwards == 1
     assert_top_k_of_plain_forward(plain, batch, answers, tops, family)
@@ -158,9 +158,27 @@ def test_rows_hold_only_their_own_positions_and_read_the_prefix_in_place(saved, 
     prefix_run, first, second = made
     assert [k.shape[:2] for k in first.keys] == [(4, 32)] * 2  # 9 + 12 positions, in rows of 16
     assert [k.shape[:2] for k in second.keys] == [(3, 32)] * 2
-    held = [k.data_ptr() for k, _ in decoder.prefix_states]
+    (kept,) = decoder.kept.values()
+    held = [k.data_ptr() for k, _ in kept]
     assert [k.data_ptr() for k, _ in first.shared] == held == [k.data_ptr() for k, _ in second.shared]
     assert [k.shape[2] for k, _ in first.shared] == [40, 40] and prefix_run.rows == 1
+
+
+def test_a_prefix_is_run_by_its_own_forward_and_shared_only_within_the_bound(saved):
+    """The numbers of a shared prefix must not depend on what ran before it (a rank of a
+    multi-rank generate runs other batches before batch k than one rank does): a prefix is never
+    cut from a longer one kept, and `shared_within` fixes it for batches whose own common
+    prefixes differ, so they share one."""
+    decoder = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
+    batch = prompts(torch.Generator().manual_seed(3))  # a 40-token prefix, then questions
+    decoder.answer(batch, 4, temperature=0.0, top_p=1.0, seed=0)
+    decoder.answer([p[:30] + p[-1:] for p in batch], 4, temperature=0.0, top_p=1.0, seed=0)
+    assert decoder.prefix_forwards == 2 and sorted(len(k) for k in decoder.kept) == [30, 40]  # not cut from 40
+    bound = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
+    longer = [batch[0][:40] + [7, 8] + p[40:] for p in batch]  # a batch whose questions share two more tokens
+    for asked in (batch, longer):
+        bound.answer(asked, 4, temperature=0.0, top_p=1.0, seed=0, shared_within=40)
+    assert bound.prefix_forwards == 1 and [len(k) for k in bound.kept] == [40]
 
 
 def test_a_batch_too_large_for_the_gpu_is_refused_before_it_starts(saved, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -78,10 +79,50 @@ def test_question_figures_equal_a_plain_transformers_recomputation(tiny):
     rouge = np.mean([scorer.score(a["context"], a["soft"])["rougeL"].fmeasure for a in answers])
     assert asked["rouge_l_soft_vs_context"] == pytest.approx(rouge)
     assert "Who keeps the lighthouse?" in (tiny / "run" / "samples.md").read_text()
+    # Each view's answer is transformers' own greedy generate from the same inputs (the prompt or
+    # the context spliced where training splices it). fp32: the decoder's other order of sums moves
+    # logits by ~1e-6, far under the random student's gaps between its top two tokens here.
+    tokenizer = make_tiny.chatml_tokenizer()
+    with torch.no_grad():
+        for question, answer in zip(QUESTIONS, answers):
+            messages = [{"role": "system", "content": ""}, {"role": "user", "content": question["question"]}]
+            ids = torch.tensor(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+            at = len(tokenizer.encode("<|im_start|>system\n", add_special_tokens=False))  # the system text's place
+            for view, name in (("bare", "floor"), ("context", "ceiling"), ("soft", "soft")):
+                joined = torch.cat([embed(ids[:at]), blocks[name], embed(ids[at:])])[None]
+                output = plain.generate(
+                    inputs_embeds=joined,
+                    attention_mask=torch.ones(joined.shape[:2], dtype=torch.long),
+                    max_new_tokens=6,
+                    do_sample=False,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+                assert answer[view] == tokenizer.decode(output[0], skip_special_tokens=True).strip(), (view, question)
     # A second eval reuses the teacher's answers (nothing regenerated) and reports the same.
     again = check(spds(["eval", "config.json"], tiny))
     assert "wrote 0 rows (6 were already there)" in again.stdout
     assert read_json(tiny / "run" / "eval.json")["questions"]["nll"] == asked["nll"]
+    # On two ranks (each answering a share of the teacher's batches, scoring a share of the records
+    # and answering a share of the questions): the same report, timings apart, and the same answers.
+    one, samples = read_json(tiny / "run" / "eval.json"), (tiny / "run" / "samples.md").read_bytes()
+    rows = (store_dir / "teacher.jsonl").read_bytes()
+    shutil.rmtree(tiny / "run" / "eval-questions")
+    check(spds(["eval", "config.json"], tiny, world=2, launcher="torchrun"))
+    two = read_json(tiny / "run" / "eval.json")
+    assert (store_dir / "teacher.jsonl").read_bytes() == rows
+    assert (tiny / "run" / "samples.md").read_bytes() == samples
+    assert two["world_size"] == 2
+    assert without_timings(two) == without_timings(one)
+
+
+def without_timings(report: dict) -> dict:
+    """eval.json less what depends on the clock or the number of ranks, not on the numbers."""
+    timings = ("seconds", "tokens_per_second", "world_size")
+    report = {k: v for k, v in report.items() if k not in timings}
+    if report.get("questions"):
+        report["questions"] = {k: v for k, v in report["questions"].items() if k not in timings}
+    return report
 
 
 @pytest.mark.parametrize(

@@ -313,7 +313,7 @@ def test_init_writes_json_under_a_json_name_and_takes_any_file_name(tiny, tiny_a
 def test_generate_never_drops_a_row_it_wrote(tmp_path):
     """A blank line once made the rerun cut every row after it (64 rows before, 44 after)."""
     from spds.errors import SpdsError
-    from spds.generation.generate import repair_and_read
+    from spds.generation.batches import repair_and_read
 
     rows = [json.dumps({"request_id": f"r{i}", "input_ids": [1, 2]}) + "\n" for i in range(6)]
     output = tmp_path / "generated.jsonl"
@@ -385,7 +385,7 @@ def test_a_refused_process_never_releases_a_lock_it_does_not_hold(tiny, capsys):
 
 
 def test_stop_requests_that_are_garbled_or_stale_never_crash_or_stop_a_new_run(tmp_path, monkeypatch, capsys):
-    from spds.training import stop
+    from spds import stop
 
     monkeypatch.setenv("SPDS_LAUNCH_STARTED", "abc")
     request = stop.StopRequest()

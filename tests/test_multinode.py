@@ -332,3 +332,73 @@ def test_slurm_job_stops_at_an_update_boundary_and_the_next_job_resumes_bit_exac
         launch = read_json(run_dir / f"slurm-{name}" / "run.json")["launch"]
         assert launch["hosts"] == ["h1", "h2"] and launch["environment"]["SLURM_JOB_ID"] == job
         assert launch["environment"]["CUDA_VISIBLE_DEVICES"] == "0"  # SLURM's GRES gave this rank a device
+
+
+# -- generate and eval ---------------------------------------------------------------------------
+
+
+def test_generate_over_ssh_and_eval_under_slurm_give_the_one_rank_bytes(cluster, run_dir, straight, tmp_path):
+    """The teacher's rows written by a rank on each host (multi_node.sh --verb generate, over real
+    pdsh and sshd) are the one-rank rows byte for byte; eval as a SLURM job on both hosts (the
+    teacher answering eval.questions, the records scored and the questions answered, a share on
+    each) reports what one rank reports, timings apart, with the same answers."""
+    from test_eval_questions import QUESTIONS, without_timings
+
+    original = (run_dir / "config.json").read_text()
+    try:
+        (run_dir / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+        edit_config(
+            run_dir,
+            output_dir="straight",
+            data_parallel_size="any",
+            context={"text": "You are the archivist of Lumen Bay."},
+            generate={
+                "questions": "questions.jsonl",
+                "output": "asked.jsonl",
+                "samples_per_question": 3,
+                "batch_size": 2,
+                "max_new_tokens": 6,
+                "top_k_logprobs": 2,
+            },
+            eval={"questions": "questions.jsonl", "question_samples": 2, "max_new_tokens": 6, "samples": 2},
+        )
+        check(spds(["generate", "config.json"], run_dir))
+        one = (run_dir / "asked.jsonl").read_bytes()
+        (run_dir / "asked.jsonl").unlink()
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("h1 slots=1\nh2 slots=1\n")
+        command = ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile), "--verb", "generate"]
+        check(cluster.h1.run(command + ["--port", "29521"], cwd=run_dir, env=environment(), timeout=300))
+        assert (run_dir / "asked.jsonl").read_bytes() == one
+        check(spds(["eval", "config.json"], run_dir))
+        alone = read_json(run_dir / "straight" / "eval.json")
+        samples = (run_dir / "straight" / "samples.md").read_bytes()
+        shutil.rmtree(run_dir / "straight" / "eval-questions")
+        job = (
+            check(
+                cluster.h1.run(
+                    [
+                        "sbatch",
+                        "--parsable",
+                        "--nodes=2",
+                        f"--chdir={run_dir}",
+                        f"--output={run_dir}/slurm-%j.out",
+                        str(LAUNCH / "slurm.sbatch"),
+                        "config.json",
+                        "eval",
+                    ],
+                    cwd=REPO,
+                    env=cluster.slurm_env(environment()),
+                )
+            )
+            .stdout.strip()
+            .split(";")[0]
+        )
+        state = wait_job(cluster, job)
+        assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), slurm_log(run_dir, job)
+        both = read_json(run_dir / "straight" / "eval.json")
+        assert both["world_size"] == 2 and without_timings(both) == without_timings(alone)
+        assert (run_dir / "straight" / "samples.md").read_bytes() == samples
+        assert not ranks_left(cluster)
+    finally:
+        (run_dir / "config.json").write_text(original)

@@ -287,6 +287,23 @@ def test_the_teacher_sees_the_context_where_the_prompt_goes():
     assert system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nTell me")
 
 
+@pytest.mark.parametrize("name", [n for n in TEMPLATES if not n.startswith("_")])
+@pytest.mark.parametrize("in_user_turn", [False, True])
+def test_the_shared_prefix_of_generates_prompts_ends_where_the_question_begins(name, in_user_turn):
+    """spds generate shares the keys and values of one fixed prefix across all its batches (the
+    same on every rank): everything before the question's own text, the context included, in
+    every published template and in both places the context goes."""
+    from spds.generation.generate import Asking
+
+    tokenizer = fixture_tokenizer(name)
+    kwargs = {"date_string": "26 Jul 2024"} if name.startswith("llama") else {}
+    in_user_turn = in_user_turn or derive_scaffold(tokenizer, kwargs, model=name).system_role == "none"
+    asking = Asking(None, tokenizer, "The archive opens at nine.", in_user_turn, None, kwargs)
+    prompt = asking.prompt(QUESTION)
+    assert "The archive opens at nine." in tokenizer.decode(prompt[: asking.context_end]), name
+    assert tokenizer.decode(prompt[asking.context_end :]).lstrip().startswith("Tell me about the comet."), name
+
+
 @pytest.mark.parametrize("name", ["smollm2", "qwen2.5", "llama-3.2"])
 def test_the_sample_question_line_shows_the_users_words_not_the_default_system_text(name):
     """spds sample / eval print a held-out record's question: from the packed prompt, the text of

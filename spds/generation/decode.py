@@ -5,8 +5,11 @@ the same first tokens, thousands of them, in every row. transformers' `generate`
 again for every batch and grows its cache by concatenation at every step (each step copies the
 whole cache). Here:
 
-  * the prompts' longest common prefix is run once and its keys and values kept (keyed by the
-    prefix's ids), and every batch that shares it reads them where they are: they are never
+  * the prompts' longest common prefix (at most `shared_within` tokens: generate bounds it at the
+    context's end, so that every batch shares the same one) is run once and its keys and values
+    kept (keyed by the prefix's exact ids, never cut from a longer one: the numbers of a prefix are
+    then those of its own forward, whatever ran before, which the byte-identical multi-rank
+    generate relies on), and every batch that shares it reads them where they are: they are never
     copied to the rows: a row's cache holds only its question and answer, so how many rows a
     batch holds depends on their own lengths, not on the context's;
   * attention runs in two parts merged by their log-sum-exps (`decode_attention`): over the
@@ -143,8 +146,9 @@ class Decoder:
         install_attention(model, NAME, decode_attention, "spds_decoder", self, "spds generate cannot decode it")
         self.active: BatchCache | None = None  # the cache of the forward running now
         self.graphs = graphs and model.device.type == "cuda"  # False: every step eagerly (the same numbers)
-        self.prefix_ids: list[int] | None = None  # the prefix whose keys and values are kept
-        self.prefix_states: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the prefixes whose keys and values are kept, by their ids, the newest last: generate's
+        # context and the question-writing batches' own alternate
+        self.kept: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.prefix_forwards = 0  # how many times a prefix was run (the tests read it)
         self.captured = 0  # batches whose decode step ran as a CUDA graph (the benchmark reads it)
         self.seconds, self.new_tokens = 0.0, 0  # time in answer() and the tokens it picked (generate logs them)
@@ -153,11 +157,17 @@ class Decoder:
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
     def answer(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float | list[float], top_p: float, seed: int
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float | list[float],
+        top_p: float,
+        seed: int,
+        shared_within: int | None = None,
     ) -> list[list[int]]:
         """Each prompt's answer ids: up to and including its first end token, or max_new_tokens
         ids with an end token appended (a cut answer is closed, as spds's rows must end)."""
-        return self.answer_with_top_k(prompts, max_new_tokens, temperature, top_p, seed, 0)[0]
+        return self.answer_with_top_k(prompts, max_new_tokens, temperature, top_p, seed, 0, None, shared_within)[0]
 
     @torch.no_grad()
     def answer_with_top_k(
@@ -169,6 +179,7 @@ class Decoder:
         seed: int,
         k: int,
         prefix_embeds: torch.Tensor | None = None,
+        shared_within: int | None = None,
     ) -> tuple[list[list[int]], list[dict] | None]:
         """`answer`'s ids and, with k > 0, each answer's top-k: at every answer token, the k most
         likely next tokens of the logits it was picked from and their log-probabilities at
@@ -177,11 +188,14 @@ class Decoder:
         answer's closing end token was never picked: one more step gives its logits. Taken from
         the decode step's own logits, so an offline teacher's targets cost no second pass.
         `prefix_embeds` ([n, hidden], the model's dtype): a shared prefix given as input embeddings
-        (the chat template's header and a soft prompt, loss.on_policy), before every prompt's ids."""
+        (the chat template's header and a soft prompt, loss.on_policy), before every prompt's ids.
+        `shared_within`: the most tokens of the prompts' common prefix to share (`prefill`)."""
         began = time.perf_counter()
         device = self.model.device
         kept = TopK.bytes_per_row(max_new_tokens + 1, k)
-        cache, positions, longest, logits = self.prefill(prompts, max_new_tokens, kept, prefix_embeds)
+        cache, positions, longest, logits = self.prefill(
+            prompts, max_new_tokens, kept, prefix_embeds, shared_within=shared_within
+        )
         logits, rows = logits[:, -1], len(prompts)
         generator = torch.Generator(device=device).manual_seed(seed)
         step = Step(self, cache, positions, next_position=positions[:, longest - 1] + 1, write_at=longest)
@@ -258,7 +272,9 @@ class Decoder:
         return cache, positions, longest, self.forward(ids, positions, cache, start=0, keep=keep)
 
     @torch.no_grad()
-    def score(self, prompts: list[list[int]], answers: list[list[int]], k: int) -> list[dict]:
+    def score(
+        self, prompts: list[list[int]], answers: list[list[int]], k: int, shared_within: int | None = None
+    ) -> list[dict]:
         """Each given answer's top-k under the model, as `answer_with_top_k` keeps a sampled
         one's: at each answer token, the k most likely tokens after the prompt and the answer before
         it, and their log-probabilities at temperature 1. One teacher-forced forward over each
@@ -275,6 +291,7 @@ class Decoder:
             keep = max(len(a) for a in answers[chunk])
             # the prefix shared stops before the prompts end: copies of one request share their answer too
             within = min(len(p) for p in prompts[chunk]) - 1
+            within = within if shared_within is None else min(within, shared_within)
             logits = self.prefill(sequences[chunk], 0, 2 * per_row, keep=keep, shared_within=within)[3]
             for row, answer in enumerate(answers[chunk]):
                 top = TopK(1, len(answer), k, logits.device)
@@ -303,30 +320,33 @@ class Decoder:
                 f"{max(1, int(0.9 * free // per_row))}"
             )
 
+    KEPT_PREFIXES = 2  # generate's context and a question-writing batch's prefix, alternating
+
     def shared_states(self, ids: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The keys and values of the prefix `ids`, per layer [1, kv heads, len(ids), head dim]:
-        computed once per distinct prefix."""
-        kept = self.prefix_ids
-        if kept is not None and len(ids) < len(kept) and kept[: len(ids)] == ids:  # a part of the kept prefix
-            return [(k[:, :, : len(ids)], v[:, :, : len(ids)]) for k, v in self.prefix_states]
-        if ids != kept:
-            self.prefix_ids, self.prefix_states = None, []  # never keep a half-made prefix
-            single = BatchCache(self.layers, 1, len(ids), device)
-            positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
-            positions[0, : len(ids)] = torch.arange(len(ids), device=device)
-            self.forward(torch.tensor([ids], device=device), positions, single, start=0, keep=0, causal=True)
-            self.prefix_states = [
-                (k[:, : len(ids)].transpose(1, 2), v[:, : len(ids)].transpose(1, 2))
-                for k, v in zip(single.keys, single.values)
-            ]
-            self.prefix_ids = list(ids)
-            self.prefix_forwards += 1
-        return self.prefix_states
+        computed once per distinct prefix (the last KEPT_PREFIXES kept), by a forward over exactly
+        these ids."""
+        key = tuple(ids)
+        if key in self.kept:
+            self.kept[key] = self.kept.pop(key)  # the newest now
+            return self.kept[key]
+        while len(self.kept) >= self.KEPT_PREFIXES:
+            del self.kept[next(iter(self.kept))]  # the oldest goes before the new one is made
+        single = BatchCache(self.layers, 1, len(ids), device)
+        positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
+        positions[0, : len(ids)] = torch.arange(len(ids), device=device)
+        self.forward(torch.tensor([ids], device=device), positions, single, start=0, keep=0, causal=True)
+        self.kept[key] = [
+            (k[:, : len(ids)].transpose(1, 2), v[:, : len(ids)].transpose(1, 2))
+            for k, v in zip(single.keys, single.values)
+        ]
+        self.prefix_forwards += 1
+        return self.kept[key]
 
     def embedded_states(self, embeds: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`shared_states` of a prefix given as input embeddings [n, hidden]: computed every time
         (a soft prompt changes at every update) and not kept."""
-        self.prefix_ids, self.prefix_states = None, []
+        self.kept = {}  # on-policy sampling keeps none: its prefix changes at every update
         single = BatchCache(self.layers, 1, len(embeds), embeds.device)
         positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=embeds.device)
         positions[0, : len(embeds)] = torch.arange(len(embeds), device=embeds.device)

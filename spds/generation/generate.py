@@ -35,8 +35,8 @@ from spds.data.chat import end_token_ids, render, render_chat_row, with_context
 from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
-from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json
-from spds.generation.decode import Decoder
+from spds.generation.batches import Output, Ranks
+from spds.generation.decode import Decoder, common_prefix
 from spds.generation.self_study import (
     EXCERPT,
     FACT,
@@ -58,38 +58,7 @@ from spds.generation.self_study import (
 from spds.generation.teacher_window import require_ready
 from spds.kernels.attention import head_dim_of, kernels_in, require_fa4
 from spds.model.student import apply_liger_kernels, unsafe_weights
-
-
-def repair_and_read(output: Path) -> set[str]:
-    """request_ids already written. Only a last line without its newline (a crash mid-append) is
-    cut; any other line that is not a row stops generate, naming it, with the file untouched: the
-    rows a teacher wrote are the most expensive data a user has."""
-    if not output.exists():
-        return set()
-    done, complete = set(), 0  # complete: the bytes up to the last newline
-    with open_regular(output) as stream:
-        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            if not line.endswith(b"\n"):
-                if len(line) > MAX_LINE_BYTES:
-                    raise SpdsError(
-                        f"{output}:{number}: longer than {MAX_LINE_BYTES >> 20} MiB: not a row spds "
-                        "wrote; nothing was changed"
-                    )
-                break  # the torn last line
-            try:
-                row = parse_json(line)
-                done.add(row["request_id"])
-            except (ValueError, KeyError, TypeError) as error:
-                raise SpdsError(
-                    f"{output}:{number}: not a row spds generate wrote ({error or 'blank line'}); "
-                    "nothing was changed: fix or remove that line, then run generate again"
-                ) from None
-            complete += len(line)
-    if complete != output.stat().st_size:
-        with open(output, "r+b") as stream:
-            stream.truncate(complete)
-            os.fsync(stream.fileno())
-    return done
+from spds.stop import StopRequest, fault_point, pace_point
 
 
 def load_teacher(path: Path, dtype: str, device: torch.device, trust_remote_code: bool = False):
@@ -121,7 +90,8 @@ def fa4_named(setting, teacher, device: torch.device) -> bool:
 
 def generate(config: Config, log=print, started: float | None = None) -> dict:
     """Write the teacher's rows for generate.questions (appending to generate.output, skipping the
-    rows it already holds). `started`: the process's start (time.time()), for the start-up split."""
+    rows it already holds), on every rank a launcher started (spds/generation/batches.py).
+    `started`: the process's start (time.time()), for the start-up split."""
     entered = time.time()
     settings = config.generate
     if not settings.questions and not settings.self_study:
@@ -133,67 +103,98 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     scaffold = require_ready(config, tokenizer)  # before the first batch: refused rows cost no hour
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
     study = SelfStudy.of(settings, tokenizer, context) if not settings.questions else None
-    checked = time.time()
-    asking = load_asking(config, tokenizer, scaffold, end_ids)
-    loaded = time.time()
     questions = study.questions() if study else read_questions(config.resolve(settings.questions))
     requests = [
         dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
         for q in questions
         for s in range(settings.samples_per_question)
     ]
-    output = config.resolve(settings.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    done = repair_and_read(output)
+    batches = [requests[i : i + settings.batch_size] for i in range(0, len(requests), settings.batch_size)]
+    ranks = Ranks.join(config.distributed.timeout_minutes)
+    output = Output(config.resolve(settings.output), [[r["request_id"] for r in batch] for batch in batches], ranks)
+    left = output.start()  # batch -> its rows already in the output
+    checked = time.time()
+    asking = load_asking(config, tokenizer, scaffold, end_ids, ranks.device)
+    loaded = time.time()
     splits = [("imports and config", entered - started)] if started else []
     splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
-    log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
+    if ranks.rank == 0:
+        log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
     began = time.perf_counter()
-    written = append_rows(output, requests, done, asking, study, end_ids)
-    decoder = asking.decoder
+    mine = {number: left[number] for number in sorted(left)[ranks.rank :: ranks.world]}
+    answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir)
+    counts = output.finish()
+    ranks.leave()
+    if ranks.rank == 0:
+        StopRequest.current().answered()  # the run stopped or ended: the request must not stop the next launch
+        report(output, asking, study, dict(counts, answered=answered), log, began)
+    return dict(counts, output=str(output.path))
+
+
+def answer_batches(
+    mine: dict[int, list[str]],
+    batches: list[list[dict]],
+    asking: Asking,
+    study,
+    end_ids: list[int],
+    output: Output,
+    stop_requests: Path,
+) -> int:
+    """This rank's batches (number -> its rows already in the output), each answered and written
+    whole (`Output.write`); batch k samples with seed + k whatever was done before, so a resumed
+    or shared run writes what a straight one would. Stops after the batch in flight when asked
+    (spds stop, a signal: spds/stop.py). Returns the batches answered."""
+    from tqdm import tqdm
+
+    stop = StopRequest.current()
+    stop.requests = stop_requests  # where spds stop and the launch scripts ask; a stale request is ignored
+    settings, tokenizer, answered = asking.settings, asking.tokenizer, 0
+    for number in tqdm(mine, desc="generate", disable=output.ranks.rank != 0 or not os.isatty(2)):
+        pace_point()
+        batch = batches[number]
+        if study:  # the teacher writes the batch's user messages first
+            batch = study.asked(batch, asking, end_ids)
+        turns = asking.answer_turns(batch, seed=settings.seed + number)
+        output.write(
+            number,
+            [
+                json.dumps(teacher_row(tokenizer, request, asked, end_ids, asking.template_kwargs)) + "\n"
+                for request, asked in zip(batch, turns)
+                if request["request_id"] not in mine[number]
+            ],
+        )
+        answered += 1
+        fault_point("kill-after-batch", number)
+        if stop.vote():
+            break
+    return answered
+
+
+def report(output: Output, asking: Asking, study, counts: dict, log, began: float) -> None:
+    """Rank 0's word when the ranks are done: the rows written, the batches left (a stopped run),
+    and where its time went."""
+    decoder, ranks = asking.decoder, output.ranks
     graphs = f"; the decode step ran as a CUDA graph in {decoder.captured} batches" if decoder.graphs else ""
-    log(f"wrote {written} rows ({len(done)} were already there) to {output}{graphs}")
+    by = f" by {ranks.world} ranks" if ranks.world > 1 else ""
+    log(f"wrote {counts['written']} rows{by} ({counts['skipped']} were already there) to {output.path}{graphs}")
+    if counts["left"]:
+        log(
+            f"stopped with {counts['left']} of {len(output.batches)} batches left (answered ones wait in "
+            f"{output.directory}): run the same command again to complete the same rows"
+        )
     if study:
         log(study.coverage())
     seconds = time.perf_counter() - began
-    if written:  # where the time went: decoding (the decoder's own clock) or the rows around it
+    if counts["answered"]:  # where the time went: decoding (the decoder's own clock) or the rows around it
         log(
-            f"{seconds:.1f} s for the batches: {decoder.seconds:.1f} s decoding {decoder.new_tokens} new tokens "
-            f"({decoder.new_tokens / max(decoder.seconds, 1e-9):.0f} tokens/s)"
+            f"{seconds:.1f} s for rank 0's {counts['answered']} batches: {decoder.seconds:.1f} s decoding "
+            f"{decoder.new_tokens} new tokens ({decoder.new_tokens / max(decoder.seconds, 1e-9):.0f} tokens/s)"
         )
-    return dict(written=written, skipped=len(done), output=str(output))
 
 
-def append_rows(output: Path, requests: list[dict], done: set[str], asking: Asking, study, end_ids: list[int]) -> int:
-    """The teacher's rows for the requests not yet in `output`, appended a batch at a time, each
-    batch fsynced; batch k samples with seed + k whatever was done before (a resumed run writes
-    what a straight one would). Returns the rows written."""
-    from tqdm import tqdm
-
-    settings, tokenizer, written = asking.settings, asking.tokenizer, 0
-    batches = [requests[i : i + settings.batch_size] for i in range(0, len(requests), settings.batch_size)]
-    with open(output, "a") as stream:
-        for number, batch in enumerate(tqdm(batches, desc="generate", disable=not os.isatty(2))):
-            if all(r["request_id"] in done for r in batch):
-                continue
-            if study:  # the teacher writes the batch's user messages first
-                batch = study.asked(batch, asking, end_ids)
-            turns = asking.answer_turns(batch, seed=settings.seed + number)
-            for request, asked in zip(batch, turns):
-                if request["request_id"] in done:
-                    continue
-                row = teacher_row(tokenizer, request, asked, end_ids, asking.template_kwargs)
-                stream.write(json.dumps(row) + "\n")
-                written += 1
-            stream.flush()
-            os.fsync(stream.fileno())
-    return written
-
-
-def load_asking(config: Config, tokenizer, scaffold, end_ids: list[int]) -> Asking:
+def load_asking(config: Config, tokenizer, scaffold, end_ids: list[int], device: torch.device) -> Asking:
     """The teacher loaded on spds's decoder, asked as generate asks it: the context where the
     student's template puts a system message, or in the first user turn where it has none."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     teacher = load_teacher(config.teacher_path, config.student.dtype, device, config.student.trust_remote_code)
     if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
         apply_liger_kernels(teacher)
@@ -254,16 +255,34 @@ class Asking:
     settings: GenerateSettings
     template_kwargs: dict
 
+    def __post_init__(self):
+        # The tokens every asked prompt opens with, through the context: where two questions'
+        # renders part. The decoder shares at most these, so that every batch reads the same
+        # prefix's keys and values, computed once and the same way on every rank
+        # (spds/generation/batches.py), not a prefix that reaches into some batch's questions.
+        probes = [self.prompt([{"role": "user", "content": text}]) for text in ("A", "Z?")]
+        self.context_end = common_prefix(probes)
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """The ids the teacher reads to answer `messages`: the context placed, the template rendered."""
+        asked = with_context(messages, self.context, self.context_in_user_turn)
+        return render(self.tokenizer, asked, True, self.template_kwargs)
+
     def answer(self, batch: list[dict], seed: int) -> list[Turn]:
         """The teacher's answer to each request, at the request's own `temperature` where it has
         one (a self-study kind's), else generate.temperature; a response ends at the first end
         token, which is kept (spds/generation/decode.py)."""
-        asked = [with_context(r["messages"], self.context, self.context_in_user_turn) for r in batch]
-        prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
+        prompts = [self.prompt(r["messages"]) for r in batch]
         sampling = self.settings
         temperatures = [r.get("temperature", sampling.temperature) for r in batch]
         answers, tops = self.decoder.answer_with_top_k(
-            prompts, sampling.max_new_tokens, temperatures, sampling.top_p, seed, sampling.top_k_logprobs
+            prompts,
+            sampling.max_new_tokens,
+            temperatures,
+            sampling.top_p,
+            seed,
+            sampling.top_k_logprobs,
+            shared_within=self.context_end,
         )
         return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
 
@@ -287,9 +306,9 @@ class Asking:
         k = self.settings.top_k_logprobs
         if not k or not batch:
             return [Turn(response) for response in responses]
-        asked = [with_context(r["messages"], self.context, self.context_in_user_turn) for r in batch]
-        prompts = [render(self.tokenizer, conversation, True, self.template_kwargs) for conversation in asked]
-        return [Turn(response, top) for response, top in zip(responses, self.decoder.score(prompts, responses, k))]
+        prompts = [self.prompt(r["messages"]) for r in batch]
+        tops = self.decoder.score(prompts, responses, k, shared_within=self.context_end)
+        return [Turn(response, top) for response, top in zip(responses, tops)]
 
     def answer_turns(self, batch: list[dict], seed: int) -> list[list[Turn]]:
         """For each request, the teacher's answer to each of its user turns, in order: a question

@@ -31,7 +31,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from spds.contract.config import Config
 from spds.contract.schema import describe_errors, require_valid
 from spds.errors import SpdsError
 from spds.fsio import atomic_write_json, atomic_writer, read_json, sha256_file, verified_copy
+from spds.stop import fault_point
 from spds.training.identity import code_change, library_versions, refusing_keys
 
 PATTERN = re.compile(r"^update-(\d{6,})$")
@@ -95,23 +95,6 @@ def prompt_digest(prompt: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------- save and commit
-
-
-def fault_point(name: str, update: int) -> None:
-    """Crash-test hook: SPDS_FAULT=NAME:UPDATE sends this process a signal right here: SIGKILL for
-    "kill-*" points (a power cut, the OOM killer), SIGTERM for "sigterm-*" (a preemption). Tests
-    use it to prove that a half-written save is harmless and that a stop resumes bit-exactly."""
-    if os.environ.get("SPDS_FAULT") == f"{name}:{update}":
-        os.kill(os.getpid(), signal.SIGTERM if name.startswith("sigterm") else signal.SIGKILL)
-
-
-def pace_point() -> None:
-    """Timing hook for tests: SPDS_TEST_PACE=SECONDS sleeps that long before every update, so a
-    signal sent once update N is logged lands mid-run however fast the machine (tiny updates take
-    milliseconds; a scheduler's signal comes on its own clock). Changes no number."""
-    pace = os.environ.get("SPDS_TEST_PACE")
-    if pace:
-        time.sleep(float(pace))
 
 
 def save(

@@ -34,13 +34,13 @@ from spds.model.build import build_soft_prompt_model
 from spds.model.soft_prompt import load_segments
 from spds.model.student import quadratic_length
 from spds.model.teacher import Teacher, build_teacher
-from spds.training.checkpoint import Checkpointer, fault_point, pace_point
+from spds.stop import StopRequest, fault_point, pace_point
+from spds.training.checkpoint import Checkpointer
 from spds.training.engine import Engine, all_reduce_sum, build_engine, check_precision, init_distributed
 from spds.training.identity import check_smoke_evidence, run_identities
 from spds.training.on_policy import Sampler, Samples
 from spds.training.records import RunRecords, StartupClock, rank_hosts
 from spds.training.schedule import Plan, Step
-from spds.training.stop import StopRequest
 
 # ---------------------------------------------------------------- the loop
 

@@ -1,4 +1,6 @@
-"""Stopping cleanly: every way a stop is asked for, agreed by the ranks at an update boundary.
+"""Stopping cleanly: every way a stop is asked for, honoured at a boundary (train: an update,
+agreed by the ranks; generate: a batch, each rank on its own). A primitive of the process, not of
+one verb: spds.cli installs the handler before torch is imported.
 
 A stop is asked for in one of two ways:
   * SIGTERM or SIGINT to a rank (a preemption, SLURM, Ctrl-C, torchrun or DeepSpeed's launch.py
@@ -50,6 +52,12 @@ class StopRequest:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, cls._installed._handle)
         return cls._installed
+
+    @classmethod
+    def current(cls) -> "StopRequest":
+        """The installed one, or, where no verb installed it (a library call: eval's generate), one
+        that reads request files only and leaves the process's signals alone."""
+        return cls._installed or cls()
 
     def _handle(self, signum, frame) -> None:
         if self.signal is None:
@@ -131,3 +139,20 @@ def request(output_dir: Path, why: str) -> Path:
 
 def clear(output_dir: Path) -> None:
     (output_dir / REQUEST_FILE).unlink(missing_ok=True)
+
+
+def fault_point(name: str, update: int) -> None:
+    """Crash-test hook: SPDS_FAULT=NAME:UPDATE sends this process a signal right here: SIGKILL for
+    "kill-*" points (a power cut, the OOM killer), SIGTERM for "sigterm-*" (a preemption). Tests
+    use it to prove that a half-written save is harmless and that a stop resumes bit-exactly."""
+    if os.environ.get("SPDS_FAULT") == f"{name}:{update}":
+        os.kill(os.getpid(), signal.SIGTERM if name.startswith("sigterm") else signal.SIGKILL)
+
+
+def pace_point() -> None:
+    """Timing hook for tests: SPDS_TEST_PACE=SECONDS sleeps that long before every update (generate: every batch), so
+    a signal sent once update N is logged lands mid-run however fast the machine (tiny updates take
+    milliseconds; a scheduler's signal comes on its own clock). Changes no number."""
+    pace = os.environ.get("SPDS_TEST_PACE")
+    if pace:
+        time.sleep(float(pace))

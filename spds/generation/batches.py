@@ -1,0 +1,216 @@
+"""A generate run's batches, shared by its ranks: the same output bytes on any number of them.
+
+Batch k of a run (its requests, and the seed + k it samples with) is a function of the config
+alone, and so is every number the teacher computes for it: the context's keys and values are
+those of one fixed prefix (spds/generation/generate.py's `Asking`), computed the same way on
+every rank, and a batch's own rows go through the decoder together whatever ran before them. So
+the ranks may take the batches in any order. Each rank takes every world-th batch left to do,
+and writes each one it answers to a file of its own (`Output.write`: a temporary file,
+fsynced, renamed), so that a kill at any moment leaves only whole batches behind. Rank 0 appends
+them to generate.output in batch order as they come (`merge`), skipping a row already there;
+the output is only ever appended to, by rank 0, in batch order: byte for byte what one rank
+writes, and what a resumed run completes (tests/test_generate_ranks.py, on 1, 2 and 3 ranks).
+
+The ranks meet twice: at the start (rank 0 has repaired the output and says which batches are
+left) and at the end (every rank has written its last batch, or stopped). They coordinate over a
+gloo group of their own, also when eval has already joined an NCCL one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spds.errors import SpdsError
+from spds.fsio import MAX_LINE_BYTES, fsync_dir, open_regular, parse_json, write_failure
+
+
+@dataclass
+class Ranks:
+    """This process's place among the ranks a launcher started (RANK, WORLD_SIZE, LOCAL_RANK),
+    and the group they coordinate over (None: one rank)."""
+
+    rank: int
+    world: int
+    device: torch.device
+    group: object | None = None
+    owned: bool = False  # this run made the process group (eval's is eval's)
+
+    @classmethod
+    def join(cls, timeout_minutes: float) -> Ranks:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if world == 1:
+            return cls(0, 1, device)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        owned = not torch.distributed.is_initialized()  # spds generate under a launcher; eval has joined one
+        if owned:
+            torch.distributed.init_process_group("gloo", timeout=timeout)
+        group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+        return cls(torch.distributed.get_rank(), torch.distributed.get_world_size(), device, group, owned)
+
+    def leave(self) -> None:
+        """The process group this run made, torn down (a launcher's ranks then exit cleanly)."""
+        if self.owned:
+            torch.distributed.destroy_process_group()
+
+    def from_rank_0(self, value):
+        """Rank 0's `value`, on every rank."""
+        if self.world == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier(group=self.group)
+
+
+class Output:
+    """generate.output, written by a run's ranks together: the batches each answers wait in files
+    of their own (<output's folder>/.<output's name>.batches/, one per batch, named by its number)
+    until rank 0 appends them to the output in batch order."""
+
+    def __init__(self, path: Path, batches: list[list[str]], ranks: Ranks):
+        self.path = path
+        self.directory = path.parent / f".{path.name}.batches"
+        self.batches = batches  # the request_ids of each batch, in order
+        self.ranks = ranks
+        self.cursor = 0  # rank 0: the batches before it are in the output whole
+        self.present: set[str] = set()  # rank 0: the output's request_ids
+        self.appended = 0  # rank 0: rows this run appended
+        self.found = 0  # rank 0: rows an earlier run wrote
+
+    def start(self) -> dict[int, list[str]]:
+        """The batches left to answer, each with its rows already in the output, on every rank:
+        rank 0 repairs the output and appends the batches waiting in files first."""
+        left = {}
+        if self.ranks.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.present = repair_and_read(self.path)
+            self.merge()  # an earlier run's answered batches
+            self.found, self.appended = len(self.present), 0
+            waiting = self.waiting()
+            for number, batch in enumerate(self.batches):
+                if number not in waiting and not all(request in self.present for request in batch):
+                    left[number] = [request for request in batch if request in self.present]
+        return self.ranks.from_rank_0(left)
+
+    def write(self, number: int, lines: list[str]) -> None:
+        """Batch `number`'s rows, durably and whole or not at all; rank 0 then appends what comes
+        next in order."""
+        target, temporary = self.batch_path(number), None
+        try:
+            self.directory.mkdir(exist_ok=True)
+            descriptor, temporary = tempfile.mkstemp(prefix=f".{number:08d}.", suffix=".tmp", dir=self.directory)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+                stream.write("".join(lines))
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, target)
+            fsync_dir(self.directory)
+        except OSError as error:
+            if temporary is not None and os.path.exists(temporary):
+                os.unlink(temporary)
+            raise write_failure(target, error) from None
+        if self.ranks.rank == 0:
+            self.merge()
+
+    def finish(self) -> dict:
+        """After every rank's last batch (or its stop), on every rank: the rows this run appended,
+        those an earlier run wrote, and the batches left (a stopped run)."""
+        self.ranks.barrier()
+        if self.ranks.rank == 0:
+            self.merge()
+        counts = dict(written=self.appended, skipped=self.found, left=len(self.batches) - self.cursor)
+        return self.ranks.from_rank_0(counts)
+
+    def batch_path(self, number: int) -> Path:
+        return self.directory / f"{number:08d}.jsonl"
+
+    def waiting(self) -> set[int]:
+        """The batches waiting in files (each whole: they appear by rename)."""
+        if not self.directory.is_dir():
+            return set()
+        return {int(p.stem) for p in self.directory.glob("*.jsonl") if p.stem.isdigit()}
+
+    def merge(self) -> None:
+        """Rank 0: append the batch files that come next in order to the output (each row not
+        already there), fsynced, then remove them. A kill between the append and the removal
+        leaves a file whose rows are all present: the next merge removes it."""
+        while self.cursor < len(self.batches):
+            number, path = self.cursor, self.batch_path(self.cursor)
+            if not path.exists():
+                if all(request in self.present for request in self.batches[number]):
+                    self.cursor += 1
+                    continue
+                break  # the next batch in order is not answered yet
+            rows = [(request, line) for request, line in batch_rows(path) if request not in self.present]
+            if rows:
+                with open(self.path, "a", encoding="utf-8") as stream:
+                    stream.write("".join(line for _, line in rows))
+                    stream.flush()
+                    os.fsync(stream.fileno())
+                self.present.update(request for request, _ in rows)
+                self.appended += len(rows)
+            path.unlink()
+            self.cursor += 1
+        if self.cursor == len(self.batches) and self.directory.is_dir() and not any(self.directory.iterdir()):
+            self.directory.rmdir()
+
+
+def batch_rows(path: Path) -> list[tuple[str, str]]:
+    """(request_id, line) of a batch file's rows; a line that is not a row stops the merge, naming
+    it, with the output untouched."""
+    rows = []
+    with open_regular(path) as stream:
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            try:
+                rows.append((parse_json(line)["request_id"], line.decode("utf-8")))
+            except (ValueError, KeyError, TypeError) as error:
+                raise SpdsError(
+                    f"{path}:{number}: not a row spds generate wrote ({error}); the output was not changed: "
+                    "remove the file and run generate again (its batch is answered again)"
+                ) from None
+    return rows
+
+
+def repair_and_read(output: Path) -> set[str]:
+    """request_ids already written. Only a last line without its newline (a crash mid-append) is
+    cut; any other line that is not a row stops generate, naming it, with the file untouched: the
+    rows a teacher wrote are the most expensive data a user has."""
+    if not output.exists():
+        return set()
+    done, complete = set(), 0  # complete: the bytes up to the last newline
+    with open_regular(output) as stream:
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if not line.endswith(b"\n"):
+                if len(line) > MAX_LINE_BYTES:
+                    raise SpdsError(
+                        f"{output}:{number}: longer than {MAX_LINE_BYTES >> 20} MiB: not a row spds "
+                        "wrote; nothing was changed"
+                    )
+                break  # the torn last line
+            try:
+                row = parse_json(line)
+                done.add(row["request_id"])
+            except (ValueError, KeyError, TypeError) as error:
+                raise SpdsError(
+                    f"{output}:{number}: not a row spds generate wrote ({error or 'blank line'}); "
+                    "nothing was changed: fix or remove that line, then run generate again"
+                ) from None
+            complete += len(line)
+    if complete != output.stat().st_size:
+        with open(output, "r+b") as stream:
+            stream.truncate(complete)
+            os.fsync(stream.fileno())
+    return done

@@ -1,0 +1,126 @@
+"""spds generate on several ranks (spds/generation/batches.py): the output is byte for byte the
+one-rank output, on 1, 2 and 3 ranks, through torchrun and spds's launch script; a rank killed
+mid-run, or a SIGTERM to the launch script, leaves whole batches behind, and the rerun (on any
+number of ranks) completes the same bytes."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from conftest import REPO, make_tiny
+from helpers import check, free_port, spds, start, wait_for_lines
+
+pytestmark = pytest.mark.slow  # process launches, several ranks each
+
+QUESTIONS = 10
+SAMPLES = 2  # 20 requests in batches of 3: 7 batches, the last one short
+
+
+def sheet() -> str:
+    return "".join(f"{i}. The {s} keeps ledger {7 * i} in drawer {i}.\n" for i, s in enumerate(make_tiny.SUBJECTS * 3))
+
+
+@pytest.fixture
+def asked(tiny):
+    """The tiny student as its own teacher, a questions file, and the one-rank output."""
+    (tiny / "questions.jsonl").write_text(
+        "".join(
+            json.dumps({"question_id": f"q{i}", "question": f"Where is ledger {7 * i}?"}) + "\n"
+            for i in range(QUESTIONS)
+        )
+    )
+    (tiny / "context.md").write_text(sheet())
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(
+        context={"file": "context.md"},
+        generate={
+            "questions": "questions.jsonl",
+            "output": "teacher.jsonl",
+            "samples_per_question": SAMPLES,
+            "batch_size": 3,
+            "max_new_tokens": 8,
+            "temperature": 1.0,
+            "top_k_logprobs": 3,
+        },
+    )
+    (tiny / "config.json").write_text(json.dumps(config, indent=2))
+    check(spds(["generate", "config.json"], tiny))
+    one = (tiny / "teacher.jsonl").read_bytes()
+    (tiny / "teacher.jsonl").unlink()
+    assert len(one.splitlines()) == QUESTIONS * SAMPLES
+    return tiny, one
+
+
+def test_two_and_three_ranks_write_the_one_rank_bytes(asked):
+    directory, one = asked
+    for world in (2, 3):
+        result = check(spds(["generate", "config.json"], directory, world=world, launcher="torchrun"))
+        assert f"by {world} ranks" in result.stdout, result.stdout
+        assert (directory / "teacher.jsonl").read_bytes() == one, world
+        assert not (directory / ".teacher.jsonl.batches").exists()  # every batch appended, its file gone
+        (directory / "teacher.jsonl").unlink()
+
+
+def test_self_study_on_three_ranks_writes_the_one_rank_bytes(tiny):
+    """Every kind (the teacher writes questions, recites, answers facts), the writing batches
+    spread over the ranks with the answering."""
+    (tiny / "context.md").write_text(sheet())
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(
+        context={"file": "context.md"},
+        generate={
+            "self_study": {
+                "conversations": 10,
+                "chunk_tokens": 128,
+                "question_max_tokens": 12,
+                "kinds": {"recite": 1, "fact": 1, "detail": 1},
+            },
+            "output": "teacher.jsonl",
+            "batch_size": 3,
+            "max_new_tokens": 8,
+            "top_k_logprobs": 3,
+        },
+    )
+    (tiny / "config.json").write_text(json.dumps(config, indent=2))
+    check(spds(["generate", "config.json"], tiny))
+    one = (tiny / "teacher.jsonl").read_bytes()
+    kinds = {json.loads(line)["self_study"]["kind"] for line in one.splitlines()}
+    assert {"recite", "fact"} <= kinds, kinds
+    (tiny / "teacher.jsonl").unlink()
+    check(spds(["generate", "config.json"], tiny, world=3, launcher="torchrun"))
+    assert (tiny / "teacher.jsonl").read_bytes() == one
+
+
+def test_a_killed_rank_leaves_whole_batches_and_the_rerun_completes_the_same_bytes(asked):
+    """SIGKILL to rank 1 right after it wrote batch 3 (the OOM killer, a node lost): torchrun ends
+    the other rank; what is on disk is whole batches, in files or appended in order; a rerun on
+    three ranks completes them to the one-rank bytes."""
+    directory, one = asked
+    killed = spds(["generate", "config.json"], directory, world=2, launcher="torchrun", SPDS_FAULT="kill-after-batch:3")
+    assert killed.returncode != 0
+    waiting = sorted(p.name for p in (directory / ".teacher.jsonl.batches").glob("*.jsonl"))
+    assert "00000003.jsonl" in waiting or len((directory / "teacher.jsonl").read_bytes().splitlines()) >= 12
+    written = (directory / "teacher.jsonl").read_bytes() if (directory / "teacher.jsonl").exists() else b""
+    assert one.startswith(written) and written.count(b"\n") < QUESTIONS * SAMPLES  # in order, and not all
+    check(spds(["generate", "config.json"], directory, world=3, launcher="torchrun"))
+    assert (directory / "teacher.jsonl").read_bytes() == one
+
+
+def test_sigterm_to_the_launch_script_stops_at_a_batch_and_the_rerun_completes_the_same_bytes(asked):
+    directory, one = asked
+    command = ["bash", str(REPO / "launch" / "single_node.sh"), "config.json", "--gpus", "2", "--verb", "generate"]
+    command += ["--port", str(free_port())]
+    process = start([], directory, command=command, SPDS_TEST_PACE="0.5")
+    wait_for_lines(directory / "teacher.jsonl", 1, process)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-4000:]
+    assert "stopped with" in output and "run the same command again" in output, output[-4000:]
+    written = (directory / "teacher.jsonl").read_bytes()
+    assert one.startswith(written) and len(written) < len(one)
+    assert not (directory / "run" / "stop-request.json").exists()  # answered: it cannot stop the next launch
+    result = check(spds(["generate", "config.json"], directory))
+    assert "were already there" in result.stdout
+    assert (directory / "teacher.jsonl").read_bytes() == one
