@@ -376,9 +376,9 @@ def time_spds(
     """One timed update over `lengths` after one warm-up update over `warm_lengths` (with
     `second_visit`, the second of two updates over `lengths`)."""
     from spds.model.build import build_soft_prompt_model
+    from spds.stop import StopRequest
     from spds.training.engine import build_engine, init_distributed
     from spds.training.schedule import Plan
-    from spds.stop import StopRequest
     from spds.training.train import train_step
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -1,8 +1,8 @@
 """Where a decode step of spds generate goes, on one GPU, and what each of its kernels buys: a
-random-weight student (a model directory), ROWS prompts of a shared 4,096-token context and a
-20-token question, every row decoding to the last step (no end token).
+random-weight student (a model directory), ROWS prompts of a shared CONTEXT-token context
+(default 4,096) and a 20-token question, every row decoding to the last step (no end token).
 
-    python3 bench/profile_decode.py DIR [ROWS] [STEPS] [SETS]
+    [CONTEXT=32700] python3 bench/profile_decode.py DIR [ROWS] [STEPS] [SETS]
 
 For each kernel set of SETS (a comma list, default flash+torch,cudnn,merge-kernel,liger,triton-own),
 each on top of the ones before it (one process, the same prompts):
@@ -13,6 +13,8 @@ each on top of the ones before it (one process, the same prompts):
   liger         Liger's RMSNorm, RoPE and SwiGLU in the teacher (student.liger_kernels)
   triton-own    each row's own part on spds.kernels.shared_keys.own_keys_step
   fa4           the shared part on FlashAttention-4 (student.attention_kernel fa4)
+  split         the shared part's keys in runs (spds.kernels.shared_keys.attend_split; before it,
+                where SETS names it, one run)
 it prints the step's time with CUDA graphs over steps 32..STEPS (the difference of a 32-step and
 a STEPS-step batch, so the prefix, the questions' forward and the capture drop out), then checks
 that two batches with one seed sample the same tokens, then profiles 32 eager steps of the last
@@ -21,6 +23,7 @@ set by kernel class.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import defaultdict
@@ -93,7 +96,7 @@ def main() -> None:
     sets = (sys.argv[4] if len(sys.argv) > 4 else "flash+torch,cudnn,merge-kernel,liger,triton-own").split(",")
     model = load_teacher(directory, "bfloat16", torch.device("cuda"))
     generator = torch.Generator().manual_seed(0)
-    shared = torch.randint(2, 250, (4096,), generator=generator).tolist()
+    shared = torch.randint(2, 250, (int(os.environ.get("CONTEXT", 4096)),), generator=generator).tolist()
     prompts = [shared + torch.randint(2, 250, (20,), generator=generator).tolist() for _ in range(rows)]
     decoder = Decoder(model, [-1], pad_id=0)  # no end token: every row runs to the last step
     cudnn_fits, merge_parts, own_keys_step = (
@@ -101,6 +104,9 @@ def main() -> None:
         spds.generation.decode.merge_parts,
         spds.generation.decode.own_keys_step,
     )
+    key_splits = spds.generation.decode.key_splits
+    if "split" in sets:
+        spds.generation.decode.key_splits = lambda *args: 1
     if "flash+torch" in sets:
         spds.kernels.shared_keys.cudnn_fits = lambda *args, **kwargs: False
         spds.generation.decode.merge_parts = torch_merge
@@ -117,6 +123,8 @@ def main() -> None:
             spds.generation.decode.own_keys_step = own_keys_step
         elif label == "fa4":
             decoder.fa4 = True
+        elif label == "split":
+            spds.generation.decode.key_splits = key_splits
         timed(decoder, prompts, 8)  # this set's kernels compiled and its plans built before the clock
         short, _ = timed(decoder, prompts, 32)
         long, _ = timed(decoder, prompts, steps)

@@ -344,3 +344,18 @@ def test_the_output_layers_padded_rows_are_never_picked_nor_listed(tmp_path):
             assert (torch.tensor(top["logprobs"]) - expected.values).abs().max() < 1e-4
     scored = decoder.score(batch, answers, k=4)
     assert [s["ids"] for s in scored] == [t["ids"] for t in tops]
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_the_shared_keys_in_runs_give_one_passes_attention(splits):
+    """A decode step's shared part cut into runs of keys (split-KV; 37 keys: a remainder run too),
+    merged by log-sum-exps, against one pass over all of them. fp32: the regrouped softmax changes
+    the order of a few sums (~1e-7 relative), nothing near a key missed or counted twice."""
+    from spds.kernels.shared_keys import attend, attend_split
+
+    generator = torch.Generator().manual_seed(splits)
+    query, key, value = (torch.randn(1, 2, n, 16, generator=generator) for n in (5, 37, 37))
+    output, lse = attend_split(query, key, value, 0.25, splits)
+    expected, expected_lse = attend(query, key, value, scale=0.25)
+    assert (output - expected).abs().max() < 1e-5 and (lse - expected_lse).abs().max() < 1e-5

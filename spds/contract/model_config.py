@@ -50,8 +50,9 @@ def position_window(config: dict, where: str = "config.json") -> Window | None:
     if not stated:
         return None
     window, key = min(stated)
-    # transformers 5 writes rope_parameters where 4.x wrote rope_scaling; both read the same
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    # transformers 5 writes rope_parameters where 4.x wrote rope_scaling, and reads the former
+    # first where a config has both: so does this
+    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
     scaling = scaling if isinstance(scaling, dict) else {}
     kind = scaling.get("rope_type", scaling.get("type"))
     factor = scaling.get("factor")

@@ -51,7 +51,15 @@ import torch
 from spds.errors import SpdsError
 from spds.kernels.attention import head_dim_of, install_attention, windowed_layers
 from spds.kernels.causal import triton_available
-from spds.kernels.shared_keys import attend, fa4_shared_step, flash_fits, merge_parts, own_keys_step
+from spds.kernels.shared_keys import (
+    attend,
+    attend_split,
+    fa4_shared_step,
+    flash_fits,
+    key_splits,
+    merge_parts,
+    own_keys_step,
+)
 
 NAME = "spds_decode"
 SCORE_LOGITS_BYTES = 1 << 30  # Decoder.score's fp32 logits of one group of answers
@@ -609,7 +617,11 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
             shared, shared_lse = fa4_shared_step(query, keys, values, scale)
         else:
             folded = own.transpose(0, 1).reshape(1, kv, batch * groups * count, dim)  # rows in (b, g, q) order
-            shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
+            splits = key_splits(folded, keys) if shared_mask is None and softcap is None else 1
+            if splits > 1:
+                shared, shared_lse = attend_split(folded, keys, values, scale, splits)
+            else:
+                shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
             shared = shared[0].reshape(kv, batch, groups * count, dim).transpose(0, 1)  # views, merged where they lie
             shared_lse = shared_lse[0].reshape(kv, batch, groups * count).transpose(0, 1)
         output = merge_parts(output, lse, shared, shared_lse, query.dtype)

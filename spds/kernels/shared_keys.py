@@ -10,6 +10,7 @@ backward).
   fa4_after_cached     the same on FlashAttention-4
   attend, merge        one attention with its log-sum-exps; two over disjoint keys merged into one
   merge_parts          merge, as one Triton kernel on CUDA
+  attend_split         a decode step's queries against the shared prefix, its keys in runs (split-KV)
   fa4_shared_step      a decode step's queries against the shared prefix, on FlashAttention-4
   own_keys_step        a decode step's queries against each row's own keys (Triton)
 
@@ -198,6 +199,45 @@ def merge(output, lse, other, other_lse) -> torch.Tensor:
     total = torch.logaddexp(lse, other_lse)
     mine, theirs = torch.exp(lse - total)[..., None], torch.exp(other_lse - total)[..., None]
     return output.float() * mine + torch.where(theirs > 0, other.float() * theirs, 0.0)
+
+
+SPLIT_KEYS_AT_LEAST = 2048  # keys per run: below it a run's fixed cost outweighs the programs it adds
+
+
+def key_splits(query: torch.Tensor, key: torch.Tensor) -> int:
+    """How many runs `attend_split` cuts the keys into: enough that (runs x heads x 128-query
+    blocks) gives two programs per SM, each run at least SPLIT_KEYS_AT_LEAST keys; 1 off CUDA."""
+    if not query.is_cuda:
+        return 1
+    blocks = query.shape[0] * query.shape[1] * -(-query.shape[2] // 128)
+    processors = torch.cuda.get_device_properties(query.device).multi_processor_count
+    return max(1, min(-(-2 * processors // blocks), key.shape[2] // SPLIT_KEYS_AT_LEAST))
+
+
+def attend_split(query, key, value, scale: float, splits: int):
+    """`attend` (no mask) with the keys cut into `splits` runs of equal length, run as one batch of
+    `splits` (the keys' views, not copies) and merged by their log-sum-exps; the last
+    keys % splits keys as one run more. A decode step's queries against the shared context,
+    every row folded into one batch ([1, Hkv, rows x G, D]), make only heads x query blocks
+    programs (8 x 8 at 8B and 256 rows): 64 for 132 SMs, however long the context; split, the
+    runs fill the GPU (flash-decoding's split-KV). Returns [1, h, m, D] (fp32) and [1, h, m]."""
+    _, heads, m, dim = query.shape
+    n = key.shape[2]
+    size = n // splits
+    runs = [
+        attend(
+            query.expand(splits, -1, -1, -1).contiguous(),
+            *(t[0, :, : splits * size].view(heads, splits, size, dim).transpose(0, 1) for t in (key, value)),
+            scale=scale,
+        )
+    ]
+    if splits * size < n:
+        runs.append(attend(query, key[:, :, splits * size :], value[:, :, splits * size :], scale=scale))
+    outputs = torch.cat([output.float() for output, _ in runs])  # [runs, h, m, D]
+    lses = torch.cat([lse for _, lse in runs])  # [runs, h, m]
+    total = torch.logsumexp(lses, dim=0, keepdim=True)
+    weights = torch.exp(lses - total)[..., None]
+    return (outputs * weights).sum(dim=0, keepdim=True), total
 
 
 def fa4_shared_step(query, key, value, scale: float):
