@@ -46,6 +46,8 @@ CUDNN_LENGTH_MULTIPLE = 256
 # run theirs together in FlashAttention-2's variable-length kernel, which cuDNN's is not trusted
 # for in PyTorch yet (torch.nn.attention.varlen keeps it off).
 CUDNN_OWN_FROM = 4096
+# The dtypes PyTorch's fused CPU attention kernel takes (`attend` off CUDA, without a mask)
+CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def packed_after_cached(query, key, value, scaling, starts, longest: int):
@@ -143,7 +145,8 @@ def attend(query, key, value, mask=None, scale: float | None = None, softcap: fl
     (fp32; -inf for a row that sees no key), the pieces two attentions over disjoint keys are
     merged from (`merge`). On CUDA without a mask or a soft cap cuDNN (Hopper's kernel: 1.6-3.8x
     FlashAttention-2's rate on H200 for the shapes spds gives it, bench/RESULTS.md), else flash
-    attention, else the memory-efficient kernel; elsewhere plain PyTorch."""
+    attention, else the memory-efficient kernel; on the CPU without a mask PyTorch's fused CPU
+    kernel; elsewhere plain PyTorch."""
     scale = scale if scale is not None else query.shape[-1] ** -0.5
     if mask is None and cudnn_fits(query, key, causal, softcap):
         return cudnn_attention(query, key, value, scale, causal)
@@ -152,6 +155,12 @@ def attend(query, key, value, mask=None, scale: float | None = None, softcap: fl
         return flash(query, key, value, 0.0, causal, False, scale=scale)[:2]  # the output and log-sum-exps
     if key.shape[1] != query.shape[1]:  # the other kernels take equal head counts
         key, value = repeated_heads(query, key, value)
+    if not query.is_cuda and mask is None and softcap is None and query.dtype in CPU_FLASH_DTYPES:
+        # PyTorch's fused CPU kernel (flash attention's loop: no [m, n] scores in memory): a 32k-token
+        # prefix in under a second on two cores, where the scores' passes took tens of seconds
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=None, scale=scale
+        )[:2]
     if not query.is_cuda or softcap is not None:  # scores soft-capped before the softmax: no fused kernel
         return math_attention(query, key, value, mask, scale, softcap, causal)
     bias = None
