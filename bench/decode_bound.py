@@ -22,6 +22,7 @@ from pathlib import Path
 
 BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 PEAK = 989e12  # H200 dense bf16, FLOP/s
+DEVICES = {"h200": (4.8e12, 989e12), "h100": (3.35e12, 989e12)}  # SXM: HBM bytes/s, dense bf16 FLOP/s
 
 
 def shape_of(name: str) -> dict:
@@ -33,7 +34,7 @@ def shape_of(name: str) -> dict:
     return qwen3_config(name).to_dict()
 
 
-def step_bounds(shape: dict, batch: int, context: int, own: float) -> dict:
+def step_bounds(shape: dict, batch: int, context: int, own: float, device: str = "h200") -> dict:
     """Seconds a step of `batch` rows takes at least, with `context` shared positions and `own`
     positions of each row's own (its question and answer so far, on average)."""
     hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
@@ -48,8 +49,9 @@ def step_bounds(shape: dict, batch: int, context: int, own: float) -> dict:
         "shared context's attention": (context * per_token, attention_flops * context),
         "own keys' attention": (batch * own * per_token, attention_flops * own),
     }
-    bandwidth = sum(b for b, _ in parts.values()) / BANDWIDTH
-    roofline = {name: max(b / BANDWIDTH, f / PEAK) for name, (b, f) in parts.items()}
+    rate, peak = DEVICES[device]
+    bandwidth = sum(b for b, _ in parts.values()) / rate
+    roofline = {name: max(b / rate, f / peak) for name, (b, f) in parts.items()}
     return dict(bandwidth=bandwidth, roofline=sum(roofline.values()), parts=roofline)
 
 
@@ -60,10 +62,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4136, help="shared positions (the context and template)")
     parser.add_argument("--own", type=float, default=40 + 512 / 2, help="a row's own positions, on average")
     parser.add_argument("--step-ms", type=float, default=None, help="a measured step, to compare")
+    parser.add_argument("--device", choices=sorted(DEVICES), default="h200", help="whose datasheet figures")
     args = parser.parse_args()
-    bounds = step_bounds(shape_of(args.model), args.batch, args.context, args.own)
+    bounds = step_bounds(shape_of(args.model), args.batch, args.context, args.own, args.device)
     report = dict(
         model=args.model,
+        device=args.device,
         batch=args.batch,
         bandwidth_bound_step_ms=round(1e3 * bounds["bandwidth"], 2),
         roofline_step_ms=round(1e3 * bounds["roofline"], 2),

@@ -23,6 +23,7 @@ if [ ! -f "$work/$model/student/config.json" ]; then
   python3 bench/make_synthetic.py "$work/$model" --model "$model" --records 4 --min-tokens 256 --max-tokens 512 | tail -1
 fi
 dir="$work/$model"
+device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -qi h100 && echo h100 || echo h200)
 say() { echo "$*" | tee -a "$out/summary.jsonl"; }
 
 for context in $CONTEXTS; do
@@ -64,7 +65,7 @@ for step in "${steps[@]}"; do
         CONTEXT=$context python3 bench/profile_decode.py "$dir/student" "$ROWS" 160 liger,split \
           > "$out/decode-$model-$context.log" 2>&1
         grep -E "ms a step|same tokens" "$out/decode-$model-$context.log"
-        python3 bench/decode_bound.py "$dir/student/config.json" --batch "$ROWS" --context "$((context + 40))" --own 100 \
+        python3 bench/decode_bound.py "$dir/student/config.json" --batch "$ROWS" --context "$((context + 40))" --own 100 --device "$device" \
           | tee -a "$out/decode-$model-$context.log" | tail -3
       done
       ;;

@@ -35,7 +35,7 @@ from spds.fsio import atomic_path, atomic_write_json
 from spds.model.build import build_soft_prompt_model
 from spds.model.loss import final_logit_softcap, make_loss
 from spds.model.soft_prompt import load_segments
-from spds.model.teacher import build_teacher, teacher_kind
+from spds.model.teacher import ContextTeacher, build_teacher, teacher_kind
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
 from spds.training.engine import init_distributed, shard_student
 from spds.training.records import read_metrics
@@ -201,6 +201,11 @@ class Scoring:
     rank: int
     world: int
     device: torch.device
+    # the ceiling's rows computed after the context's cached keys and values (the online teacher's
+    # way, spds/model/teacher.py): a record's forward over its own tokens, not over the context too
+    # (at 32k tokens of context and records of hundreds, a hundredth of the positions); None: a
+    # sharded student, whose forwards go batched
+    cached_context: object | None = None
 
     @classmethod
     def of(cls, config: Config, model, prompt: torch.Tensor, device: torch.device, rank: int, world: int) -> Scoring:
@@ -211,10 +216,14 @@ class Scoring:
         plain = KLSettings(direction="forward", temperature=1.0, teacher_temperature=1.0, jsd_beta=0.5)
         kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=plain), cap)
         blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
+        cached = None
         if config.context_text:
-            ids = load_tokenizer(config).encode(config.context_text, add_special_tokens=False)
-            blocks["ceiling"] = student.get_input_embeddings()(torch.tensor(ids, device=device))
-        return cls(model, blocks, nll_fn, kl_fn, rank, world, device)
+            ids = torch.tensor(
+                load_tokenizer(config).encode(config.context_text, add_special_tokens=False), device=device
+            )
+            blocks["ceiling"] = student.get_input_embeddings()(ids)
+            cached = None if model.layout.lockstep else ContextTeacher(model, ids, reuse_context=True)
+        return cls(model, blocks, nll_fn, kl_fn, rank, world, device, cached)
 
     @property
     def context_tokens(self) -> int:
@@ -242,15 +251,23 @@ class Scoring:
             segment = load_segments(store, [i], self.device)[i]
             targets = teacher.targets([segment]) if kl else None
             for k, name in enumerate(names):
-                # the soft prompt's one forward gives the KL too (the student's rows are the same)
-                fns = [self.nll_fn, self.kl_fn] if kl and name == "soft" else [self.nll_fn]
-                values = model.losses([segment], fns, targets, inserted=self.blocks[name])
+                if name == "ceiling" and self.cached_context is not None:
+                    # the online KL teacher's rows are the ceiling's rows: read, not run again
+                    online = kl and targets.hidden is not None
+                    rows = targets.hidden if online else self.cached_context.targets([segment]).hidden
+                    weight = model.student.get_output_embeddings().weight
+                    values = [self.nll_fn(rows, weight, segment.supervised_ids(), None)]
+                    positions += 0 if online else len(segment.ids) + 1
+                else:
+                    # the soft prompt's one forward gives the KL too (the student's rows are the same)
+                    fns = [self.nll_fn, self.kl_fn] if kl and name == "soft" else [self.nll_fn]
+                    values = model.losses([segment], fns, targets, inserted=self.blocks[name])
+                    block = self.blocks[name] if self.blocks[name] is not None else model.prompt
+                    positions += len(segment.ids) + len(block)
                 if counted:
                     per_record[row_of[i], k] = values[0].double()
                     if len(values) > 1:
                         per_record[row_of[i], -1] = values[1].double()
-                block = self.blocks[name] if self.blocks[name] is not None else model.prompt
-                positions += len(segment.ids) + len(block)
             if kl:
                 positions += len(segment.ids)  # the teacher's record
         if self.device.type == "cuda":
