@@ -188,6 +188,7 @@ def test_a_batch_too_large_for_the_gpu_is_refused_before_it_starts(saved, monkey
 
     decoder = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
     batch = prompts(torch.Generator().manual_seed(3))
+    decoder.answer(batch, 1, temperature=0.0, top_p=1.0, seed=0)  # the shared prefix, kept, before memory is short
     # the tiny Qwen3: 2 layers x 2 (keys, values) x 1 kv head x 16 dims x 4 bytes = 256 bytes a
     # position, 32 positions (9 + 12, in rows of 16) = 8 KiB a row, and 3 x 4 x 300 vocabulary bytes
     per_row = 32 * 256 + 3 * 4 * 300
@@ -201,6 +202,11 @@ def test_a_batch_too_large_for_the_gpu_is_refused_before_it_starts(saved, monkey
     # closing one): at k 64, 6.5 KiB more a row, so the same room holds 1 row
     with pytest.raises(SpdsError, match=r"generate.batch_size: 3 rows .* at most 1"):
         decoder.answer_with_top_k(batch[:3], 12, 0.0, 1.0, seed=0, k=64)
+    # a context that does not fit by itself is refused before its forward, with what it needs:
+    # 40 positions x 256 bytes of keys and values, and 4 x 40 x 128 (the MLP's width) x 4 bytes
+    fresh = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
+    with pytest.raises(SpdsError, match=r"the context's 40 positions need about 0.0 GiB .* GiB free"):
+        fresh.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
 
 
 def test_sampling_is_the_same_for_a_seed_and_the_prefix_is_the_batchs_own(saved):

@@ -330,6 +330,25 @@ class Decoder:
 
     KEPT_PREFIXES = 2  # generate's context and a question-writing batch's prefix, alternating
 
+    def check_prefix_fits(self, positions: int) -> None:
+        """Refuse, before its forward, a shared prefix (the context) whose keys and values and the
+        forward's largest activations (its MLP's, a few of [positions, intermediate]) would not fit
+        the device's free memory, saying what it needs."""
+        free = free_bytes(self.model.device)
+        if free is None:
+            return
+        config = self.model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        states = positions * self.layers * 2 * kv_heads * head_dim_of(config) * self.model.dtype.itemsize
+        width = max(config.hidden_size, getattr(config, "intermediate_size", 0) or 0)
+        activations = 4 * positions * width * self.model.dtype.itemsize
+        if states + activations > 0.9 * free:
+            raise SpdsError(
+                f"the context's {positions} positions need about {(states + activations) / 2**30:.1f} GiB on the GPU "
+                f"({states / 2**30:.1f} GiB of keys and values kept for every batch, the rest its forward's), and the "
+                f"GPU has {free / 2**30:.1f} GiB free: shorten the context, or use a GPU with more memory"
+            )
+
     def shared_states(self, ids: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The keys and values of the prefix `ids`, per layer [1, kv heads, len(ids), head dim]:
         computed once per distinct prefix (the last KEPT_PREFIXES kept), by a forward over exactly
@@ -340,6 +359,7 @@ class Decoder:
             return self.kept[key]
         while len(self.kept) >= self.KEPT_PREFIXES:
             del self.kept[next(iter(self.kept))]  # the oldest goes before the new one is made
+        self.check_prefix_fits(len(ids))
         single = BatchCache(self.layers, 1, len(ids), device)
         positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=device)
         positions[0, : len(ids)] = torch.arange(len(ids), device=device)
