@@ -79,26 +79,6 @@ def test_question_figures_equal_a_plain_transformers_recomputation(tiny):
     rouge = np.mean([scorer.score(a["context"], a["soft"])["rougeL"].fmeasure for a in answers])
     assert asked["rouge_l_soft_vs_context"] == pytest.approx(rouge)
     assert "Who keeps the lighthouse?" in (tiny / "run" / "samples.md").read_text()
-    # Each view's answer is transformers' own greedy generate from the same inputs (the prompt or
-    # the context spliced where training splices it). fp32: the decoder's other order of sums moves
-    # logits by ~1e-6, far under the random student's gaps between its top two tokens here.
-    tokenizer = make_tiny.chatml_tokenizer()
-    with torch.no_grad():
-        for question, answer in zip(QUESTIONS, answers):
-            messages = [{"role": "system", "content": ""}, {"role": "user", "content": question["question"]}]
-            ids = torch.tensor(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-            at = len(tokenizer.encode("<|im_start|>system\n", add_special_tokens=False))  # the system text's place
-            for view, name in (("bare", "floor"), ("context", "ceiling"), ("soft", "soft")):
-                joined = torch.cat([embed(ids[:at]), blocks[name], embed(ids[at:])])[None]
-                output = plain.generate(
-                    inputs_embeds=joined,
-                    attention_mask=torch.ones(joined.shape[:2], dtype=torch.long),
-                    max_new_tokens=6,
-                    do_sample=False,
-                    eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-                assert answer[view] == tokenizer.decode(output[0], skip_special_tokens=True).strip(), (view, question)
     # A second eval reuses the teacher's answers (nothing regenerated) and reports the same.
     again = check(spds(["eval", "config.json"], tiny))
     assert "wrote 0 rows (6 were already there)" in again.stdout

@@ -32,54 +32,34 @@ def asked(tiny):
             for i in range(QUESTIONS)
         )
     )
+    one = one_rank(tiny, questions="questions.jsonl", samples_per_question=SAMPLES, temperature=1.0)
+    assert len(one.splitlines()) == QUESTIONS * SAMPLES
+    return tiny, one
+
+
+def one_rank(tiny, **generate) -> bytes:
+    """The one-rank output of the tiny student as its own teacher with `generate` settings, after
+    the context sheet; the output file removed again."""
     (tiny / "context.md").write_text(sheet())
     config = json.loads((tiny / "config.json").read_text())
-    config.update(
-        context={"file": "context.md"},
-        generate={
-            "questions": "questions.jsonl",
-            "output": "teacher.jsonl",
-            "samples_per_question": SAMPLES,
-            "batch_size": 3,
-            "max_new_tokens": 8,
-            "temperature": 1.0,
-            "top_k_logprobs": 3,
-        },
-    )
+    settings = dict(output="teacher.jsonl", batch_size=3, max_new_tokens=8, top_k_logprobs=3, **generate)
+    config.update(context={"file": "context.md"}, generate=settings)
     (tiny / "config.json").write_text(json.dumps(config, indent=2))
     check(spds(["generate", "config.json"], tiny))
     one = (tiny / "teacher.jsonl").read_bytes()
     (tiny / "teacher.jsonl").unlink()
-    assert len(one.splitlines()) == QUESTIONS * SAMPLES
-    return tiny, one
+    return one
 
 
 def test_self_study_on_three_ranks_writes_the_one_rank_bytes(tiny):
     """Every kind (the teacher writes questions, recites, answers facts), the writing batches
     spread over the ranks with the answering."""
-    (tiny / "context.md").write_text(sheet())
-    config = json.loads((tiny / "config.json").read_text())
-    config.update(
-        context={"file": "context.md"},
-        generate={
-            "self_study": {
-                "conversations": 10,
-                "chunk_tokens": 128,
-                "question_max_tokens": 12,
-                "kinds": {"recite": 1, "fact": 1, "detail": 1},
-            },
-            "output": "teacher.jsonl",
-            "batch_size": 3,
-            "max_new_tokens": 8,
-            "top_k_logprobs": 3,
-        },
+    study = dict(
+        conversations=10, chunk_tokens=128, question_max_tokens=12, kinds={"recite": 1, "fact": 1, "detail": 1}
     )
-    (tiny / "config.json").write_text(json.dumps(config, indent=2))
-    check(spds(["generate", "config.json"], tiny))
-    one = (tiny / "teacher.jsonl").read_bytes()
+    one = one_rank(tiny, self_study=study)
     kinds = {json.loads(line)["self_study"]["kind"] for line in one.splitlines()}
     assert {"recite", "fact"} <= kinds, kinds
-    (tiny / "teacher.jsonl").unlink()
     check(spds(["generate", "config.json"], tiny, world=3, launcher="torchrun"))
     assert (tiny / "teacher.jsonl").read_bytes() == one
 

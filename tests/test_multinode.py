@@ -204,7 +204,7 @@ def test_no_ssh_one_launch_script_per_host(cluster, run_dir, straight, tmp_path)
 # -- SLURM -------------------------------------------------------------------------------------
 
 
-def sbatch(cluster, run_dir, *options: str, config: str = "config.json", **env) -> str:
+def sbatch(cluster, run_dir, *options: str, config: str = "config.json", verb: str = "train", **env) -> str:
     """Submitted from h1 in the spds checkout, as the README says; the job runs in run_dir."""
     result = check(
         cluster.h1.run(
@@ -217,6 +217,7 @@ def sbatch(cluster, run_dir, *options: str, config: str = "config.json", **env) 
                 *options,
                 str(LAUNCH / "slurm.sbatch"),
                 config,
+                verb,
             ],
             cwd=REPO,
             env=cluster.slurm_env(environment(**env)),
@@ -374,26 +375,7 @@ def test_generate_over_ssh_and_eval_under_slurm_give_the_one_rank_bytes(cluster,
         alone = read_json(run_dir / "straight" / "eval.json")
         samples = (run_dir / "straight" / "samples.md").read_bytes()
         shutil.rmtree(run_dir / "straight" / "eval-questions")
-        job = (
-            check(
-                cluster.h1.run(
-                    [
-                        "sbatch",
-                        "--parsable",
-                        "--nodes=2",
-                        f"--chdir={run_dir}",
-                        f"--output={run_dir}/slurm-%j.out",
-                        str(LAUNCH / "slurm.sbatch"),
-                        "config.json",
-                        "eval",
-                    ],
-                    cwd=REPO,
-                    env=cluster.slurm_env(environment()),
-                )
-            )
-            .stdout.strip()
-            .split(";")[0]
-        )
+        job = sbatch(cluster, run_dir, verb="eval")
         state = wait_job(cluster, job)
         assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), slurm_log(run_dir, job)
         both = read_json(run_dir / "straight" / "eval.json")

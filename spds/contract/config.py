@@ -92,15 +92,16 @@ class Config:
     def student_window(self) -> Window | None:
         """The positions the student reads (spds/contract/model_config.py); None where its
         config.json states none, or the directory does not resolve (the input checks name that)."""
-        try:
-            return declared_window(self.model_path)
-        except SpdsError:
-            return None
+        return self.window_in(lambda: self.model_path)
 
     @cached_property
     def teacher_window(self) -> Window | None:
+        return self.window_in(lambda: self.teacher_path)
+
+    @staticmethod
+    def window_in(directory) -> Window | None:
         try:
-            return declared_window(self.teacher_path)
+            return declared_window(directory())
         except SpdsError:
             return None
 
