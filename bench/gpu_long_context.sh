@@ -16,7 +16,8 @@ set -uo pipefail
 model=$1; out=$2; shift 2
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(decode generate)
 CONTEXTS=${CONTEXTS:-32600 65200} ROWS=${ROWS:-256} CONVERSATIONS=${CONVERSATIONS:-256}
-UPDATES=${UPDATES:-8} QUESTIONS=${QUESTIONS:-200}
+UPDATES=${UPDATES:-8} QUESTIONS=${QUESTIONS:-200} STEPS=${STEPS:-160}
+DECODE_CONTEXTS=${DECODE_CONTEXTS:-$CONTEXTS}
 mkdir -p "$out"
 work=/tmp/spds-long; mkdir -p "$work"
 if [ ! -f "$work/$model/student/config.json" ]; then
@@ -61,8 +62,8 @@ done
 for step in "${steps[@]}"; do
   case "$step" in
     decode)
-      for context in $CONTEXTS; do
-        CONTEXT=$context python3 bench/profile_decode.py "$dir/student" "$ROWS" 160 liger,split \
+      for context in $DECODE_CONTEXTS; do
+        CONTEXT=$context python3 bench/profile_decode.py "$dir/student" "$ROWS" "$STEPS" liger,split \
           > "$out/decode-$model-$context.log" 2>&1
         grep -E "ms a step|same tokens" "$out/decode-$model-$context.log"
         python3 bench/decode_bound.py "$dir/student/config.json" --batch "$ROWS" --context "$((context + 40))" --own 100 --device "$device" \
