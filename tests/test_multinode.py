@@ -342,7 +342,8 @@ def test_generate_over_ssh_and_eval_under_slurm_give_the_one_rank_bytes(cluster,
     """The teacher's rows written by a rank on each host (multi_node.sh --verb generate, over real
     pdsh and sshd) are the one-rank rows byte for byte; eval as a SLURM job on both hosts (the
     teacher answering eval.questions, the records scored and the questions answered, a share on
-    each) reports what one rank reports, timings apart, with the same answers."""
+    each) reports what one rank reports, timings apart, with the same answers (without_timings:
+    eval.json less its clock and world size)."""
     from test_eval_questions import QUESTIONS, without_timings
 
     original = (run_dir / "config.json").read_text()

@@ -19,8 +19,10 @@ gloo group of their own, also when eval has already joined an NCCL one.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +91,7 @@ class Output:
         self.present: set[str] = set()  # rank 0: the output's request_ids
         self.appended = 0  # rank 0: rows this run appended
         self.found = 0  # rank 0: rows an earlier run wrote
+        self.seconds = 0.0  # in write and merge: what sharing the output costs this rank
 
     def start(self) -> dict[int, list[str]]:
         """The batches left to answer, each with its rows already in the output, on every rank:
@@ -108,6 +111,7 @@ class Output:
     def write(self, number: int, lines: list[str]) -> None:
         """Batch `number`'s rows, durably and whole or not at all; rank 0 then appends what comes
         next in order."""
+        began = time.perf_counter()
         target, temporary = self.batch_path(number), None
         try:
             self.directory.mkdir(exist_ok=True)
@@ -124,14 +128,19 @@ class Output:
             raise write_failure(target, error) from None
         if self.ranks.rank == 0:
             self.merge()
+        self.seconds += time.perf_counter() - began
 
     def finish(self) -> dict:
         """After every rank's last batch (or its stop), on every rank: the rows this run appended,
         those an earlier run wrote, and the batches left (a stopped run)."""
+        began = time.perf_counter()
         self.ranks.barrier()
+        waited = time.perf_counter() - began
         if self.ranks.rank == 0:
             self.merge()
+        self.seconds += time.perf_counter() - began - waited
         counts = dict(written=self.appended, skipped=self.found, left=len(self.batches) - self.cursor)
+        counts.update(output_seconds=self.seconds, waited_seconds=waited)
         return self.ranks.from_rank_0(counts)
 
     def batch_path(self, number: int) -> Path:
@@ -154,13 +163,22 @@ class Output:
                     self.cursor += 1
                     continue
                 break  # the next batch in order is not answered yet
-            rows = [(request, line) for request, line in batch_rows(path) if request not in self.present]
+            batch = self.batches[number]
+            whole = path.read_bytes()
+            if not any(request in self.present for request in batch) and whole.count(b"\n") == len(batch):
+                # the usual case, none of its rows there yet: the file holds them all, appended as
+                # bytes (at 8 ranks rank 0 appends every rank's rows; reading each again was its
+                # largest cost)
+                rows, text = batch, whole
+            else:  # a merge killed half-way, or rows an earlier run left: each row not there yet
+                kept = [(request, line) for request, line in batch_rows(path) if request not in self.present]
+                rows, text = [request for request, _ in kept], "".join(line for _, line in kept).encode("utf-8")
             if rows:
-                with open(self.path, "a", encoding="utf-8") as stream:
-                    stream.write("".join(line for _, line in rows))
+                with open(self.path, "ab") as stream:
+                    stream.write(text)
                     stream.flush()
                     os.fsync(stream.fileno())
-                self.present.update(request for request, _ in rows)
+                self.present.update(rows)
                 self.appended += len(rows)
             path.unlink()
             self.cursor += 1
@@ -174,8 +192,8 @@ def batch_rows(path: Path) -> list[tuple[str, str]]:
     rows = []
     with open_regular(path) as stream:
         for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            try:
-                rows.append((parse_json(line)["request_id"], line.decode("utf-8")))
+            try:  # json's C parser: a row is its request_id here (prepare reads every row strictly)
+                rows.append((json.loads(line)["request_id"], line.decode("utf-8")))
             except (ValueError, KeyError, TypeError) as error:
                 raise SpdsError(
                     f"{path}:{number}: not a row spds generate wrote ({error}); the output was not changed: "

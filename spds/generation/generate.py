@@ -188,7 +188,9 @@ def report(output: Output, asking: Asking, study, counts: dict, log, began: floa
     if counts["answered"]:  # where the time went: decoding (the decoder's own clock) or the rows around it
         log(
             f"{seconds:.1f} s for rank 0's {counts['answered']} batches: {decoder.seconds:.1f} s decoding "
-            f"{decoder.new_tokens} new tokens ({decoder.new_tokens / max(decoder.seconds, 1e-9):.0f} tokens/s)"
+            f"{decoder.new_tokens} new tokens ({decoder.new_tokens / max(decoder.seconds, 1e-9):.0f} tokens/s), "
+            f"{counts['output_seconds']:.2f} s writing and appending batch files, {counts['waited_seconds']:.2f} s "
+            "waiting for the other ranks"
         )
 
 
