@@ -215,7 +215,8 @@ class Scoring:
         # the plain forward KL to the teacher itself, whatever divergence the prompt was trained by
         plain = KLSettings(direction="forward", temperature=1.0, teacher_temperature=1.0, jsd_beta=0.5)
         kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=plain), cap)
-        blocks = {"floor": prompt.new_zeros((0, prompt.shape[1])).to(device), "soft": None}
+        hidden = student.get_input_embeddings().weight.shape[1]
+        blocks = {"floor": prompt.new_zeros((0, hidden)).to(device), "soft": None}  # soft: the prompt, either form
         cached = None
         if config.context_text:
             ids = torch.tensor(
@@ -262,8 +263,8 @@ class Scoring:
                     # the soft prompt's one forward gives the KL too (the student's rows are the same)
                     fns = [self.nll_fn, self.kl_fn] if kl and name == "soft" else [self.nll_fn]
                     values = model.losses([segment], fns, targets, inserted=self.blocks[name])
-                    block = self.blocks[name] if self.blocks[name] is not None else model.prompt
-                    positions += len(segment.ids) + len(block)
+                    block = self.blocks[name]
+                    positions += len(segment.ids) + (len(block) if block is not None else model.prompt_length)
                 if counted:
                     per_record[row_of[i], k] = values[0].double()
                     if len(values) > 1:

@@ -1,15 +1,20 @@
 """spds export: the trained prompt as a portable file, and the code to use it exactly as trained.
 
-    <out>/soft_prompt.safetensors   tensor "prompt" [length, hidden] FP32, with metadata: placement,
-                                    the insertion rule (scaffold ids), length, student identity,
-                                    spds version, source checkpoint and update
-    <out>/peft/                     for prefix placement only: a PEFT prompt-tuning adapter
-                                    (adapter_config.json + adapter_model.safetensors), written by
-                                    PEFT itself from a PeftModel holding the prompt
+    <out>/soft_prompt.safetensors   tensor "prompt" FP32, [length, hidden] (form embeddings) or
+                                    [layers, 2, kv heads, length, head dim] (form kv: keys then
+                                    values, the keys after RoPE at the positions the prompt took),
+                                    with metadata: form, placement, the insertion rule (scaffold
+                                    ids), length, the insertion offsets of the records it trained on,
+                                    student identity, spds version, source checkpoint and update
+    <out>/peft/                     for prefix placement only, written by PEFT itself from a
+                                    PeftModel holding the prompt: a prompt-tuning adapter (form
+                                    embeddings) or a CARTRIDGE adapter (form kv: its
+                                    past_key_values, the first frozen_positions frozen)
 
 `load_soft_prompt` reads the file back; `splice` builds the student's input exactly as training
-did; `generate` decodes with it. A prompt trained for `system` placement has no PEFT equivalent
-(PEFT prepends virtual tokens to everything), hence no adapter for it.
+did (form embeddings), `past_key_values` the cache and input ids (form kv); `generate` decodes
+with either. A prompt trained for `system` placement has no PEFT equivalent (PEFT prepends
+virtual tokens to everything), hence no adapter for it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from spds import __version__
 from spds.contract.config import Config
 from spds.data.chat import Scaffold
+from spds.data.packed import PackedStore
 from spds.data.rows import RowRules, place
 from spds.errors import SpdsError
 from spds.fsio import atomic_path, read_json, sha256_json
@@ -42,12 +48,20 @@ def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
     directory = checkpoint_to_read(config.output_dir, checkpoint_path)
     prompt, commit = prompt_of(directory)
     manifest = read_json(config.packed_dir / "manifest.json")
+    kv = prompt.dim() == 5
     metadata = {
         "format": "spds-soft-prompt-v1",
         "spds_version": __version__,
+        "form": "kv" if kv else "embeddings",
         "placement": manifest["placement"],
-        "prompt_length": str(prompt.shape[0]),
-        "hidden_size": str(prompt.shape[1]),
+        "prompt_length": str(prompt.shape[3] if kv else prompt.shape[0]),
+        **(
+            {"layers": str(prompt.shape[0]), "kv_heads": str(prompt.shape[2]), "head_dim": str(prompt.shape[4])}
+            if kv
+            else {"hidden_size": str(prompt.shape[1])}
+        ),
+        "insert_at": json.dumps(sorted({int(a) for a in PackedStore.open(config.packed_dir).insert_at})),
+        "frozen_positions": str(config.soft_prompt.frozen_positions),
         "scaffold": json.dumps(manifest["scaffold"]),
         "chat_template_kwargs": json.dumps(manifest["inputs"]["chat_template_kwargs"]),
         "student_identity": student_identity(config),
@@ -65,26 +79,27 @@ def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
 
 
 def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
-    """A prompt-tuning adapter that PEFT loads: built with PEFT, our prompt in its embedding."""
-    from peft import PromptTuningConfig, TaskType, get_peft_model
+    """A PEFT adapter built by PEFT, our prompt in it: prompt tuning's embedding (form embeddings),
+    or a CARTRIDGE's prefix cache (form kv), flattened as PEFT's own initializer flattens a
+    prefill's past_key_values: [length, layers x 2 x kv heads x head dim], keys and values of a
+    layer in turn."""
+    from peft import CartridgeConfig, PromptTuningConfig, TaskType, get_peft_model
 
     student = load_student(
-        config.model_path,
-        "float32",
-        config.student.attn_implementation,
-        torch.device("cpu"),
-        config.student.trust_remote_code,
-    )
-    peft_model = get_peft_model(
-        student,
-        PromptTuningConfig(
-            task_type=TaskType.CAUSAL_LM,
-            num_virtual_tokens=prompt.shape[0],
-            base_model_name_or_path=str(config.model_path),
-        ),
-    )
-    with torch.no_grad():
-        peft_model.prompt_encoder["default"].embedding.weight.copy_(prompt)
+        config.model_path, "float32", "eager", torch.device("cpu"), config.student.trust_remote_code
+    )  # PEFT's own forward: transformers' attention, as a user of the adapter runs it
+    common = dict(task_type=TaskType.CAUSAL_LM, base_model_name_or_path=str(config.model_path))
+    if prompt.dim() == 5:
+        frozen = config.soft_prompt.frozen_positions
+        peft_model = get_peft_model(
+            student, CartridgeConfig(num_virtual_tokens=prompt.shape[3], num_frozen_tokens=frozen, **common)
+        )
+        flat = prompt.permute(3, 0, 1, 2, 4).reshape(prompt.shape[3], -1)  # [p, layers x 2 x kv heads x D]
+        peft_model.prompt_encoder["default"].load_prompt_embeddings(flat)
+    else:
+        peft_model = get_peft_model(student, PromptTuningConfig(num_virtual_tokens=prompt.shape[0], **common))
+        with torch.no_grad():
+            peft_model.prompt_encoder["default"].embedding.weight.copy_(prompt)
     peft_model.save_pretrained(str(out))
     return out
 
@@ -149,8 +164,49 @@ def prompt_embeds(student, tokenizer, prompt: torch.Tensor, metadata: dict, mess
 
 
 @torch.no_grad()
+def past_key_values(student, prompt: torch.Tensor, ids: list[int], insert_at: int):
+    """A kv prompt as transformers takes it: (a DynamicCache holding the keys and values of
+    ids[:insert_at], then the prompt's, the input ids with the prompt's p positions held by
+    placeholders). Given both, transformers' forward and generate run the ids past the cache's
+    length only, at positions insert_at + p on: the record as training read it."""
+    from transformers import DynamicCache
+
+    device = student.get_input_embeddings().weight.device
+    cache = DynamicCache(config=student.config)
+    if insert_at:
+        student(
+            input_ids=torch.tensor([ids[:insert_at]], device=device), use_cache=True, **{cache_keyword(student): cache}
+        )
+    dtype = student.get_input_embeddings().weight.dtype
+    for layer in range(prompt.shape[0]):
+        cache.update(prompt[layer, 0][None].to(device, dtype), prompt[layer, 1][None].to(device, dtype), layer)
+    placeholders = [ids[insert_at - 1] if insert_at else ids[0]] * prompt.shape[3]  # never embedded
+    return cache, torch.tensor([ids[:insert_at] + placeholders + ids[insert_at:]], device=device)
+
+
+def cache_keyword(model) -> str:
+    """transformers renamed past_key_values to cache (5.2x); both name the same object."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
 def generate(student, tokenizer, prompt: torch.Tensor, metadata: dict, messages: list[dict], **generate_kwargs) -> str:
-    """Answer `messages` with the soft prompt spliced in as in training; return the decoded reply."""
+    """Answer `messages` with the soft prompt in it as in training (spliced embeddings, or a kv
+    prompt's cache); return the decoded reply."""
+    if metadata.get("form") == "kv":
+        ids = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False,
+            **metadata.get("chat_template_kwargs", {}),
+        )  # fmt: skip
+        ids, insert_at = insertion_point([int(i) for i in ids], metadata)
+        cache, input_ids = past_key_values(student, prompt, ids, insert_at)
+        mask = torch.ones_like(input_ids)
+        output = student.generate(
+            input_ids=input_ids, attention_mask=mask, **{cache_keyword(student): cache}, **generate_kwargs
+        )
+        return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
     inputs_embeds = prompt_embeds(student, tokenizer, prompt, metadata, messages)[None]
     mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
     output = student.generate(inputs_embeds=inputs_embeds, attention_mask=mask, **generate_kwargs)

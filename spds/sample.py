@@ -101,11 +101,14 @@ def answers(
         config.model_path, config.student.dtype, "sdpa", device, config.student.trust_remote_code
     )
     embed = student.get_input_embeddings()
-    blocks = {"bare": prompt[:0], "soft": prompt}
+    hidden = embed.weight.shape[1]
+    # each view: what goes where the prompt goes, and a kv prompt's keys and values (None: none)
+    kv = prompt.dim() == 5  # soft_prompt.form kv: zeros at its positions, its keys and values put in there
+    blocks = {"bare": (prompt.new_zeros(0, hidden), None)}
+    blocks["soft"] = (prompt.new_zeros(prompt.shape[3], hidden), prompt) if kv else (prompt, None)
     if config.context_text:
-        blocks["context"] = embed(
-            torch.tensor(tokenizer.encode(config.context_text, add_special_tokens=False), device=embed.weight.device)
-        )
+        ids = torch.tensor(tokenizer.encode(config.context_text, add_special_tokens=False), device=embed.weight.device)
+        blocks["context"] = (embed(ids), None)
     asked = list(prompts_to_answer(config, store, tokenizer, count, questions))
     views = Views(student, blocks, tokenizer, config.data.end_tokens)
     rank, world = ranks
@@ -123,7 +126,8 @@ def answers(
 
 
 class Views:
-    """The student answering greedily with each view's block where the prompt goes, on spds's
+    """The student answering greedily with each view's block where the prompt goes (and a kv
+    prompt's keys and values, spds/model/kv_prompt.py), on spds's
     decoder. The decoder runs the student's own weights under its attention for the length of
     `answer` (transformers reads the attention implementation at every forward: switched and put
     back, as the on-policy sampler does)."""
@@ -150,23 +154,26 @@ class Views:
         own, decoding = self.implementations
         self.student.config._attn_implementation = decoding
         try:
-            for view, block in self.blocks.items():
+            for view, (block, kv) in self.blocks.items():
                 for header, numbers in groups.items():
                     head = embed(torch.tensor(header, dtype=torch.long, device=embed.weight.device))
                     prefix = torch.cat([head, block.to(device=head.device, dtype=head.dtype)])
                     asked = [batch[n][1][batch[n][2] :] for n in numbers]
-                    texts = self.greedy(asked, prefix, max_new_tokens)
+                    kv_at = (len(header), kv.to(head.device)) if kv is not None else None
+                    texts = self.greedy(asked, prefix, max_new_tokens, kv_at)
                     for number, text in zip(numbers, texts):
                         answered[number][view] = text
         finally:
             self.student.config._attn_implementation = own
         return answered
 
-    def greedy(self, asked: list[list[int]], prefix: torch.Tensor, max_new_tokens: int) -> list[str]:
+    def greedy(self, asked: list[list[int]], prefix: torch.Tensor, max_new_tokens: int, kv=None) -> list[str]:
         if not len(prefix):  # nothing before the questions (prefix placement, bare): their ids alone
             ids = self.decoder.answer(asked, max_new_tokens, 0.0, 1.0, seed=0)
         else:
-            ids = self.decoder.answer_with_top_k(asked, max_new_tokens, 0.0, 1.0, 0, 0, prefix_embeds=prefix)[0]
+            ids = self.decoder.answer_with_top_k(
+                asked, max_new_tokens, 0.0, 1.0, 0, 0, prefix_embeds=prefix, prefix_kv=kv
+            )[0]
         ends = set(self.end_ids)
         return [
             self.tokenizer.decode([t for t in row if t not in ends], skip_special_tokens=True).strip() for row in ids

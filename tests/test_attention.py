@@ -85,7 +85,7 @@ def test_each_kernel_gives_the_plain_forwards_loss_and_gradient(tiny_assets, ker
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).requires_grad_(False)
     rows = [r for r in make_tiny.synthetic_rows(make_tiny.chatml_tokenizer(), 4) if "input_ids" in r]
     segment = Segment(ids=torch.tensor(rows[0]["input_ids"]), prefix_tokens=rows[0]["prefix_tokens"], insert_at=3)
-    prompt = initial_prompt(student, 4, section("soft_prompt", init={"method": "random_normal", "std": 0.5}).init, 1)
+    prompt = initial_prompt(student, section("soft_prompt", length=4, init={"method": "random_normal", "std": 0.5}), 1)
     model = SoftPromptModel(
         student, prompt, make_loss(section("loss", kernel="chunked", chunk_tokens=16)), attention_kernel=kernel
     )
@@ -120,7 +120,7 @@ def test_a_recomputed_layer_runs_the_kernel_of_its_forward(tiny_assets, monkeypa
     student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
     rows = [r for r in make_tiny.synthetic_rows(make_tiny.chatml_tokenizer(), 4) if "input_ids" in r]
     segment = Segment(ids=torch.tensor(rows[0]["input_ids"]), prefix_tokens=rows[0]["prefix_tokens"], insert_at=3)
-    prompt = initial_prompt(student, 4, section("soft_prompt").init, 1)
+    prompt = initial_prompt(student, section("soft_prompt", length=4), 1)
     model = SoftPromptModel(
         student,
         prompt,

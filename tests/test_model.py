@@ -27,9 +27,9 @@ def plain_student(tiny_assets):
     return AutoModelForCausalLM.from_pretrained(tiny_assets / "student", dtype=torch.float32).requires_grad_(False)
 
 
-def init(**fields):
-    """soft_prompt.init from these fields and the schema's defaults."""
-    return section("soft_prompt", init=fields).init
+def init(length: int, **fields):
+    """soft_prompt of `length` with init from these fields and the schema's defaults."""
+    return section("soft_prompt", length=length, init=fields)
 
 
 CHUNKED_16 = make_loss(section("loss", kernel="chunked", chunk_tokens=16))
@@ -60,7 +60,7 @@ def test_loss_and_prompt_gradient_match_the_students_own_forward(student, plain_
     tokenizer = make_tiny.chatml_tokenizer()
     segment = make_segment(tokenizer)
     segment.insert_at = insert_at
-    prompt = initial_prompt(student, 5, init(method="random_normal", std=0.5), seed=3)
+    prompt = initial_prompt(student, init(5, method="random_normal", std=0.5), seed=3)
     model = SoftPromptModel(student, prompt, CHUNKED_16)
     assert_matches_reference(model, [segment], lambda p: reference_loss(plain_student, p, segment), prompt)
     assert model.prompt.grad.dtype == torch.float32
@@ -71,7 +71,7 @@ def test_the_rounding_bound_tells_a_wrong_splice_from_rounding(student, plain_st
     """The bound the numeric tests use (tests/helpers.py) is loose enough for any CPU's rounding
     and still far too tight for a wrong result: the prompt spliced one token later fails it."""
     segment = make_segment(make_tiny.chatml_tokenizer())
-    prompt = initial_prompt(student, 5, init(method="random_normal", std=0.5), seed=3)
+    prompt = initial_prompt(student, init(5, method="random_normal", std=0.5), seed=3)
     model = SoftPromptModel(student, prompt, CHUNKED_16)
     model([segment]).backward()
     shifted = Segment(segment.ids, segment.prefix_tokens, segment.insert_at + 1)
@@ -87,7 +87,7 @@ def test_padded_micro_batch_equals_separate_records(student):
     rows = [r for r in make_tiny.synthetic_rows(tokenizer, 8) if "input_ids" in r][:3]
     segments = [Segment(torch.tensor(r["input_ids"]), r["prefix_tokens"], 3) for r in rows]
     assert len({len(s.ids) for s in segments}) > 1  # really padded
-    prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=1)
+    prompt = initial_prompt(student, init(4, method="random_normal", std=0.5), seed=1)
     model = SoftPromptModel(student, prompt, CHUNKED_64)
     together = model(segments)
     separate = sum(model([s]) for s in segments)
@@ -107,7 +107,7 @@ def test_packed_micro_batch_equals_plain_forwards_of_each_record(student, plain_
         Segment(torch.tensor(r["input_ids"]), r["prefix_tokens"], insert_at) for r, insert_at in zip(rows, [3, 0, 3])
     ]
     assert len({len(s.ids) for s in segments}) == 3
-    prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=1)
+    prompt = initial_prompt(student, init(4, method="random_normal", std=0.5), seed=1)
     model = SoftPromptModel(student, prompt, CHUNKED_16, activation_checkpointing=recomputed, packed=True)
     rows_seen, forward = [], student.model.forward  # what each forward of the student's body is given
     monkeypatch.setattr(
@@ -123,7 +123,7 @@ def test_packed_micro_batch_equals_plain_forwards_of_each_record(student, plain_
 def test_length_buckets_pad_without_changing_the_loss(student):
     tokenizer = make_tiny.chatml_tokenizer()
     segment = make_segment(tokenizer)
-    prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=1)
+    prompt = initial_prompt(student, init(4, method="random_normal", std=0.5), seed=1)
     exact = SoftPromptModel(student, prompt, CHUNKED_64, pad_to_multiple_of=1)([segment])
     padded = SoftPromptModel(student, prompt, CHUNKED_64, pad_to_multiple_of=97)([segment])
     assert_rounding_close(padded, exact, what="loss with padding")
@@ -132,13 +132,13 @@ def test_length_buckets_pad_without_changing_the_loss(student):
 def test_init_methods(student):
     tokenizer = make_tiny.chatml_tokenizer()
     embeddings = student.get_input_embeddings().weight
-    text = initial_prompt(student, 5, init(method="text", text="ab"), 0, tokenizer)
+    text = initial_prompt(student, init(5, method="text", text="ab"), 0, tokenizer)
     ids = tokenizer.encode("ab", add_special_tokens=False)
     assert torch.equal(text, embeddings[[ids[0], ids[1], ids[0], ids[1], ids[0]]].float())
-    sampled = initial_prompt(student, 6, init(method="vocab_sample"), 0)
+    sampled = initial_prompt(student, init(6, method="vocab_sample"), 0)
     assert all(any(torch.equal(row, e) for e in embeddings.float()) for row in sampled)
-    first = initial_prompt(student, 4, init(method="random_normal", std=0.1), 9)
-    assert torch.equal(first, initial_prompt(student, 4, init(method="random_normal", std=0.1), 9))
+    first = initial_prompt(student, init(4, method="random_normal", std=0.1), 9)
+    assert torch.equal(first, initial_prompt(student, init(4, method="random_normal", std=0.1), 9))
     assert first.dtype == torch.float32 and 0.05 < first.std() < 0.2
 
 
@@ -149,7 +149,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_assets):
     results = []
     for count in (0, 1, 2):  # none, the first of the tiny student's two layers, both
         student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
-        prompt = initial_prompt(student, 4, init(method="random_normal", std=0.5), seed=2)
+        prompt = initial_prompt(student, init(4, method="random_normal", std=0.5), seed=2)
         model = SoftPromptModel(student, prompt, CHUNKED_16, activation_checkpointing=count > 0)
         model.recompute = lambda positions, longest=None, count=count: count
         recomputed = []  # count the layer forwards run again during backward

@@ -66,8 +66,13 @@ def reference_run(
     student.requires_grad_(False).eval()
     embed = student.get_input_embeddings()
     length, hidden = config["soft_prompt"]["length"], student.config.hidden_size
-    prompt = torch.randn(length, hidden, generator=torch.Generator().manual_seed(optim["seed"])) * init["std"]
+    kv = config["soft_prompt"].get("form") == "kv"  # keys and values of every layer, after RoPE
+    c = student.config
+    head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
+    shape = (c.num_hidden_layers, 2, c.num_key_value_heads, length, head_dim) if kv else (length, hidden)
+    prompt = torch.randn(*shape, generator=torch.Generator().manual_seed(optim["seed"])) * init["std"]
     prompt.requires_grad_(True)
+    frozen = config["soft_prompt"].get("frozen_positions", 0)
     adam = torch.optim.AdamW(
         [prompt],
         lr=learning_rates[0],
@@ -99,10 +104,13 @@ def reference_run(
                 greedy[update, record] = greedy_answer(student, embed, prompt, ids[:a], ids[a:prefix], len(answer))
                 ids = torch.cat([ids[:prefix], answer])
             supervised += len(ids) - prefix
-            joined = torch.cat([embed(ids[:a]), prompt, embed(ids[a:])])[None]
-            logits = student(inputs_embeds=joined).logits[0].float()
-            # response token ids[t] sits at joined position t + length and is predicted from the one before
-            response_logits = logits[prefix + length - 1 : len(ids) + length - 1]
+            if kv:
+                response_logits = cached_prompt_logits(student, prompt, ids, a)[prefix - a - 1 : len(ids) - a - 1]
+            else:
+                joined = torch.cat([embed(ids[:a]), prompt, embed(ids[a:])])[None]
+                logits = student(inputs_embeds=joined).logits[0].float()
+                # response token ids[t] sits at joined position t + length and is predicted from the one before
+                response_logits = logits[prefix + length - 1 : len(ids) + length - 1]
             ce = torch.nn.functional.cross_entropy(response_logits, ids[prefix:], reduction="sum")
             if loss is None:
                 total = total + ce
@@ -124,6 +132,8 @@ def reference_run(
             kl = divergence(log_p, log_q, loss["direction"], loss["beta"])
             total = total + loss["ce_weight"] * ce + loss["kl_weight"] * kl
         (total / supervised).backward()
+        if frozen:  # the first positions keep their start: no gradient
+            (prompt.grad[..., :frozen, :] if kv else prompt.grad[:frozen]).zero_()
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_([prompt], max_grad_norm)))
         for group in adam.param_groups:
             group["lr"] = learning_rate
@@ -137,6 +147,23 @@ def reference_run(
         grad_norms=grad_norms,
         greedy=greedy,
     )
+
+
+def cached_prompt_logits(student, prompt, ids, a: int) -> torch.Tensor:
+    """A kv prompt ([layers, 2, kv heads, p, D]) as transformers' own past_key_values: ids[:a] run
+    into a DynamicCache, the prompt's keys and values appended layer by layer, ids[a:] run after
+    them (at positions a + p on, counted from the cache); the logits of ids[a:], fp32."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    keyword = "cache" if "cache" in inspect.signature(student.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=student.config)
+    if a:
+        student(input_ids=ids[:a][None], use_cache=True, **{keyword: cache})
+    for layer in range(prompt.shape[0]):
+        cache.update(prompt[layer, 0][None], prompt[layer, 1][None], layer)
+    return student(input_ids=ids[a:][None], use_cache=True, **{keyword: cache}).logits[0].float()
 
 
 @torch.no_grad()
@@ -352,3 +379,42 @@ def test_kl_over_an_offline_teachers_top_k_equals_plain_pytorch_on_that_support(
     result = spds(["prepare", "config.json"], prepared)
     assert result.returncode != 0
     assert f"top-k.jsonl:4: request_id {rows[3]['request_id']}: rule 'top-k for an offline teacher'" in result.stderr
+
+
+# The kv form (soft_prompt.form kv): every layer's keys and values at the prompt's positions are
+# the parameter; the reference holds them as transformers' own past_key_values.
+KV = dict(soft_prompt={**CLIPPED["soft_prompt"], "form": "kv", "frozen_positions": 1, "init": {"std": 0.2}})
+KV_RUNS = {  # name: (world, launcher, extra config)
+    "kv-1": (1, "plain", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero0.json")),
+    "kv-fsdp-2": (2, "torchrun", dict(sharding="fsdp", deepspeed_config="ds_configs/zero0.json")),
+    "kv-packed-3": (
+        3,
+        "torchrun",
+        dict(
+            sharding="deepspeed",
+            deepspeed_config="ds_configs/zero0.json",
+            optim={**CLIPPED["optim"], "micro_batch": 3, "micro_batch_layout": "packed"},
+        ),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_kv_update_equals_plain_pytorch_past_key_values_on_1_2_and_3_ranks(prepared):
+    """The kv prompt's update, padded on one rank, with the student sharded by FSDP2 on two, packed
+    on three, against the reference holding the prompt as a DynamicCache; its first position frozen."""
+    states = {}
+    for name, (world, launcher, extra) in KV_RUNS.items():
+        edit_config(prepared, output_dir=name, **{**CLIPPED, **KV, **extra})
+        check(spds(["train", "config.json"], prepared, world=world, launcher=launcher))
+        states[name] = final_state(prepared / name)
+    lines = metrics(prepared / "kv-1")
+    learning_rates = [line["learning_rate"] for line in lines]
+    reference = reference_run(prepared, learning_rates, max_grad_norm=20.0)
+    start = torch.randn(*reference["prompt"].shape, generator=torch.Generator().manual_seed(5)) * 0.2
+    assert torch.equal(reference["prompt"][..., 0, :], start[..., 0, :])  # the frozen position kept its start
+    for name, state in states.items():
+        assert_same_state(state, reference, learning_rates, name)
+        assert torch.equal(state["prompt"][..., 0, :], start[..., 0, :]), name
+    assert [m["grad_norm"] for m in lines] == pytest.approx(reference["grad_norms"], rel=ROUNDING)

@@ -98,9 +98,16 @@ def _assert_bit_identical(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["ce", "mix-jsd-online", "on-policy"])
+@pytest.mark.parametrize("objective", ["ce", "mix-jsd-online", "on-policy", "kv-on-policy"])
 def test_sigterm_then_resume_is_bit_identical(run_dir, objective):
-    if objective == "on-policy":
+    if objective == "kv-on-policy":  # a kv prompt started from the context, its samples decoded with it
+        edit_config(
+            run_dir,
+            soft_prompt={"form": "kv", "init": {"method": "context"}, "frozen_positions": 1},
+            context={"text": make_tiny.CONTEXT},
+            loss={"objective": "kl", "teacher": "context", "on_policy": {"fraction": 0.5, "max_new_tokens": 8}},
+        )
+    elif objective == "on-policy":
         # Half of each batch answered by the student at temperature 1: the samples depend on the
         # prompt at each update and on (seed, update), both restored by the resume.
         edit_config(
@@ -137,7 +144,7 @@ def test_sigterm_then_resume_is_bit_identical(run_dir, objective):
     assert read_json(run_dir / "stopped" / "terminal.json")["status"] == "complete"
     _assert_bit_identical(final_state(run_dir / "straight"), final_state(run_dir / "stopped"))
     assert [m["loss"] for m in metrics(run_dir / "straight")] == [m["loss"] for m in metrics(run_dir / "stopped")]
-    if objective == "on-policy":  # the same samples, each update's once (the stopped run's cut back)
+    if objective.endswith("on-policy"):  # the same samples, each update's once (the stopped run's cut back)
         samples = (run_dir / "straight" / "on-policy.jsonl").read_text()
         assert samples == (run_dir / "stopped" / "on-policy.jsonl").read_text()
         assert [json.loads(line)["update"] for line in samples.splitlines()] == [1, 2, 3, 4, 5, 6]

@@ -122,7 +122,7 @@ def model_level(model: str, length: int) -> None:
     segment = Segment(ids=ids, prefix_tokens=128, insert_at=3)
     grads, seconds = [], []
     for kernel in (chosen, chosen, "flash"):  # twice the deterministic choice, then flash as a cross-check
-        prompt = initial_prompt(student, 256, section("soft_prompt").init, 0)
+        prompt = initial_prompt(student, section("soft_prompt", length=256), 0)
         loss_fn = make_loss(section("loss", kernel="auto", chunk_tokens=4096))
         spds_model = SoftPromptModel(student, prompt, loss_fn, True, kernel, deterministic=True)
         torch.cuda.reset_peak_memory_stats()

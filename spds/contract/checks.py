@@ -207,7 +207,7 @@ def input_problems(config: Config, candidates: str = "must exist") -> list[str]:
         if path is not None and not (path.is_file() if kind == "file" else path.is_dir()):
             problems.append(f"{key}: {path} is not a {kind}")
     problems += output_problems(config) + determinism_problems(config) + sharded_student_problems(config)
-    problems += context_problems(config) + on_policy_problems(config)
+    problems += context_problems(config) + on_policy_problems(config) + prompt_problems(config)
     optim = config.optim
     if optim.warmup_updates > optim.updates:
         problems.append(f"optim.warmup_updates: {optim.warmup_updates} exceeds optim.updates ({optim.updates})")
@@ -257,6 +257,28 @@ def context_problems(config: Config) -> list[str]:
         problems.append(
             "generate.self_study: generate.questions is set too; self-study writes the questions itself: "
             "set one of them (questions: null for self-study)"
+        )
+    return problems
+
+
+def prompt_problems(config: Config) -> list[str]:
+    """The soft prompt's form and frozen positions against what they need."""
+    prompt, problems = config.soft_prompt, []
+    if prompt.form == "kv" and config.student.attn_implementation != "sdpa":
+        problems.append(
+            f"soft_prompt.form: kv puts its keys and values in spds's attention, which an sdpa student runs; "
+            f"student.attn_implementation is {config.student.attn_implementation!r} (set it to sdpa, or the form "
+            "to embeddings)"
+        )
+    if prompt.frozen_positions >= prompt.length:
+        problems.append(
+            f"soft_prompt.frozen_positions: {prompt.frozen_positions} of {prompt.length} positions frozen leaves "
+            "nothing to train: lower it"
+        )
+    if prompt.frozen_positions and config.optim.weight_decay:
+        problems.append(
+            f"soft_prompt.frozen_positions: weight decay ({config.optim.weight_decay}) would move the frozen "
+            "positions, which receive no gradient: set optim.weight_decay to 0"
         )
     return problems
 

@@ -43,7 +43,9 @@ class PromptInitSettings:
 class SoftPromptSettings:
     length: int
     placement: Literal["system", "first_user", "prefix"]
+    form: Literal["embeddings", "kv"]
     init: PromptInitSettings
+    frozen_positions: int
 
 
 @dataclass(frozen=True)

@@ -390,3 +390,20 @@ def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list
         dict(messages[first], content=f"{context}\n\n{messages[first]['content']}"),
         *messages[first + 1 :],
     ]
+
+
+def prompt_header(scaffold: Scaffold, placement: str, tokenizer, template_kwargs: dict) -> list[int]:
+    """The chat template's tokens before the soft prompt in a record that opens with the user's
+    turn (spds/data/rows.py's `place`): none for prefix, the lead and the system header for system,
+    up to the first user turn's content for first_user. Where a kv prompt's starting keys and values
+    are computed (their positions follow it)."""
+    if placement == "prefix":
+        return []
+    if placement == "system":
+        return scaffold.lead + scaffold.system_header
+    ids = render(tokenizer, [{"role": "user", "content": "Q"}], True, template_kwargs)
+    user = scaffold.user_header
+    at = next((i for i in range(len(scaffold.lead), len(ids) - len(user) + 1) if ids[i : i + len(user)] == user), None)
+    if at is None:
+        raise SpdsError("the chat template renders no user turn header where the soft prompt goes (first_user)")
+    return ids[: at + len(user)]

@@ -188,6 +188,7 @@ class Decoder:
         k: int,
         prefix_embeds: torch.Tensor | None = None,
         shared_within: int | None = None,
+        prefix_kv: tuple[int, torch.Tensor] | None = None,
     ) -> tuple[list[list[int]], list[dict] | None]:
         """`answer`'s ids and, with k > 0, each answer's top-k: at every answer token, the k most
         likely next tokens of the logits it was picked from and their log-probabilities at
@@ -197,12 +198,14 @@ class Decoder:
         the decode step's own logits, so an offline teacher's targets cost no second pass.
         `prefix_embeds` ([n, hidden], the model's dtype): a shared prefix given as input embeddings
         (the chat template's header and a soft prompt, loss.on_policy), before every prompt's ids.
-        `shared_within`: the most tokens of the prompts' common prefix to share (`prefill`)."""
+        `shared_within`: the most tokens of the prompts' common prefix to share (`prefill`).
+        `prefix_kv` (start, a kv soft prompt [layers, 2, kv heads, p, D], spds/model/kv_prompt.py):
+        its keys and values in place of the prefix's at positions start .. start+p-1."""
         began = time.perf_counter()
         device = self.model.device
         kept = TopK.bytes_per_row(max_new_tokens + 1, k)
         cache, positions, longest, logits = self.prefill(
-            prompts, max_new_tokens, kept, prefix_embeds, shared_within=shared_within
+            prompts, max_new_tokens, kept, prefix_embeds, shared_within=shared_within, prefix_kv=prefix_kv
         )
         logits, rows = logits[:, -1], len(prompts)
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -250,6 +253,7 @@ class Decoder:
         prefix_embeds: torch.Tensor | None = None,
         keep: int = 1,
         shared_within: int | None = None,
+        prefix_kv: tuple[int, torch.Tensor] | None = None,
     ) -> tuple[BatchCache, torch.Tensor, int, torch.Tensor]:
         """The prompts run into a new batch cache with `room` positions after the longest: their
         common prefix (or `prefix_embeds`) from the kept shared states, each prompt's own ids
@@ -263,7 +267,7 @@ class Decoder:
             shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
             prompts = [p[prefix:] for p in prompts]
         else:
-            prefix, shared = len(prefix_embeds), self.embedded_states(prefix_embeds)
+            prefix, shared = len(prefix_embeds), self.embedded_states(prefix_embeds, prefix_kv)
         rows, longest = len(prompts), max(len(p) for p in prompts)
         self.check_fits(rows, longest + room, kept_per_row)
         cache = BatchCache(self.layers, rows, longest + room, device, shared)
@@ -371,19 +375,29 @@ class Decoder:
         self.prefix_forwards += 1
         return self.kept[key]
 
-    def embedded_states(self, embeds: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def embedded_states(
+        self, embeds: torch.Tensor, kv: tuple[int, torch.Tensor] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`shared_states` of a prefix given as input embeddings [n, hidden]: computed every time
-        (a soft prompt changes at every update) and not kept."""
+        (a soft prompt changes at every update) and not kept. `kv` (start, prompt): a kv soft
+        prompt's keys and values put in place of the computed ones at its positions, which nothing
+        in the prefix comes after (the prefix ends with the prompt)."""
         self.kept = {}  # on-policy sampling keeps none: its prefix changes at every update
         single = BatchCache(self.layers, 1, len(embeds), embeds.device)
         positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=embeds.device)
         positions[0, : len(embeds)] = torch.arange(len(embeds), device=embeds.device)
         self.forward(embeds[None], positions, single, start=0, keep=0, causal=True)
         self.prefix_forwards += 1
-        return [
+        states = [
             (k[:, : len(embeds)].transpose(1, 2), v[:, : len(embeds)].transpose(1, 2))
             for k, v in zip(single.keys, single.values)
         ]
+        if kv is not None:
+            start, prompt = kv
+            for layer, (keys, values) in enumerate(states):
+                for index, target in enumerate((keys, values)):
+                    target[0, :, start : start + prompt.shape[3]] = prompt[layer, index].to(target.dtype)
+        return states
 
     def plan_window(self, cache: BatchCache, prefix: int, last_position: int) -> None:
         """Which shared keys the windowed layers read: none older than the window of the batch's

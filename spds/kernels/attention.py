@@ -55,6 +55,9 @@ from spds.kernels.causal import (
 from spds.kernels.shared_keys import fa4_after_cached, lower_right_causal, packed_after_cached
 
 NAME = "spds_causal"
+# The forward keyword that carries a kv soft prompt's keys and values to every layer
+# (spds/model/kv_prompt.py's Splice): `apply(layer, key, value)` puts them at their positions
+SPLICE_KEYWORD = "spds_splice"
 
 # Attention's own memory beyond a layer's activations. Kernels that materialise the scores
 # (math SDPA, eager) keep a [heads, L, L] probability matrix per plain layer and hold about three
@@ -277,6 +280,9 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
         )
     choice = getattr(module, "spds_kernel", None)
     kernel = choice.kernel if choice is not None else "auto"
+    splice = kwargs.get(SPLICE_KEYWORD)
+    if splice is not None:  # a kv soft prompt: its keys and values in place of the ones computed there
+        key, value = splice.apply(module.layer_idx, key, value)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if window or softcap:  # Gemma 2 and 3, Mistral v0.1: the layer's own window and cap
         output = windowed_attention(

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from spds.contract.config import Config
+from spds.data.chat import prompt_header
+from spds.data.prepare import scaffold_for
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
 from spds.kernels.attention import kernel_setting
@@ -45,12 +47,13 @@ def build_soft_prompt_model(
             quantize_linears(student)
     attention_kernel = kernel_setting(student_cfg.attention_kernel, config.train.deterministic, student, device)
     if prompt is None:
-        tokenizer = None
-        if prompt_cfg.init.method in ("text", "context"):
+        tokenizer, header = None, None
+        if prompt_cfg.init.method in ("text", "context") or prompt_cfg.form == "kv":
             tokenizer = load_tokenizer(config)
-        prompt = initial_prompt(
-            student, prompt_cfg.length, prompt_cfg.init, config.optim.seed, tokenizer, config.context_text
-        )
+        if prompt_cfg.form == "kv":  # its keys are computed where the prompt goes: after the template's header
+            kwargs = config.data.chat_template_kwargs
+            header = prompt_header(scaffold_for(config, tokenizer), prompt_cfg.placement, tokenizer, kwargs)
+        prompt = initial_prompt(student, prompt_cfg, config.optim.seed, tokenizer, config.context_text, header)
     loss_fn = make_loss(config.loss, final_logit_softcap(student))
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
     model = SoftPromptModel(
@@ -65,5 +68,6 @@ def build_soft_prompt_model(
         config.train.deterministic,
         student_cfg.liger_kernels,
         config.optim.micro_batch_layout == "packed",
+        prompt_cfg.frozen_positions,
     )
     return model

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from spds.errors import SpdsError
-from spds.kernels.attention import AttentionPlan
+from spds.kernels.attention import SPLICE_KEYWORD, AttentionPlan
 from spds.kernels.attention import install as install_attention
+from spds.model.kv_prompt import Splice
 from spds.model.layout import Replicated
 from spds.model.loss import LossFn, TeacherTargets, final_logit_softcap
 from spds.model.recompute import RecomputePolicy, enable_recompute, recompute_first
@@ -134,8 +135,12 @@ class SoftPromptModel(nn.Module):
         deterministic: bool = False,
         liger_kernels: bool = False,
         packed: bool = False,
+        frozen_positions: int = 0,
     ):
         super().__init__()
+        # the prompt's form (soft_prompt.form): [p, hidden] input embeddings, or [layers, 2, kv heads,
+        # p, head dim] keys and values spliced into every layer's (spds/model/kv_prompt.py)
+        self.form = "kv" if prompt.dim() == 5 else "embeddings"
         device = device or student.device  # a student still on the host waits to be sharded onto `device`
         if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
             pad_to_multiple_of = 256 if device.type == "cuda" else 1
@@ -143,11 +148,20 @@ class SoftPromptModel(nn.Module):
         self.packed = packed  # several records in one forward: end to end (True) or right-padded rows
         self.student = student
         self.prompt = nn.Parameter(prompt.to(torch.float32).to(device))
+        if frozen_positions:  # soft_prompt.frozen_positions: the first positions keep their start (no gradient)
+            kept = torch.ones_like(self.prompt)
+            (kept[..., :frozen_positions, :] if self.form == "kv" else kept[:frozen_positions]).zero_()
+            self.prompt.register_hook(lambda gradient: gradient * kept)
         self.loss_fn = loss_fn
         self.attention = AttentionPlan(attention_kernel, student, device, deterministic)
         self.kernel_choice = install_attention(student)  # None: the student's own attention (eager, ...)
         if packed and self.kernel_choice is None:  # the config check says so first; a library caller learns here
             raise SpdsError("packed micro-batches need spds's attention: load the student with sdpa attention")
+        if self.form == "kv" and self.kernel_choice is None:
+            raise SpdsError(
+                "soft_prompt.form kv puts its keys and values in spds's attention: load the student with sdpa "
+                "attention (student.attn_implementation), or use form embeddings"
+            )
         self.recompute = RecomputePolicy(
             activation_checkpointing, student, activation_memory_gib, device, self.attention, liger_kernels
         )
@@ -161,6 +175,22 @@ class SoftPromptModel(nn.Module):
         if self.kernel_choice is not None:
             self.kernel_choice.kernel = self.attention.kernel(longest, packed)
 
+    @property
+    def prompt_length(self) -> int:
+        """p, the virtual positions the prompt takes in every record."""
+        return self.prompt.shape[3] if self.form == "kv" else self.prompt.shape[0]
+
+    def block_of(self, inserted: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """What goes where the prompt goes: `inserted` (eval: the context's embeddings, nothing),
+        or the prompt: its embeddings, or for the kv form zeros at its positions, whose keys and
+        values are then the prompt's (whether to splice them)."""
+        if inserted is not None:
+            return inserted, False
+        if self.form == "embeddings":
+            return self.prompt, False
+        hidden = self.student.get_input_embeddings().weight.shape[1]
+        return self.prompt.new_zeros(self.prompt_length, hidden), True
+
     def joined_embeddings(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
         """embed(x[:a]) ++ block ++ embed(x[a:]) for each segment; one embedding call for all."""
         tokens = self.student.get_input_embeddings()(torch.cat([s.ids for s in segments]))
@@ -171,7 +201,11 @@ class SoftPromptModel(nn.Module):
         return joined
 
     def hidden_states(
-        self, segments: list[Segment], block: torch.Tensor, recompute_positions: int | None = None
+        self,
+        segments: list[Segment],
+        block: torch.Tensor,
+        recompute_positions: int | None = None,
+        splice: bool = False,
     ) -> list[torch.Tensor]:
         """Final hidden states [L+P, H] of each segment, in one forward pass.
 
@@ -183,7 +217,10 @@ class SoftPromptModel(nn.Module):
         self.layout.before_forward()
         joined = self.joined_embeddings(segments, block)
         if self.packed and len(joined) > 1:
-            return self.packed_hidden_states(joined, recompute_positions)
+            starts = itertools.accumulate([0, *(len(j) for j in joined[:-1])])
+            kv = self.splice([(0, start + s.insert_at) for start, s in zip(starts, segments)]) if splice else {}
+            return self.packed_hidden_states(joined, recompute_positions, kv)
+        kv = self.splice([(row, s.insert_at) for row, s in enumerate(segments)]) if splice else {}
         longest = max(len(j) for j in joined)
         longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         if len(joined) == 1 and longest == len(joined[0]):
@@ -198,10 +235,17 @@ class SoftPromptModel(nn.Module):
             count = self.recompute(longest * len(joined), longest)
         recompute_first(self.student, count)
         self.use_kernel(longest)
-        output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False)
+        output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False, **kv)
         return [output.last_hidden_state[i, : len(j)] for i, j in enumerate(joined)]
 
-    def packed_hidden_states(self, joined: list[torch.Tensor], recompute_positions: int | None) -> list[torch.Tensor]:
+    def splice(self, starts: list[tuple[int, int]]) -> dict:
+        """The keyword that carries the kv prompt to spds's attention in every layer (and to a
+        recomputed layer in backward: transformers' checkpointing keeps a layer's keywords)."""
+        return {SPLICE_KEYWORD: Splice.at(self.prompt, starts)}
+
+    def packed_hidden_states(
+        self, joined: list[torch.Tensor], recompute_positions: int | None, kv: dict
+    ) -> list[torch.Tensor]:
         """The joined sequences end to end in one row (optim.micro_batch_layout packed): each one's
         positions restart at 0 and its attention sees only itself (attention.packed_causal), so
         each gets the outputs it would get alone, with no padding computed."""
@@ -210,7 +254,7 @@ class SoftPromptModel(nn.Module):
         self.use_kernel(longest, packed=True)
         recompute_first(self.student, self.recompute(recompute_positions or sum(lengths), longest, packed=True))
         output = self.student.base_model(
-            inputs_embeds=torch.cat(joined)[None], use_cache=False, **packed_keywords(lengths, self.prompt.device)
+            inputs_embeds=torch.cat(joined)[None], use_cache=False, **packed_keywords(lengths, self.prompt.device), **kv
         )
         return list(output.last_hidden_state[0].split(lengths))
 
@@ -221,10 +265,10 @@ class SoftPromptModel(nn.Module):
 
         `inserted` replaces the prompt by another block of embeddings at the same place (spds eval:
         the context's token embeddings for the ceiling, nothing for the floor)."""
-        block = self.prompt if inserted is None else inserted
+        block, splice = self.block_of(inserted)
         P = block.shape[0]
         rows, targets = [], []
-        for segment, hidden in zip(segments, self.hidden_states(segments, block, recompute_positions)):
+        for segment, hidden in zip(segments, self.hidden_states(segments, block, recompute_positions, splice)):
             rows.append(segment.supervised_rows(hidden, P))  # the prompt's P rows precede every response token
             targets.append(segment.supervised_ids())
         return torch.cat(rows), torch.cat(targets)

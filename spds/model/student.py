@@ -15,6 +15,7 @@ from spds.contract.model_config import model_config
 from spds.errors import SpdsError
 from spds.kernels.attention import avoid_cpu_flash_without_avx512
 from spds.kernels.attention import install as install_attention
+from spds.model.kv_prompt import kv_shape, prefilled
 from spds.model.loss import liger_available
 
 
@@ -85,21 +86,33 @@ def apply_liger_kernels(student: nn.Module) -> None:
 
 
 def initial_prompt(
-    student: nn.Module, length: int, init: dict, seed: int, tokenizer=None, context: str | None = None
+    student: nn.Module,
+    settings,
+    seed: int,
+    tokenizer=None,
+    context: str | None = None,
+    header: list[int] | None = None,
 ) -> torch.Tensor:
-    """The prompt's starting value, FP32 [length, hidden], identical on every rank for a seed."""
+    """The prompt's starting value (soft_prompt: its form, length and init), identical on every
+    rank for a seed: FP32 [length, hidden] embeddings, or for the kv form FP32 [layers, 2, kv heads,
+    length, head dim] keys and values (spds/model/kv_prompt.py), those of tokens computed after
+    `header`, the template's tokens before the prompt."""
+    length, init = settings.length, settings.init
     embeddings = student.get_input_embeddings().weight
     generator = torch.Generator().manual_seed(seed)  # CPU generator: the same values on any device
+    shape = kv_shape(student, length) if settings.form == "kv" else (length, embeddings.shape[1])
     if init.method == "random_normal":
-        return torch.randn(length, embeddings.shape[1], generator=generator) * init.std
+        return torch.randn(*shape, generator=generator) * init.std
     if init.method == "vocab_sample":
         ids = torch.randint(0, embeddings.shape[0], (length,), generator=generator)
-    else:  # text (or the context): its token embeddings, repeated or truncated to the prompt length
+    else:  # text (or the context): its tokens, repeated or truncated to the prompt length
         text = context if init.method == "context" else init.text
         if not text:
             raise SpdsError("soft_prompt.init.method 'context' needs context.text or context.file")
         ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
         ids = ids.repeat((length + len(ids) - 1) // len(ids))[:length]
+    if settings.form == "kv":
+        return prefilled(student, header or [], ids.tolist())
     return embeddings.detach()[ids.to(embeddings.device)].float().cpu()
 
 

@@ -235,7 +235,7 @@ def load_engine_state(engine, directory: Path) -> None:
         if tuple(prompt.shape) != tuple(engine.module.prompt.shape):
             raise SpdsError(
                 f"{path}: holds a soft prompt of shape {tuple(prompt.shape)}, this run's is "
-                f"{tuple(engine.module.prompt.shape)} (soft_prompt.length, or another student)"
+                f"{tuple(engine.module.prompt.shape)} (soft_prompt.length or form, or another student)"
             )
         with torch.no_grad():
             engine.module.prompt.copy_(prompt)
@@ -312,8 +312,10 @@ def prompt_of(directory: Path) -> tuple[torch.Tensor, dict]:
     path = directory / STATE_FILE
     state = load_state(path)
     prompt = state.get("module", {}).get("prompt") if isinstance(state.get("module"), dict) else None
-    if not torch.is_tensor(prompt) or prompt.dim() != 2:
-        raise SpdsError(f"{path}: holds no soft prompt (module.prompt, a 2-d tensor): not a checkpoint spds wrote")
+    if not torch.is_tensor(prompt) or prompt.dim() not in (2, 5):  # embeddings, or kv (spds/model/kv_prompt.py)
+        raise SpdsError(
+            f"{path}: holds no soft prompt (module.prompt, a 2-d or 5-d tensor): not a checkpoint spds wrote"
+        )
     if prompt_digest(prompt) != commit["prompt_sha256"]:
         raise SpdsError(
             f"{directory}: its soft prompt does not match the one its commit record names "

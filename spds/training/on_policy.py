@@ -108,7 +108,8 @@ class Sampler:
             for number, records in enumerate(groups.values()):
                 first = segments[records[0]]
                 header = embed(first.ids[: first.insert_at])
-                prefix = torch.cat([header, self.model.prompt.detach().to(header.dtype)])
+                block, spliced = self.model.block_of(None)  # a kv prompt: zeros there, its keys and values put in
+                prefix = torch.cat([header, block.detach().to(header.dtype)])
                 questions = [segments[r].ids[first.insert_at : answer_start(segments[r])].tolist() for r in records]
                 sampled = self.decoder.answer_with_top_k(
                     questions,
@@ -118,6 +119,7 @@ class Sampler:
                     self.seed + SAMPLING_SEED + update * 1009 + number,
                     0,
                     prefix_embeds=prefix,
+                    prefix_kv=(first.insert_at, self.model.prompt.detach()) if spliced else None,
                 )[0]
                 answered.update(zip(records, sampled))
         finally:
