@@ -319,6 +319,10 @@ def planned_as_own_kernels(model) -> None:
 
 
 VARIANTS["liger-own-figure"] = VARIANTS["liger"]
+# soft_prompt.form kv (issue 55): the same step with a key and value at every layer for each of the
+# PROMPT positions in place of input embeddings (spds/model/kv_prompt.py)
+VARIANTS["liger-packed-kv"] = VARIANTS["liger-packed"]
+VARIANTS["liger-packed-fa4-kv"] = VARIANTS["liger-packed-fa4"]
 # loss.on_policy: the liger-packed-kl step with half of each batch answered by the student first
 # (512 new tokens, spds's decoder; the random student never ends an answer early). Its time is the
 # sampling and the step; the sampling's share is reported apart.
@@ -359,7 +363,7 @@ def spds_config(directory: Path, records: int, variant: str):
         student = {k: v for k, v in student.items() if k != "attention_kernel"}
     raw = {
         "student": {"model_path": "random-weights", **student},
-        "soft_prompt": {"length": PROMPT},
+        "soft_prompt": {"length": PROMPT, "form": "kv" if variant.endswith("-kv") else "embeddings"},
         "data": {"candidates": [{"path": "synthetic"}]},
         "optim": {"effective_batch": records, "updates": 1, "learning_rate": 1e-3, **optim},
         "train": {"require_smoke": False, "deterministic": variant in DETERMINISTIC},

@@ -48,9 +48,10 @@ def build_soft_prompt_model(
     attention_kernel = kernel_setting(student_cfg.attention_kernel, config.train.deterministic, student, device)
     if prompt is None:
         tokenizer, header = None, None
-        if prompt_cfg.init.method in ("text", "context") or prompt_cfg.form == "kv":
+        from_tokens = prompt_cfg.form == "kv" and prompt_cfg.init.method != "random_normal"
+        if prompt_cfg.init.method in ("text", "context") or from_tokens:
             tokenizer = load_tokenizer(config)
-        if prompt_cfg.form == "kv":  # its keys are computed where the prompt goes: after the template's header
+        if from_tokens:  # their keys and values are computed where the prompt goes: after the template's header
             kwargs = config.data.chat_template_kwargs
             header = prompt_header(scaffold_for(config, tokenizer), prompt_cfg.placement, tokenizer, kwargs)
         prompt = initial_prompt(student, prompt_cfg, config.optim.seed, tokenizer, config.context_text, header)
