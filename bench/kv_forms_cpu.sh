@@ -12,13 +12,12 @@ model=$(realpath "$1"); out=$(realpath -m "$2"); shift 2
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(emb128=embeddings:128:0.01 kv16=kv:16:0.01 kv16-lr03=kv:16:0.03 emb16=embeddings:16:0.01)
 python=${PYTHON:-.venv/bin/python}
-work=$(mktemp -d); mkdir -p "$out"
-cp examples/real/context.md examples/real/questions.jsonl examples/real/run.json "$work/"
-ln -s "$model" "$work/model"
+work=${WORK:-$(mktemp -d)}; mkdir -p "$out" "$work"  # WORK: a directory of an earlier call to go on in
+[ -e "$work/model" ] || { cp examples/real/context.md examples/real/questions.jsonl examples/real/run.json "$work/"; ln -s "$model" "$work/model"; }
 export TOKENIZERS_PARALLELISM=false
-"$python" -m spds.cli generate "$work/run.json" > "$out/generate.log" 2>&1
+"$python" -m spds.cli generate "$work/run.json" > "$out/generate.log" 2>&1  # rows already there are kept
 tail -3 "$out/generate.log"
-questions=""
+questions=$(ls -d "$work"/run-*/eval-questions 2>/dev/null | head -1)
 for variant in "${variants[@]}"; do
   name=${variant%%=*}; IFS=: read -r form length rate <<< "${variant#*=}"
   "$python" - "$work" "$name" "$form" "$length" "$rate" <<'PY'
@@ -33,10 +32,15 @@ json.dump(config, open(f"{work}/{name}.json", "w"), indent=2)
 PY
   began=$(date +%s)
   "$python" -m spds.cli prepare "$work/$name.json" > "$out/$name.log" 2>&1
-  "$python" -m spds.cli train "$work/$name.json" >> "$out/$name.log" 2>&1
+  "$python" -m spds.cli train "$work/$name.json" >> "$out/$name.log" 2>&1  # a complete run is left as it is
   trained=$(date +%s)
-  mkdir -p "$work/run-$name"
-  [ -z "$questions" ] || cp -r "$questions" "$work/run-$name/eval-questions"  # the teacher's answers, once
+  mkdir -p "$work/run-$name/eval-questions"
+  if [ -n "$questions" ] && [ "$questions" != "$work/run-$name/eval-questions" ]; then
+    for answers in "$questions"/*/teacher.jsonl; do  # the teacher's answers, once; each store packs its own
+      digest=$(basename "$(dirname "$answers")"); mkdir -p "$work/run-$name/eval-questions/$digest"
+      cp "$answers" "$work/run-$name/eval-questions/$digest/"
+    done
+  fi
   "$python" -m spds.cli eval "$work/$name.json" >> "$out/$name.log" 2>&1
   ended=$(date +%s)
   questions="$work/run-$name/eval-questions"
