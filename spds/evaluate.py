@@ -215,7 +215,7 @@ class Scoring:
         # the plain forward KL to the teacher itself, whatever divergence the prompt was trained by
         plain = KLSettings(direction="forward", temperature=1.0, teacher_temperature=1.0, jsd_beta=0.5)
         kl_fn = make_loss(dataclasses.replace(config.loss, objective="kl", kl=plain), cap)
-        hidden = student.get_input_embeddings().weight.shape[1]
+        hidden = student.get_input_embeddings().embedding_dim  # not the weight: ZeRO-3 partitions it
         blocks = {"floor": prompt.new_zeros((0, hidden)).to(device), "soft": None}  # soft: the prompt, either form
         cached = None
         if config.context_text:

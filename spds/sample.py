@@ -101,7 +101,7 @@ def answers(
         config.model_path, config.student.dtype, "sdpa", device, config.student.trust_remote_code
     )
     embed = student.get_input_embeddings()
-    hidden = embed.weight.shape[1]
+    hidden = embed.embedding_dim
     # each view: what goes where the prompt goes, and a kv prompt's keys and values (None: none)
     kv = prompt.dim() == 5  # soft_prompt.form kv: zeros at its positions, its keys and values put in there
     blocks = {"bare": (prompt.new_zeros(0, hidden), None)}

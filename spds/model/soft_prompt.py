@@ -188,7 +188,7 @@ class SoftPromptModel(nn.Module):
             return inserted, False
         if self.form == "embeddings":
             return self.prompt, False
-        hidden = self.student.get_input_embeddings().weight.shape[1]
+        hidden = self.student.get_input_embeddings().embedding_dim  # not the weight: ZeRO-3 partitions it
         return self.prompt.new_zeros(self.prompt_length, hidden), True
 
     def joined_embeddings(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
