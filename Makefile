@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - build the tiny example and run spds on it end to end (CPU is enough)
 #   (make demo-real: the same loop from a context alone on a real 135M instruct model, on CPU)
-#   make test   - run the test suite (what CI runs)
+#   make test   - run the test suite (what CI runs; make test-all adds the tests marked extended)
 # Both install the tested versions (requirements/); SPDS_UNPINNED=1 tries the newest, in a venv
 # of its own. make test-fast: the in-process tests only, for the edit-test loop.
 VENV ?= $(if $(filter 1,$(SPDS_UNPINNED)),.venv-unpinned,.venv)
@@ -12,7 +12,7 @@ export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia
 # The numeric tests run again on other CPU kernels (ATen's dispatch levels, below): a tolerance
 # must hold on any x86-64 machine, not only on the vector unit it was first run on.
 
-.PHONY: venv cluster-deps demo demo-real test test-fast test-numeric test-numeric-all lint format bench-prepare clean
+.PHONY: venv cluster-deps demo demo-real test test-all test-fast test-numeric test-numeric-all lint format bench-prepare clean
 
 venv:
 	@bash tools/bootstrap.sh $(VENV)
@@ -34,6 +34,11 @@ cluster-deps:
 # Two workers: most tests wait on process start-up and collectives, not on both cores; the
 # two-host cluster's tests run beside them in a process of their own (tools/run-tests.sh).
 test: venv lint cluster-deps
+	@bash tools/run-tests.sh $(PY) -m "not extended"
+	@$(MAKE) --no-print-directory test-numeric
+
+# make test and the tests marked extended (about 8 minutes more on 2 cores)
+test-all: venv lint cluster-deps
 	@bash tools/run-tests.sh $(PY)
 	@$(MAKE) --no-print-directory test-numeric
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
@@ -15,7 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Remembered input digests (spds/contract/digests.py) go to a directory of this session's, not ~/.cache.
-os.environ.setdefault("SPDS_DIGEST_CACHE", tempfile.mkdtemp(prefix="spds-digests-"))
+if "SPDS_DIGEST_CACHE" not in os.environ:
+    os.environ["SPDS_DIGEST_CACHE"] = tempfile.mkdtemp(prefix="spds-digests-")
+    atexit.register(shutil.rmtree, os.environ["SPDS_DIGEST_CACHE"], ignore_errors=True)  # the process that made it
 
 
 def _load_make_tiny():

@@ -110,6 +110,7 @@ def test_init_with_a_context_writes_a_self_study_config_that_validates_before_ge
     assert not (tiny / "other.yaml").exists()
 
 
+@pytest.mark.extended
 def test_parquet_and_a_saved_dataset_pack_exactly_as_the_jsonl_of_the_same_rows(tiny):
     import datasets
     import pyarrow as pa

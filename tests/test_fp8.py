@@ -143,6 +143,7 @@ def test_a_gpu_without_fp8_products_is_refused_before_the_student_loads(monkeypa
     assert fp8_problem(torch.device("cpu")) is None
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_an_fp8_run_trains_on_two_ranks(prepared):
     """The whole CLI with fp8_linear on 2 ranks (DeepSpeed's engine holds the FP8 buffers beside

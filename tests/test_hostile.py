@@ -35,7 +35,9 @@ def _plant(path, marker) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("planted", ["mp_rank_00_model_states.pt", "rank-00000.pt"])
+@pytest.mark.parametrize(
+    "planted", ["mp_rank_00_model_states.pt", pytest.param("rank-00000.pt", marks=pytest.mark.extended)]
+)
 def test_a_planted_checkpoint_file_runs_no_code(prepared, tmp_path, planted):
     constant = {**FAST["optim"], "schedule": "constant", "warmup_updates": 0}  # a run that may be extended
     edit_config(prepared, optim={**constant, "updates": 2})
@@ -264,6 +266,7 @@ def test_a_non_finite_update_fails_the_run_and_applies_nothing(prepared, tiny_as
     assert not (prepared / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_tokens_rewritten_in_place_under_a_running_job_stop_it(prepared):
     process = start_endless(prepared)
@@ -277,6 +280,7 @@ def test_tokens_rewritten_in_place_under_a_running_job_stop_it(prepared):
     assert read_json(prepared / "run" / "terminal.json")["status"] == "failed"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_changed_unpinned_student_does_not_resume_the_run(prepared, tiny_assets):
     model = _student_copy(prepared, tiny_assets)
@@ -329,6 +333,7 @@ def test_a_questions_file_is_read_as_strictly_as_every_other(tmp_path):
             read_questions(path)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_stop_request_with_a_malformed_body_written_mid_run_is_honoured_as_a_stop(prepared):
     """A stop-request.json whose requested_at is not a time, written while the run trains: it is a

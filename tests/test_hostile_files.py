@@ -427,6 +427,7 @@ def test_run_files_of_the_wrong_shape_are_refused_or_skipped_by_name(prepared):
 # ---------------------------------------------------------------- checkpoints and faults during runs
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_damaged_checkpoint_is_named_and_the_run_resumes_from_the_newest_intact_one(prepared, tmp_path):
     check(spds(["train", "config.json"], prepared))
@@ -485,6 +486,7 @@ def test_sigterm_during_smoke_start_up_stops_it_cleanly(prepared):
     assert not (prepared / "run" / "smoke" / "evidence.json").exists()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_rank_killed_mid_run_leaves_a_truthful_terminal_json(prepared):
     """SIGKILL (the OOM killer) to both ranks after update 2's DeepSpeed save: no rank can record

@@ -287,6 +287,7 @@ def test_kl_update_equals_plain_pytorch_online_teacher_on_1_2_and_3_ranks(prepar
         ).abs().max() > 1e-4, f"{name}: the KL run moved the prompt as CE would"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.numeric
 def test_on_policy_update_equals_plain_pytorch_on_1_2_and_3_ranks(prepared):

@@ -309,6 +309,7 @@ def test_recite_rows_answer_with_the_contexts_own_lines_and_carry_the_teachers_t
     assert output.read_bytes() == first
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_kind_at_temperature_0_is_answered_greedily_and_the_others_sample_as_before(study_dir, tmp_path_factory):
     """generate.self_study.temperatures: the fact kind at 0 gets the teacher's most likely answer,

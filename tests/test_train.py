@@ -97,8 +97,15 @@ def _assert_bit_identical(a: dict, b: dict) -> None:
     assert a["lr"] == b["lr"]
 
 
+# ce and on-policy alone: what mix-jsd-online and kv-on-policy run too (make test-all runs them)
+EXTENDED = pytest.mark.extended
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["ce", "mix-jsd-online", "on-policy", "kv-on-policy"])
+@pytest.mark.parametrize(
+    "objective",
+    [pytest.param("ce", marks=EXTENDED), "mix-jsd-online", pytest.param("on-policy", marks=EXTENDED), "kv-on-policy"],
+)
 def test_sigterm_then_resume_is_bit_identical(run_dir, objective):
     if objective == "kv-on-policy":  # a kv prompt started from the context, its samples decoded with it
         edit_config(
@@ -160,6 +167,7 @@ def upgraded_spds(directory: Path) -> str:
     return str(directory)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_job_resumes_across_an_spds_upgrade_and_says_so(run_dir, tmp_path):
     """Smoke and the first updates under one spds, the resume under another: it goes on from the
@@ -246,6 +254,7 @@ def wait_for_handler(process, timeout: float = 60) -> None:
     raise AssertionError("the process never installed a SIGTERM handler")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_build_lock_left_by_a_killed_start_does_not_hang_the_next(run_dir, tmp_path):
     """SIGKILL during DeepSpeed's JIT build of its CPU comm op leaves torch's FileBaton `lock`
@@ -290,6 +299,7 @@ def test_packed_tokens_truncated_under_a_running_job_fail_it_truthfully(run_dir)
     )
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_changed_identity_and_settings_this_machine_cannot_run_are_refused(run_dir):
     edit_config(run_dir, optim={**FAST["optim"], "updates": 4})
@@ -429,7 +439,10 @@ def test_sharded_backends_match_zero0_and_resume(run_dir):
         for key in ("prompt", "exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state[key], zero0[key]), (backend, key)
         assert [m["grad_norm"] for m in metrics(run_dir / backend)] == [m["grad_norm"] for m in zero0_lines]
-        # A ZeRO-0 checkpoint continues under the sharded backend.
+        if backend != "fsdp":
+            continue
+        # A ZeRO-0 checkpoint continues under a sharded backend (the checkpoint's format is the
+        # same for every backend: one is enough).
         shutil.copytree(run_dir / "zero0-stopped", run_dir / f"cross-{backend}")
         edit_config(run_dir, output_dir=f"cross-{backend}", **sharded)
         check(spds(["train", "config.json"], run_dir, world=2, launcher="torchrun"))
