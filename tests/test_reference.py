@@ -205,15 +205,23 @@ RUNS = {  # name: (world, launcher, extra config)
 }
 
 
-@pytest.mark.slow
-@pytest.mark.numeric
-def test_update_equals_plain_pytorch_for_every_backend_and_world_size(prepared):
+def train_each(prepared, runs: dict, settings: dict) -> tuple[dict, dict]:
+    """Each run of `runs` (name: world, launcher, extra config) trained with `settings`: its final
+    state and its metrics lines, by name."""
     states, lines = {}, {}
-    for name, (world, launcher, extra) in RUNS.items():
-        edit_config(prepared, output_dir=name, **{**CLIPPED, **extra})
+    for name, (world, launcher, extra) in runs.items():
+        edit_config(prepared, output_dir=name, **{**settings, **extra})
         check(spds(["train", "config.json"], prepared, world=world, launcher=launcher))
         assert read_json(prepared / name / "run.json")["world_size"] == world
         states[name], lines[name] = final_state(prepared / name), metrics(prepared / name)
+    return states, lines
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_update_equals_plain_pytorch_for_every_backend_and_world_size(prepared):
+    states, lines = train_each(prepared, RUNS, CLIPPED)
+    for name, (world, _, _) in RUNS.items():
         for line in lines[name]:  # every rank's compute before the all-reduce (rank 0's within its update)
             busy = line["rank_busy_seconds"]
             assert len(busy) == world and 0 < min(busy) and busy[0] <= line["seconds"], (name, busy)
@@ -405,12 +413,8 @@ def test_kv_update_equals_plain_pytorch_past_key_values_on_1_and_3_ranks(prepare
     """The kv prompt's update, padded on one rank and packed on three, against the reference holding
     the prompt as a DynamicCache; its first position frozen. (The splice is in the attention, which
     a sharded student runs on gathered weights: the layouts' own tests cover the sharding.)"""
-    states = {}
-    for name, (world, launcher, extra) in KV_RUNS.items():
-        edit_config(prepared, output_dir=name, **{**CLIPPED, **KV, **extra})
-        check(spds(["train", "config.json"], prepared, world=world, launcher=launcher))
-        states[name] = final_state(prepared / name)
-    lines = metrics(prepared / "kv-1")
+    states, lines = train_each(prepared, KV_RUNS, {**CLIPPED, **KV})
+    lines = lines["kv-1"]
     learning_rates = [line["learning_rate"] for line in lines]
     reference = reference_run(prepared, learning_rates, max_grad_norm=20.0)
     start = torch.randn(*reference["prompt"].shape, generator=torch.Generator().manual_seed(5)) * 0.2
