@@ -12,7 +12,8 @@ model=$(realpath "$1"); out=$(realpath -m "$2"); shift 2
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(emb128=embeddings:128:0.01 kv16=kv:16:0.01 kv16-lr03=kv:16:0.03 emb16=embeddings:16:0.01)
 python=${PYTHON:-.venv/bin/python}
-work=${WORK:-$(mktemp -d)}; mkdir -p "$out" "$work"  # WORK: a directory of an earlier call to go on in
+work=${WORK:-}; made=""; [ -n "$work" ] || { work=$(mktemp -d); made=1; }  # WORK: a directory to go on in (kept)
+mkdir -p "$out" "$work"
 [ -e "$work/model" ] || { cp examples/real/context.md examples/real/questions.jsonl examples/real/run.json "$work/"; ln -s "$model" "$work/model"; }
 export TOKENIZERS_PARALLELISM=false
 "$python" -m spds.cli generate "$work/run.json" > "$out/generate.log" 2>&1  # rows already there are kept
@@ -60,4 +61,4 @@ print(json.dumps(dict(
 PY
   tail -1 "$out/summary.jsonl"
 done
-rm -rf "$work"
+[ -z "$made" ] || rm -rf "$work"
