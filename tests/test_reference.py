@@ -395,6 +395,8 @@ def test_kl_over_an_offline_teachers_top_k_equals_plain_pytorch_on_that_support(
 KV = dict(soft_prompt={**CLIPPED["soft_prompt"], "form": "kv", "frozen_positions": 1, "init": {"std": 0.2}})
 KV_RUNS = {  # name: (world, launcher, extra config)
     "kv-1": (1, "plain", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero0.json")),
+    "kv-fsdp-2": (2, "torchrun", dict(sharding="fsdp", deepspeed_config="ds_configs/zero0.json")),
+    "kv-zero3-2": (2, "torchrun", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero3.json")),
     "kv-packed-3": (
         3,
         "torchrun",
@@ -409,10 +411,9 @@ KV_RUNS = {  # name: (world, launcher, extra config)
 
 @pytest.mark.slow
 @pytest.mark.numeric
-def test_kv_update_equals_plain_pytorch_past_key_values_on_1_and_3_ranks(prepared):
-    """The kv prompt's update, padded on one rank and packed on three, against the reference holding
-    the prompt as a DynamicCache; its first position frozen. (The splice is in the attention, which
-    a sharded student runs on gathered weights: the layouts' own tests cover the sharding.)"""
+def test_kv_update_equals_plain_pytorch_past_key_values_on_1_2_and_3_ranks(prepared):
+    """The kv prompt's update, padded on one rank, sharded on two (FSDP2, ZeRO-3) and packed on
+    three, against the reference holding the prompt as a DynamicCache; its first position frozen."""
     states, lines = train_each(prepared, KV_RUNS, {**CLIPPED, **KV})
     lines = lines["kv-1"]
     learning_rates = [line["learning_rate"] for line in lines]
