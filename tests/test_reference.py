@@ -393,20 +393,9 @@ def test_kl_over_an_offline_teachers_top_k_equals_plain_pytorch_on_that_support(
 # The kv form (soft_prompt.form kv): every layer's keys and values at the prompt's positions are
 # the parameter; the reference holds them as transformers' own past_key_values.
 KV = dict(soft_prompt={**CLIPPED["soft_prompt"], "form": "kv", "frozen_positions": 1, "init": {"std": 0.2}})
-KV_RUNS = {  # name: (world, launcher, extra config)
-    "kv-1": (1, "plain", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero0.json")),
-    "kv-fsdp-2": (2, "torchrun", dict(sharding="fsdp", deepspeed_config="ds_configs/zero0.json")),
-    "kv-zero3-2": (2, "torchrun", dict(sharding="deepspeed", deepspeed_config="ds_configs/zero3.json")),
-    "kv-packed-3": (
-        3,
-        "torchrun",
-        dict(
-            sharding="deepspeed",
-            deepspeed_config="ds_configs/zero0.json",
-            optim={**CLIPPED["optim"], "micro_batch": 3, "micro_batch_layout": "packed"},
-        ),
-    ),
-}
+# the backends' runs above, and the packed layout on three ranks
+KV_RUNS = {f"kv-{name}": RUNS[name] for name in ("zero0-1", "fsdp-2", "zero3-2")}
+KV_RUNS["kv-packed-3"] = (3, "torchrun", RUNS["packed-2"][2])
 
 
 @pytest.mark.slow
@@ -415,7 +404,7 @@ def test_kv_update_equals_plain_pytorch_past_key_values_on_1_2_and_3_ranks(prepa
     """The kv prompt's update, padded on one rank, sharded on two (FSDP2, ZeRO-3) and packed on
     three, against the reference holding the prompt as a DynamicCache; its first position frozen."""
     states, lines = train_each(prepared, KV_RUNS, {**CLIPPED, **KV})
-    lines = lines["kv-1"]
+    lines = lines["kv-zero0-1"]
     learning_rates = [line["learning_rate"] for line in lines]
     reference = reference_run(prepared, learning_rates, max_grad_norm=20.0)
     start = torch.randn(*reference["prompt"].shape, generator=torch.Generator().manual_seed(5)) * 0.2
