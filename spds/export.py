@@ -31,6 +31,7 @@ from spds.data.packed import PackedStore
 from spds.data.rows import RowRules, place
 from spds.errors import SpdsError
 from spds.fsio import atomic_path, read_json, sha256_json
+from spds.model.kv_prompt import form_of, length_of
 from spds.model.student import load_student
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
 
@@ -48,13 +49,13 @@ def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
     directory = checkpoint_to_read(config.output_dir, checkpoint_path)
     prompt, commit = prompt_of(directory)
     manifest = read_json(config.packed_dir / "manifest.json")
-    kv = prompt.dim() == 5
+    kv = form_of(prompt) == "kv"
     metadata = {
         "format": "spds-soft-prompt-v1",
         "spds_version": __version__,
-        "form": "kv" if kv else "embeddings",
+        "form": form_of(prompt),
         "placement": manifest["placement"],
-        "prompt_length": str(prompt.shape[3] if kv else prompt.shape[0]),
+        "prompt_length": str(length_of(prompt)),
         **(
             {"layers": str(prompt.shape[0]), "kv_heads": str(prompt.shape[2]), "head_dim": str(prompt.shape[4])}
             if kv
@@ -89,7 +90,7 @@ def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
         config.model_path, "float32", "eager", torch.device("cpu"), config.student.trust_remote_code
     )  # PEFT's own forward: transformers' attention, as a user of the adapter runs it
     common = dict(task_type=TaskType.CAUSAL_LM, base_model_name_or_path=str(config.model_path))
-    if prompt.dim() == 5:
+    if form_of(prompt) == "kv":
         frozen = config.soft_prompt.frozen_positions
         peft_model = get_peft_model(
             student, CartridgeConfig(num_virtual_tokens=prompt.shape[3], num_frozen_tokens=frozen, **common)

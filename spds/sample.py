@@ -24,6 +24,7 @@ from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.export import insertion_point
 from spds.fsio import atomic_writer
+from spds.model.kv_prompt import form_of, stand_in
 from spds.model.student import load_student
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
 
@@ -103,9 +104,8 @@ def answers(
     embed = student.get_input_embeddings()
     hidden = embed.embedding_dim
     # each view: what goes where the prompt goes, and a kv prompt's keys and values (None: none)
-    kv = prompt.dim() == 5  # soft_prompt.form kv: zeros at its positions, its keys and values put in there
     blocks = {"bare": (prompt.new_zeros(0, hidden), None)}
-    blocks["soft"] = (prompt.new_zeros(prompt.shape[3], hidden), prompt) if kv else (prompt, None)
+    blocks["soft"] = (stand_in(prompt, hidden), prompt) if form_of(prompt) == "kv" else (prompt, None)
     if config.context_text:
         ids = torch.tensor(tokenizer.encode(config.context_text, add_special_tokens=False), device=embed.weight.device)
         blocks["context"] = (embed(ids), None)

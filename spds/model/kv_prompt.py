@@ -34,6 +34,23 @@ from spds.errors import SpdsError
 from spds.kernels.attention import head_dim_of
 
 
+def form_of(prompt: torch.Tensor) -> str:
+    """soft_prompt.form of a prompt tensor: kv [layers, 2, kv heads, p, head dim], or embeddings
+    [p, hidden]."""
+    return "kv" if prompt.dim() == 5 else "embeddings"
+
+
+def length_of(prompt: torch.Tensor) -> int:
+    """p, the virtual positions a prompt of either form takes in every record."""
+    return prompt.shape[3] if prompt.dim() == 5 else prompt.shape[0]
+
+
+def stand_in(prompt: torch.Tensor, hidden: int) -> torch.Tensor:
+    """What a record holds where a kv prompt goes: zeros of the hidden size at its p positions,
+    whose keys and values the prompt's replace in every layer."""
+    return prompt.new_zeros(length_of(prompt), hidden)
+
+
 def kv_shape(student, length: int) -> tuple[int, int, int, int, int]:
     """[layers, 2, kv heads, length, head dim] of a kv prompt for `student`; refused for a student
     whose layers differ in their key/value shapes (one tensor holds every layer's)."""

@@ -25,7 +25,7 @@ from torch import nn
 from spds.errors import SpdsError
 from spds.kernels.attention import SPLICE_KEYWORD, AttentionPlan
 from spds.kernels.attention import install as install_attention
-from spds.model.kv_prompt import Splice
+from spds.model.kv_prompt import Splice, form_of, length_of, stand_in
 from spds.model.layout import Replicated
 from spds.model.loss import LossFn, TeacherTargets, final_logit_softcap
 from spds.model.recompute import RecomputePolicy, enable_recompute, recompute_first
@@ -140,7 +140,7 @@ class SoftPromptModel(nn.Module):
         super().__init__()
         # the prompt's form (soft_prompt.form): [p, hidden] input embeddings, or [layers, 2, kv heads,
         # p, head dim] keys and values spliced into every layer's (spds/model/kv_prompt.py)
-        self.form = "kv" if prompt.dim() == 5 else "embeddings"
+        self.form = form_of(prompt)
         device = device or student.device  # a student still on the host waits to be sharded onto `device`
         if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
             pad_to_multiple_of = 256 if device.type == "cuda" else 1
@@ -178,7 +178,7 @@ class SoftPromptModel(nn.Module):
     @property
     def prompt_length(self) -> int:
         """p, the virtual positions the prompt takes in every record."""
-        return self.prompt.shape[3] if self.form == "kv" else self.prompt.shape[0]
+        return length_of(self.prompt)
 
     def block_of(self, inserted: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         """What goes where the prompt goes: `inserted` (eval: the context's embeddings, nothing),
@@ -189,7 +189,7 @@ class SoftPromptModel(nn.Module):
         if self.form == "embeddings":
             return self.prompt, False
         hidden = self.student.get_input_embeddings().embedding_dim  # not the weight: ZeRO-3 partitions it
-        return self.prompt.new_zeros(self.prompt_length, hidden), True
+        return stand_in(self.prompt, hidden), True
 
     def joined_embeddings(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
         """embed(x[:a]) ++ block ++ embed(x[a:]) for each segment; one embedding call for all."""
