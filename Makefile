@@ -65,7 +65,7 @@ format: venv
 	$(VENV)/bin/ruff check --fix spds tests bench examples
 
 bench-prepare: venv
-	$(PY) bench/bench_prepare.py
+	$(PY) bench/prepare.py
 
 clean:
 	rm -rf $(TINY) .pytest_cache

@@ -139,3 +139,35 @@ def test_each_folder_lists_its_modules_in_its_init():
                 assert f" {path.stem} " in listed.replace("\n", " ").replace(",", " "), (
                     f"spds/{folder}/__init__.py does not list {path.stem}: each folder's docstring names its modules"
                 )
+
+
+BENCH_LINES = 3000  # bench/ is a handful of maintained tools and one table, not a lab notebook
+
+
+def tracked(folder: str) -> list[str]:
+    import subprocess
+
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", folder], capture_output=True, text=True)
+    if listed.returncode != 0:  # not a git checkout (an unpacked sdist): read the folder itself
+        return [str(p.relative_to(REPO)) for p in (REPO / folder).rglob("*") if p.is_file()]
+    return listed.stdout.split()
+
+
+def test_bench_holds_tools_and_one_table_not_raw_results():
+    files = tracked("bench")
+    strays = [f for f in files if not (f.endswith(".py") or f == "bench/RESULTS.md")]
+    assert not strays, f"raw results or other files in bench/ (a bench tool writes them outside the checkout): {strays}"
+    assert not (REPO / "bench" / "results").exists(), "bench/results/: raw output goes outside the checkout"
+    lines = sum(len((REPO / f).read_text().splitlines()) for f in files)
+    assert lines < BENCH_LINES, f"bench/ has {lines} lines; keep it a handful of tools under {BENCH_LINES}"
+
+
+def test_every_bench_tool_says_how_to_run_it():
+    """A newcomer runs a tool from its --help alone: every tool parses its arguments, help first."""
+    tools = [f for f in tracked("bench") if f.endswith(".py") and not f.endswith("common.py")]
+    for tool in tools:
+        tree = ast.parse((REPO / tool).read_text())
+        docstring = ast.get_docstring(tree)
+        assert docstring and len(docstring.splitlines()) >= 2, f"{tool}: no docstring saying what it measures"
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "ArgumentParser"]
+        assert calls, f"{tool}: no argparse parser, so no --help"

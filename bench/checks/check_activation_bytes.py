@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import bench_gpu  # noqa: E402
+import step  # noqa: E402
 
 
 def measure(student, name: str, variant: str, positions: int) -> dict:
@@ -28,14 +28,14 @@ def measure(student, name: str, variant: str, positions: int) -> dict:
     from spds.training.engine import init_distributed
 
     with tempfile.TemporaryDirectory() as scratch:
-        config = bench_gpu.spds_config(Path(scratch), 1, variant)
+        config = step.spds_config(Path(scratch), 1, variant)
         if not torch.distributed.is_initialized():
             init_distributed(config.distributed)
         if config.student.liger_kernels:
             apply_liger_kernels(student)
         model = build_soft_prompt_model(config, torch.device("cuda"), student=student)
         model.recompute = lambda *args, **kwargs: 0  # every layer keeps its activations
-        ids = torch.randint(0, bench_gpu.VOCAB - 1000, (positions - bench_gpu.PROMPT,), device="cuda")
+        ids = torch.randint(0, step.VOCAB - 1000, (positions - step.PROMPT,), device="cuda")
         segment = Segment(ids=ids, prefix_tokens=128, insert_at=3)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -61,10 +61,10 @@ def measure(student, name: str, variant: str, positions: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="1.7b", choices=sorted(bench_gpu.SHAPES))
+    parser.add_argument("--model", default="1.7b", choices=sorted(step.SHAPES))
     parser.add_argument("--positions", type=int, default=8192)
     args = parser.parse_args()
-    student = bench_gpu.build_student(args.model)
+    student = step.build_student(args.model)
     for variant in ("packed", "liger"):  # Liger patches in place: the student's own kernels first
         print(json.dumps(measure(student, args.model, variant, args.positions)), flush=True)
 

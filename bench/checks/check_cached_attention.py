@@ -19,6 +19,7 @@ against each record alone and the reference; and one 32k record packed alone.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -169,4 +170,7 @@ def packed_records(lengths=(512, 1024, 3000, 700, 2048, 900, 1500, 4000)) -> Non
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_known_args()
     main()

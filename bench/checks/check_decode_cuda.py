@@ -11,6 +11,7 @@ on PyTorch's math.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -186,4 +187,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_known_args()
     sys.exit(main())

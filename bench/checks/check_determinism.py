@@ -26,7 +26,7 @@ import torch
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_gpu import HEAD_DIM, SHAPES, build_student  # noqa: E402
+from step import HEAD_DIM, SHAPES, build_student  # noqa: E402
 
 
 def inputs(length: int, heads: int, kv_heads: int, seed: int = 0):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu import HEAD_DIM, SHAPES, build_student  # noqa: E402  (it puts the repository on sys.path)
+from step import HEAD_DIM, SHAPES, build_student  # noqa: E402  (it puts the repository on sys.path)
 
 _, _, HEADS, KV_HEADS, _, _ = SHAPES["1.7b"]
 

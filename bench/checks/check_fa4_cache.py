@@ -17,6 +17,7 @@ and compares the outputs and gradients of the three bit for bit.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -99,6 +100,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_known_args()
     if len(sys.argv) > 1:
         compute(Path(sys.argv[1]))
     else:
