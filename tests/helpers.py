@@ -68,8 +68,22 @@ def launch_command(args: list[str], world: int = 1, launcher: str = "plain") -> 
 
 
 def spds(
-    args: list[str], cwd: Path, world: int = 1, launcher: str = "plain", timeout: int = 600, **env
+    args: list[str],
+    cwd: Path,
+    world: int = 1,
+    launcher: str = "plain",
+    timeout: int = 600,
+    fresh: bool = False,
+    **env,
 ) -> subprocess.CompletedProcess:
+    """Run spds as a user would. One plain process runs in this test process (`in_process`), the
+    imports paid once per worker; a launcher, several ranks, a fault injection (it signals its own
+    process), a variable of another library's (read when it is imported: HF_HUB_CACHE) or
+    `fresh=True` (a promise about a process's start, or code that changes process-wide tables)
+    runs in a process of its own."""
+    own_variables = all(key.startswith("SPDS_") and key != "SPDS_FAULT" for key in env)
+    if world == 1 and launcher == "plain" and not fresh and own_variables:
+        return in_process(args, cwd, **env)
     return subprocess.run(
         launch_command(args, world, launcher),
         cwd=cwd,
@@ -78,6 +92,64 @@ def spds(
         text=True,
         timeout=timeout,
     )
+
+
+def in_process(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
+    """`python -m spds.cli ARGS` in this process: the same environment, working directory and one
+    CPU thread as the subprocess gets (bits depend on the thread count), stdout and stderr
+    captured, an uncaught exception turned into exit 1 and its traceback, as Python would; and
+    everything the run changes in the process put back (environment, directory, signal handlers,
+    the stop handler, the process group, torch's thread count and deterministic mode)."""
+    import contextlib
+    import io
+    import signal
+    import time
+    import traceback
+    import warnings
+
+    from spds import cli
+    from spds.stop import StopRequest
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(environment(**env))
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    cli.STARTED = time.time()  # start-up is timed from the command, not from this worker's start
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("default")  # a warning is printed once, as in a fresh process
+            warnings.showwarning = lambda message, category, *rest, **kw: print(
+                f"{category.__name__}: {message}", file=sys.stderr
+            )
+            try:
+                code = cli.main(list(args))
+            except SystemExit as error:
+                code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+            except Exception:  # what Python prints for an uncaught exception, and its exit status
+                traceback.print_exc()
+                code = 1
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        # DeepSpeed keeps the groups it made of the last process group (its world group for the
+        # model's broadcast); a fresh process starts without them
+        groups = sys.modules.get("deepspeed.utils.groups")
+        for name, value in vars(groups).items() if groups else ():
+            if isinstance(value, torch.distributed.ProcessGroup):
+                setattr(groups, name, None)
+        StopRequest._installed = None
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["spds", *args], code, out.getvalue(), err.getvalue())
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

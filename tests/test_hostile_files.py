@@ -619,12 +619,13 @@ def test_code_a_model_directory_brings_never_runs_not_even_on_a_yes(tiny, tiny_a
             assert "config.json names custom code in auto_map (modeling_planted.py)" in result.stderr, args
             assert "student.trust_remote_code" in result.stderr and "Traceback" not in result.stderr
     assert not marker.exists()
-    init = spds(["init", str(student), "candidates.jsonl", "--out", "init.yaml"], tiny)
+    init = spds(["init", str(student), "candidates.jsonl", "--out", "init.yaml"], tiny, fresh=True)
     assert init.returncode == 1 and "modeling_planted.py" in init.stderr and not (tiny / "init.yaml").exists()
     assert not marker.exists()
-    # The opt-in: validate passes (the code is the user's to run now).
+    # The opt-in: validate passes (the code is the user's to run now; it registers its classes in
+    # transformers' process-wide tables, so in a process of its own).
     edit_config(tiny, student={"model_path": str(student), "trust_remote_code": True})
-    check(spds(["validate", "config.json"], tiny))
+    check(spds(["validate", "config.json"], tiny, fresh=True))
 
 
 @pytest.mark.slow
