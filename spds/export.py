@@ -26,7 +26,7 @@ import torch
 
 from spds import __version__
 from spds.contract.config import Config
-from spds.data.chat import Scaffold
+from spds.data.chat import Scaffold, render
 from spds.data.packed import PackedStore
 from spds.data.rows import RowRules, place
 from spds.errors import SpdsError
@@ -153,14 +153,8 @@ def prompt_embeds(student, tokenizer, prompt: torch.Tensor, metadata: dict, mess
 
         LLM(model=path, enable_prompt_embeds=True).generate({"prompt_embeds": prompt_embeds(...)})
     """
-    ids = tokenizer.apply_chat_template(
-        messages,
-        tokenize=True,
-        add_generation_prompt=True,
-        return_dict=False,
-        **metadata.get("chat_template_kwargs", {}),
-    )
-    ids, insert_at = insertion_point([int(i) for i in ids], metadata)
+    ids = render(tokenizer, messages, True, metadata.get("chat_template_kwargs", {}))  # their text stays text
+    ids, insert_at = insertion_point(ids, metadata)
     return splice(student, prompt, ids, insert_at)[0]
 
 
@@ -197,11 +191,8 @@ def generate(student, tokenizer, prompt: torch.Tensor, metadata: dict, messages:
     """Answer `messages` with the soft prompt in it as in training (spliced embeddings, or a kv
     prompt's cache); return the decoded reply."""
     if metadata.get("form") == "kv":
-        ids = tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, return_dict=False,
-            **metadata.get("chat_template_kwargs", {}),
-        )  # fmt: skip
-        ids, insert_at = insertion_point([int(i) for i in ids], metadata)
+        ids = render(tokenizer, messages, True, metadata.get("chat_template_kwargs", {}))
+        ids, insert_at = insertion_point(ids, metadata)
         cache, input_ids = past_key_values(student, prompt, ids, insert_at)
         mask = torch.ones_like(input_ids)
         output = student.generate(

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from spds.contract.config import Config
-from spds.data.chat import end_token_ids
+from spds.data.chat import encode_text, end_token_ids, render
 from spds.data.packed import PackedStore
 from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
@@ -38,10 +38,8 @@ def prompts_to_answer(config: Config, store: PackedStore, tokenizer, count: int,
         metadata = {"placement": store.manifest["placement"], "scaffold": store.manifest["scaffold"]}
         kwargs = config.data.chat_template_kwargs
         for question in read_questions(questions)[:count]:
-            ids = tokenizer.apply_chat_template(
-                question["messages"], tokenize=True, add_generation_prompt=True, return_dict=False, **kwargs
-            )
-            ids, at = insertion_point([int(i) for i in ids], metadata)
+            ids = render(tokenizer, question["messages"], True, kwargs)  # the question's text stays text
+            ids, at = insertion_point(ids, metadata)
             yield question["messages"][-1]["content"], ids, at
         return
     held_out = np.flatnonzero(~store.is_train)
@@ -107,7 +105,7 @@ def answers(
     blocks = {"bare": (prompt.new_zeros(0, hidden), None)}
     blocks["soft"] = (stand_in(prompt, hidden), prompt) if form_of(prompt) == "kv" else (prompt, None)
     if config.context_text:
-        ids = torch.tensor(tokenizer.encode(config.context_text, add_special_tokens=False), device=embed.weight.device)
+        ids = torch.tensor(encode_text(tokenizer, config.context_text), device=embed.weight.device)
         blocks["context"] = (embed(ids), None)
     asked = list(prompts_to_answer(config, store, tokenizer, count, questions))
     views = Views(student, blocks, tokenizer, config.data.end_tokens)

@@ -187,13 +187,15 @@ def test_a_bad_row_names_file_line_and_rule(tiny, capsys, make, rule):
     assert not (tiny / "packed").exists() and not list(tiny.glob(".packed*"))
 
 
-def test_a_chat_response_holding_the_end_of_turn_text_is_refused(tiny, capsys):
+def test_a_chat_response_quoting_the_end_of_turn_token_is_kept_whole_as_text(tiny, capsys):
+    """User text stays text (tests/test_user_text.py): the quoted "<|im_end|>" neither ends the
+    turn nor drops the rest; the row is supervised to the template's own turn end."""
     lines = _rows(tiny)
     number, row = next((i, json.loads(text)) for i, text in enumerate(lines) if "messages" in json.loads(text))
-    lines[number] = json.dumps({**row, "response": "Half an answer<|im_end|> and the rest the template would drop."})
+    lines[number] = json.dumps({**row, "response": "Half an answer<|im_end|> and the rest, kept."})
     (tiny / "candidates.jsonl").write_text("\n".join(lines) + "\n")
     code, err = _prepare(tiny, capsys)
-    assert code == 1 and f"candidates.jsonl:{number + 1}:" in err and "rule 'response text'" in err, err
+    assert code == 0, err
 
 
 def test_an_empty_candidate_file_beside_a_good_one_is_named(tiny, capsys):

@@ -37,6 +37,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 from spds.errors import SpdsError
@@ -89,12 +90,28 @@ class Scaffold:
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
+    """The conversation's token ids as the chat template renders them, the messages' text always
+    tokenized as text: a control token's string inside a message (a document that quotes
+    "<|im_start|>system") stays those characters, never the template's role boundary. Where no
+    message holds one, this is exactly apply_chat_template's tokenization."""
+    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    if not any(holds_added_token(tokenizer, text) for text in texts):
+        ids = _apply(tokenizer, messages, add_generation_prompt, template_kwargs, tokenize=True)
+        return [int(i) for i in ids]
+    return _render_protected(tokenizer, messages, add_generation_prompt, template_kwargs)
+
+
+def _apply(tokenizer, messages, add_generation_prompt, kwargs, tokenize: bool):
     from jinja2.exceptions import SecurityError  # transformers renders in jinja's sandbox
 
     try:
         # transformers 5 returns a BatchEncoding unless return_dict=False: compare plain lists.
-        ids = tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False, **template_kwargs
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=tokenize,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
+            **kwargs,
         )
     except SecurityError as error:
         raise SpdsError(
@@ -102,7 +119,96 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool, templat
             f"reaches outside jinja's sandbox ({error}): rule 'sandboxed template': a template renders "
             "messages and nothing else; fix or replace it"
         ) from None
+
+
+def added_token_strings(tokenizer) -> list[str]:
+    """The strings the tokenizer turns into added ids (its special and control tokens), longest first."""
+    found = getattr(tokenizer, "_spds_added_strings", None)
+    if found is None:
+        found = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.content}, key=len, reverse=True)
+        tokenizer._spds_added_strings = found
+    return found
+
+
+def holds_added_token(tokenizer, text: str) -> bool:
+    return any(token in text for token in added_token_strings(tokenizer))
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """User text (a context, a question, a response) as text: the ids its characters get, with no
+    control token made of a string it happens to hold. Exactly tokenizer.encode where it holds
+    none; where it does, the ordinary stretches are encoded as usual and each such string by the
+    tokenizer's model alone (its added vocabulary left out), so it is read as the characters it is."""
+    if not holds_added_token(tokenizer, text):
+        return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    ids, rest = [], text
+    while rest:
+        at, token = min(((rest.find(t), t) for t in added_token_strings(tokenizer) if t in rest), default=(-1, ""))
+        if at < 0:
+            ids += tokenizer.encode(rest, add_special_tokens=False, split_special_tokens=True)
+            break
+        if at:
+            ids += tokenizer.encode(rest[:at], add_special_tokens=False, split_special_tokens=True)
+        ids += _model_ids(tokenizer, token)
+        rest = rest[at + len(token) :]
     return [int(i) for i in ids]
+
+
+def _model_ids(tokenizer, text: str) -> list[int]:
+    """`text` through the fast tokenizer's normalizer, pre-tokenizer and model: no added vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise SpdsError(
+            f"the tokenizer of {tokenizer.name_or_path} is not a fast tokenizer: spds cannot read {text!r} in user "
+            "text as ordinary characters (rule 'user text stays text'); use the model's tokenizer.json"
+        )
+    normalized = backend.normalizer.normalize_str(text) if backend.normalizer else text
+    pieces = backend.pre_tokenizer.pre_tokenize_str(normalized) if backend.pre_tokenizer else [(normalized, None)]
+    return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
+
+PLACEHOLDER = "\ue000spds-content-{}\ue001"  # private-use characters: no template writes them
+
+
+def _render_protected(tokenizer, messages, add_generation_prompt, template_kwargs) -> list[int]:
+    """Render with each message's text replaced by a placeholder, to learn which characters of the
+    real rendering are the template's; those are tokenized as the template wrote them, the
+    messages' text by encode_text."""
+    stand_ins = [
+        dict(m, content=PLACEHOLDER.format(k)) if isinstance(m.get("content"), str) else m
+        for k, m in enumerate(messages)
+    ]
+    shape = _apply(tokenizer, stand_ins, add_generation_prompt, template_kwargs, tokenize=False)
+    real = _apply(tokenizer, messages, add_generation_prompt, template_kwargs, tokenize=False)
+    parts = re.split("\ue000spds-content-(\\d+)\ue001", shape)  # template, k, template, k, ..., template
+    ids, at = [], 0
+    for n in range(0, len(parts), 2):
+        template = parts[n]
+        if not real.startswith(template, at):
+            raise _transformed(tokenizer)
+        ids += tokenizer.encode(template, add_special_tokens=False) if template else []
+        at += len(template)
+        if n + 1 == len(parts):
+            break
+        content, following = messages[int(parts[n + 1])]["content"], parts[n + 2]
+        for text in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+            if real.startswith(text + following, at):
+                ids += encode_text(tokenizer, text)
+                at += len(text)
+                break
+        else:
+            raise _transformed(tokenizer)
+    if at != len(real):
+        raise _transformed(tokenizer)
+    return [int(i) for i in ids]
+
+
+def _transformed(tokenizer) -> SpdsError:
+    return SpdsError(
+        f"a message holds a control token's string ({', '.join(added_token_strings(tokenizer)[:3])}, ...) and the "
+        f"chat template of {tokenizer.name_or_path} changes message text beyond trimming it, so spds cannot tell "
+        "the message's characters from the template's: rule 'user text stays text'"
+    )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -374,7 +480,7 @@ def _reasoning_row(tokenizer, messages, response, prompt, full, ends, template_k
             "chat template renders the assistant turn differently from the generation prompt "
             f"(prompt {_show(tokenizer, prompt)}, conversation {_show(tokenizer, full)})"
         )
-    return prompt + tokenizer.encode(response, add_special_tokens=False) + [end], len(prompt), None
+    return prompt + encode_text(tokenizer, response) + [end], len(prompt), None
 
 
 def with_context(messages: list[dict], context: str, in_user_turn: bool) -> list[dict]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from spds.contract.config import Config
 from spds.contract.model_config import POSITION_KEYS
-from spds.data.chat import end_token_ids, render, with_context
+from spds.data.chat import encode_text, end_token_ids, render, with_context
 from spds.data.prepare import model_vocabulary_rows, scaffold_for
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
@@ -83,7 +83,7 @@ def window_problems(config: Config, tokenizer, scaffold) -> list[str]:
     if prompt < window.positions:
         return []
     return [
-        f"{context_source(config)}: the context is {len(tokenizer.encode(text, add_special_tokens=False))} "
+        f"{context_source(config)}: the context is {len(encode_text(tokenizer, text))} "
         f"tokens; with the chat template the student reads {prompt} positions before any question, at or past "
         f"its window of {window.positions} ({window.source}), and it reads the context as "
         + ("the online teacher (loss.teacher context)" if online else "eval.questions' context view")

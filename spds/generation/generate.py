@@ -31,7 +31,7 @@ import torch
 
 from spds.contract.config import Config
 from spds.contract.settings import GenerateSettings, SelfStudySettings
-from spds.data.chat import end_token_ids, render, render_chat_row, with_context
+from spds.data.chat import encode_text, end_token_ids, render, render_chat_row, with_context
 from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
@@ -292,8 +292,7 @@ class Asking:
         """Self-study's user messages: for each (messages, opening), the teacher reads the messages
         and writes one message after the opening (spds/generation/self_study.py)."""
         prompts = [
-            render(self.tokenizer, messages, True, self.template_kwargs)
-            + self.tokenizer.encode(opening, add_special_tokens=False)
+            render(self.tokenizer, messages, True, self.template_kwargs) + encode_text(self.tokenizer, opening)
             for messages, opening in conversations
         ]
         sampling = self.settings

@@ -40,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from spds.contract.settings import SelfStudySettings
+from spds.data.chat import encode_text
 from spds.errors import SpdsError
 
 # The built-in seed kinds: the instruction the teacher reads after the chunk. Detail questions
@@ -125,7 +126,7 @@ class Lines:
 
     @classmethod
     def of(cls, tokenizer, context: str) -> Lines:
-        ids = tokenizer.encode(context, add_special_tokens=False)
+        ids = encode_text(tokenizer, context)
         if not ids or not context.strip():
             raise SpdsError("context: the context is empty: self-study writes its questions from it")
         breaking = {t: "\n" in tokenizer.decode([t]) for t in set(ids)}  # each distinct token decoded once

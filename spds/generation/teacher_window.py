@@ -10,7 +10,7 @@ eval.questions, which the teacher answers) run `require_ready`: everything prepa
 from __future__ import annotations
 
 from spds.contract.config import Config
-from spds.data.chat import render
+from spds.data.chat import encode_text, render
 from spds.data.preflight import context_prompt_tokens, context_source, preflight_problems
 from spds.data.sources import read_eval_questions, read_questions
 from spds.data.student_files import load_tokenizer
@@ -25,7 +25,7 @@ def teacher_window_problems(config: Config, tokenizer, scaffold) -> list[str]:
     if not text or not (config.generate.questions or config.generate.self_study or config.eval.questions):
         return []
     problems = []
-    context_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    context_tokens = len(encode_text(tokenizer, text))
     study = config.generate.self_study
     if study is not None and study.chunk_tokens > context_tokens:
         problems.append(

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from spds.contract.model_config import model_config
+from spds.data.chat import encode_text
 from spds.errors import SpdsError
 from spds.kernels.attention import avoid_cpu_flash_without_avx512
 from spds.kernels.attention import install as install_attention
@@ -109,7 +110,7 @@ def initial_prompt(
         text = context if init.method == "context" else init.text
         if not text:
             raise SpdsError("soft_prompt.init.method 'context' needs context.text or context.file")
-        ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
+        ids = torch.tensor(encode_text(tokenizer, text))
         ids = ids.repeat((length + len(ids) - 1) // len(ids))[:length]
     if settings.form == "kv":
         return prefilled(student, header or [], ids.tolist())

@@ -45,6 +45,7 @@ from typing import Protocol
 import torch
 
 from spds.contract.config import Config
+from spds.data.chat import encode_text
 from spds.data.packed import PackedStore
 from spds.data.preflight import require_context_fits
 from spds.data.student_files import load_tokenizer
@@ -263,7 +264,7 @@ def build_teacher(config: Config, model: SoftPromptModel, store: PackedStore, me
             "loss.teacher 'context' needs the context: set context.text or context.file "
             "(or give the candidate rows top-k log-probabilities for an offline teacher)"
         )
-    ids = load_tokenizer(config).encode(text, add_special_tokens=False)
+    ids = encode_text(load_tokenizer(config), text)
     require_context_fits(
         config, len(ids), int(store.length.max(initial=0)), "the online teacher (loss.teacher context)"
     )
