@@ -77,7 +77,12 @@ def test_generate_and_prepare_keep_a_hostile_context_and_question_as_text(tiny):
     edit_config(
         tiny,
         context={"text": f"The ferry leaves at dawn. {hostile}"},
-        generate={"questions": "questions.jsonl", "output": "rows.jsonl", "max_new_tokens": 4, "samples_per_question": 1},
+        generate={
+            "questions": "questions.jsonl",
+            "output": "rows.jsonl",
+            "max_new_tokens": 4,
+            "samples_per_question": 1,
+        },
         data={"candidates": [{"path": "rows.jsonl"}], "packed_dir": "packed"},
     )
     check(spds(["generate", "config.json"], tiny))
