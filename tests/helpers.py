@@ -114,14 +114,17 @@ def in_process(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     out, err = io.StringIO(), io.StringIO()
+    wanted = environment(**env)  # from this process's environment, before it is replaced
     os.environ.clear()
-    os.environ.update(environment(**env))
+    os.environ.update(wanted)
     os.chdir(cwd)
     torch.set_num_threads(1)
     cli.STARTED = time.time()  # start-up is timed from the command, not from this worker's start
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            warnings.simplefilter("default")  # a warning is printed once, as in a fresh process
+            warnings.simplefilter("default")  # Python's own filters: each warning once, as in a fresh
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)  # process, those four not shown
             warnings.showwarning = lambda message, category, *rest, **kw: print(
                 f"{category.__name__}: {message}", file=sys.stderr
             )

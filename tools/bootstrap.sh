@@ -67,4 +67,10 @@ if [ -z "$lock" ]; then
   constraints=(-c "$kept")
 fi
 "${pip[@]}" "${constraints[@]}" -e ".[$extras]"
+if [ "$gpu" = false ]; then
+  # DeepSpeed's CPU communication op is compiled the first time a process group starts, once per
+  # venv (about half a minute of g++): built here, as part of set-up, not in the first command run
+  DS_ACCELERATOR=cpu "$py" -c "from spds.training.engine import load_cpu_comm_op; load_cpu_comm_op()" \
+    || echo "bootstrap: DeepSpeed's CPU comm op did not build now; the first run builds it" >&2
+fi
 echo "$want" > "$stamp"

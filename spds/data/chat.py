@@ -123,11 +123,12 @@ def _apply(tokenizer, messages, add_generation_prompt, kwargs, tokenize: bool):
 
 def added_token_strings(tokenizer) -> list[str]:
     """The strings the tokenizer turns into added ids (its special and control tokens), longest first."""
-    found = getattr(tokenizer, "_spds_added_strings", None)
-    if found is None:
-        found = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.content}, key=len, reverse=True)
-        tokenizer._spds_added_strings = found
-    return found
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    known = getattr(tokenizer, "_spds_added_strings", None)
+    if known is None or known[0] != len(added):  # read once per tokenizer, again if tokens were added
+        known = (len(added), sorted({t.content for t in added.values() if t.content}, key=len, reverse=True))
+        tokenizer._spds_added_strings = known
+    return known[1]
 
 
 def holds_added_token(tokenizer, text: str) -> bool:
