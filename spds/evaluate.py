@@ -53,7 +53,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     if config.eval.questions:  # the teacher's answers to them, packed, before the student takes the memory
         questions = QuestionStore.made(config, rank, world, log)
     ceiling_fits(config, [(store, held_out)] + ([(questions.store, questions.records)] if questions else []))
-    model = build_soft_prompt_model(config, device, prompt=prompt, training=False)  # as training runs it
+    model = build_soft_prompt_model(config, device, prompt=prompt, training=False, prompt_source=str(directory))
     if config.shards_student:
         shard_student(config, model, world)
     scoring = Scoring.of(config, model, prompt, device, rank, world)

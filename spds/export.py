@@ -31,8 +31,8 @@ from spds.data.packed import PackedStore
 from spds.data.rows import RowRules, place
 from spds.errors import SpdsError
 from spds.fsio import atomic_path, read_json, sha256_json
-from spds.model.kv_prompt import form_of, length_of
-from spds.model.student import load_student
+from spds.model.kv_prompt import form_of, length_of, require_fits
+from spds.model.student import load_student, skeleton
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
 
 FILE = "soft_prompt.safetensors"
@@ -48,6 +48,7 @@ def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
 
     directory = checkpoint_to_read(config.output_dir, checkpoint_path)
     prompt, commit = prompt_of(directory)
+    require_fits(prompt, skeleton(config.model_path, config.student.trust_remote_code), str(directory))
     manifest = read_json(config.packed_dir / "manifest.json")
     kv = form_of(prompt) == "kv"
     metadata = {
@@ -106,14 +107,35 @@ def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
 
 
 def load_soft_prompt(path: str | Path) -> tuple[torch.Tensor, dict]:
-    from safetensors import safe_open
+    """The prompt and metadata of a file `spds export` wrote, the tensor checked against what the
+    metadata says it is (form, length, and hidden size or layers, heads and head size); refused
+    with the file and the rule otherwise. prompt_embeds, past_key_values and generate check it
+    against the student they are given."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata()
-        prompt = handle.get_tensor("prompt")
-    metadata["scaffold"] = json.loads(metadata["scaffold"])
-    metadata["chat_template_kwargs"] = json.loads(metadata.get("chat_template_kwargs", "{}"))  # rendering as trained
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = dict(handle.metadata() or {})
+            prompt = handle.get_tensor("prompt")
+        metadata["scaffold"] = json.loads(metadata["scaffold"])
+        metadata["chat_template_kwargs"] = json.loads(metadata.get("chat_template_kwargs", "{}"))  # as trained
+    except (OSError, SafetensorError, KeyError, ValueError, TypeError) as error:
+        problem = f"not a soft prompt spds export wrote ({error!r:.200})"
+        raise SpdsError(f"{path}: {problem}: rule 'exported prompt'") from None
+    form = metadata.get("form", "embeddings")
+    keys = KV_KEYS if form == "kv" else ("prompt_length", "hidden_size")
+    said = {key: metadata.get(key) for key in keys}
+    dims = (0, 2, 3, 4) if prompt.dim() == 5 else range(prompt.dim())
+    found = [str(prompt.shape[d]) for d in dims]
+    if form != form_of(prompt) or list(said.values()) != found:
+        raise SpdsError(
+            f"{path}: its metadata says form {form} with {said}, and its tensor is form {form_of(prompt)} "
+            f"{list(prompt.shape)}: rule 'exported prompt' (the file was altered, or mixes two exports)"
+        )
     return prompt, metadata
+
+
+KV_KEYS = ("layers", "kv_heads", "prompt_length", "head_dim")
 
 
 def insertion_point(ids: list[int], metadata: dict) -> tuple[list[int], int]:
@@ -153,6 +175,7 @@ def prompt_embeds(student, tokenizer, prompt: torch.Tensor, metadata: dict, mess
 
         LLM(model=path, enable_prompt_embeds=True).generate({"prompt_embeds": prompt_embeds(...)})
     """
+    require_fits(prompt, student, "the soft prompt")
     ids = render(tokenizer, messages, True, metadata.get("chat_template_kwargs", {}))  # their text stays text
     ids, insert_at = insertion_point(ids, metadata)
     return splice(student, prompt, ids, insert_at)[0]
@@ -166,6 +189,9 @@ def past_key_values(student, prompt: torch.Tensor, ids: list[int], insert_at: in
     length only, at positions insert_at + p on: the record as training read it."""
     from transformers import DynamicCache
 
+    require_fits(prompt, student, "the soft prompt")
+    if form_of(prompt) != "kv":
+        raise SpdsError("past_key_values takes a kv prompt (form kv); an embeddings prompt goes through prompt_embeds")
     device = student.get_input_embeddings().weight.device
     cache = DynamicCache(config=student.config)
     if insert_at:

@@ -24,7 +24,7 @@ from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.export import insertion_point
 from spds.fsio import atomic_writer
-from spds.model.kv_prompt import form_of, stand_in
+from spds.model.kv_prompt import form_of, require_fits, stand_in
 from spds.model.student import load_student
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
 
@@ -99,6 +99,7 @@ def answers(
     student = student or load_student(
         config.model_path, config.student.dtype, "sdpa", device, config.student.trust_remote_code
     )
+    require_fits(prompt, student, str(directory))
     embed = student.get_input_embeddings()
     hidden = embed.embedding_dim
     # each view: what goes where the prompt goes, and a kv prompt's keys and values (None: none)

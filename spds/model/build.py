@@ -12,6 +12,7 @@ from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
 from spds.kernels.attention import kernel_setting
 from spds.kernels.fp8 import fp8_problem, quantize_linears
+from spds.model.kv_prompt import require_fits
 from spds.model.loss import final_logit_softcap, make_loss
 from spds.model.soft_prompt import SoftPromptModel
 from spds.model.student import apply_liger_kernels, initial_prompt, load_student
@@ -23,6 +24,7 @@ def build_soft_prompt_model(
     prompt: torch.Tensor | None = None,
     training: bool = True,
     student: nn.Module | None = None,
+    prompt_source: str = "the soft prompt",
 ) -> SoftPromptModel:
     """The student as every command runs it: train, smoke, eval and the GPU benchmark build it here,
     so they share the kernels (Liger), the attention choice (deterministic or by length), the
@@ -46,6 +48,8 @@ def build_soft_prompt_model(
         if fp8:
             quantize_linears(student)
     attention_kernel = kernel_setting(student_cfg.attention_kernel, config.train.deterministic, student, device)
+    if prompt is not None:  # a checkpoint's: for this student?
+        require_fits(prompt, student, prompt_source)
     if prompt is None:
         tokenizer, header = None, None
         from_tokens = prompt_cfg.form == "kv" and prompt_cfg.init.method != "random_normal"

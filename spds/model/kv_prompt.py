@@ -51,6 +51,33 @@ def stand_in(prompt: torch.Tensor, hidden: int) -> torch.Tensor:
     return prompt.new_zeros(length_of(prompt), hidden)
 
 
+def require_fits(prompt: torch.Tensor, student, source: str) -> None:
+    """Refuse, naming `source` and the expected and found shapes, a prompt its student cannot run:
+    another form's or student's shape (layers, key/value heads, head size or hidden size), or a
+    value that is not finite (a NaN decodes as noise, "!!!!", and trains nothing back)."""
+    if prompt.dim() not in (2, 5) or not length_of(prompt):
+        raise SpdsError(
+            f"{source}: the soft prompt's shape {list(prompt.shape)} is neither [p, hidden] nor "
+            "[layers, 2, kv heads, p, head dim] with p > 0: rule 'prompt fits its student'"
+        )
+    name = getattr(student.config, "_name_or_path", "") or type(student).__name__
+    if form_of(prompt) == "kv":
+        expected = list(kv_shape(student, length_of(prompt)))
+    else:
+        expected = [length_of(prompt), student.get_input_embeddings().embedding_dim]
+    if list(prompt.shape) != expected:
+        raise SpdsError(
+            f"{source}: the soft prompt is form {form_of(prompt)} {list(prompt.shape)}, and the student {name} takes "
+            f"{expected}: rule 'prompt fits its student' (a prompt trained for another student, or another form)"
+        )
+    if not bool(torch.isfinite(prompt).all()):
+        bad = int((~torch.isfinite(prompt)).sum())
+        raise SpdsError(
+            f"{source}: the soft prompt holds {bad} values that are not finite (NaN or infinity): "
+            "rule 'prompt fits its student'; use an earlier checkpoint"
+        )
+
+
 def kv_shape(student, length: int) -> tuple[int, int, int, int, int]:
     """[layers, 2, kv heads, length, head dim] of a kv prompt for `student`; refused for a student
     whose layers differ in their key/value shapes (one tensor holds every layer's)."""

@@ -50,6 +50,16 @@ def load_student(
     return student.to(device)
 
 
+def skeleton(model_path, trust_remote_code: bool = False) -> nn.Module:
+    """The student's modules without its weights (on the meta device): its shapes, for a check that
+    need not read gigabytes (a prompt against its student, spds export)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def unsafe_weights(error: BaseException, model_path) -> SpdsError | None:
     """The refusal to give when torch's weights-only loader refused a pickled weights file (one that
     would call code as it loads); None for any other loading error."""
