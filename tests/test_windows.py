@@ -193,3 +193,35 @@ def test_the_online_teacher_refuses_a_context_and_record_past_the_students_windo
     assert result.returncode == 1 and "past the student's window of 8192" in result.stderr, result.stderr
     terminal = json.loads((prepared / "run" / "terminal.json").read_text())
     assert terminal["status"] == "failed" and "window of 8192" in terminal["reason"], terminal
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"max_position_embeddings": "8192"}, "max_position_embeddings is '8192': a whole number of positions"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings is 0: a whole number of positions"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": "4"}}, "rope_scaling.factor is '4': a number above 0"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 0}}, "rope_scaling.factor is 0: a number above 0"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 1e9}}, "rope_scaling.factor is 1000000000.0"),
+        ({"rope_scaling": {"rope_type": "warp", "factor": 2}}, "rope_scaling.rope_type is 'warp': one of default"),
+        ({"rope_scaling": "yarn"}, "rope_scaling is 'yarn': an object"),
+    ],
+)
+def test_window_and_rope_settings_are_numbers_in_range_before_any_load(tiny, tiny_assets, edit, message):
+    """A careless config.json (a number written as a string, a factor of 0 or 10^9, a rope type no
+    library knows) is refused by validate, naming the file, the key and the rule, before transformers
+    reads it (where it would pass, crash with a traceback or give a window of 10^12 positions)."""
+    import shutil
+
+    student = tiny / "student"
+    shutil.copytree(tiny_assets / "student", student)
+    config = json.loads((student / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(edit)
+    (student / "config.json").write_text(json.dumps(config))
+    edit_config(tiny, student={"model_path": str(student)})
+    for verb in ("validate", "prepare"):
+        result = spds([verb, "config.json"], tiny)
+        assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+        assert f"{student / 'config.json'}" in result.stderr and "rule '" in result.stderr
+        assert "Traceback" not in result.stderr

@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from spds.contract.config import Config
+from spds.contract.model_config import model_window_problems
 from spds.contract.pins import pins_path
 from spds.contract.schema import describe_errors
 from spds.errors import SpdsError
@@ -177,6 +178,9 @@ def input_problems(config: Config, candidates: str = "must exist") -> list[str]:
             config.tokenizer_path,
             ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"),
         )
+    problems += model_window_problems("student.model_path", config.model_path)
+    if config.generate.teacher_path:
+        problems += model_window_problems("generate.teacher_path", config.teacher_path)
     if not config.student.trust_remote_code:
         directories = [("student.model_path", config.model_path), ("student.tokenizer_path", config.tokenizer_path)]
         if config.generate.teacher_path:
@@ -235,6 +239,12 @@ def context_problems(config: Config) -> list[str]:
     for key, used, why in needs:
         if used and not has_context:
             problems.append(f"{key}: {why}, and the config has none: set context.file or context.text")
+    if config.eval.questions is not None and importlib.util.find_spec("rouge_score") is None:
+        # eval scores the answers with it only after the teacher has answered every question
+        problems.append(
+            "eval.questions: eval scores the answers' overlap (ROUGE-L) with the rouge-score package, a dependency "
+            "of spds that is not installed here: pip install rouge-score (or reinstall spds)"
+        )
     study = config.generate.self_study
     for key, kinds in (("kinds", study.kinds), ("temperatures", study.temperatures)) if study else ():
         unknown = sorted(set(kinds) - set(BUILT_IN_KINDS) - set(study.seed_prompts))

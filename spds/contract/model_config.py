@@ -32,6 +32,75 @@ def model_config(model_path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+MOST_POSITIONS = 1 << 24  # 16.7M: past any published window; a larger one is a typo or an overflow
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "su", "llama3", "mrope", "proportional")
+MOST_FACTOR = 1024.0
+
+
+def window_problems(config: dict, where: str) -> list[str]:
+    """The position and rope settings of a config.json (parsed) that a load would trip on, or read
+    as a window of trillions of positions: each a number of the right kind in a sane range, the
+    rope type one transformers knows. Checked before any load (validate and every command)."""
+    problems = []
+
+    def count(key, value, context=""):
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MOST_POSITIONS:
+            problems.append(
+                f"{where}: {context}{key} is {value!r}: a whole number of positions from 1 to {MOST_POSITIONS} "
+                "(rule 'window')"
+            )
+
+    for key in POSITION_KEYS:
+        count(key, config.get(key))
+    for key in ("rope_parameters", "rope_scaling"):
+        scaling = config.get(key)
+        if scaling is None:
+            continue
+        if not isinstance(scaling, dict):
+            problems.append(f"{where}: {key} is {scaling!r:.80}: an object (rule 'rope scaling')")
+            continue
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind is not None and kind not in ROPE_TYPES:
+            problems.append(
+                f"{where}: {key}.rope_type is {kind!r:.80}: one of {', '.join(ROPE_TYPES)} (rule 'rope scaling')"
+            )
+        factor = scaling.get("factor")
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= MOST_FACTOR
+        ):
+            problems.append(
+                f"{where}: {key}.factor is {factor!r:.80}: a number above 0 and at most {MOST_FACTOR:g} "
+                "(rule 'rope scaling')"
+            )
+        count("original_max_position_embeddings", scaling.get("original_max_position_embeddings"), f"{key}.")
+        theta = scaling.get("rope_theta", config.get("rope_theta"))
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0):
+            problems.append(f"{where}: rope_theta is {theta!r:.80}: a number above 0 (rule 'rope scaling')")
+    if not problems:
+        window = position_window(config, where)
+        if window is not None and window.positions > MOST_POSITIONS:
+            problems.append(
+                f"{where}: the window comes to {window.positions} positions ({window.source}), past "
+                f"{MOST_POSITIONS}: rule 'window'"
+            )
+    return problems
+
+
+def model_window_problems(key: str, model_path: Path) -> list[str]:
+    """window_problems of the model directory's config.json; a config that does not read is the
+    input checks' to name."""
+    try:
+        values = read_json(Path(model_path) / "config.json")
+    except (SpdsError, OSError):
+        return []
+    if not isinstance(values, dict):
+        return []
+    text = values.get("text_config", values)
+    return window_problems(text if isinstance(text, dict) else {}, f"{key}: {Path(model_path) / 'config.json'}")
+
+
 @dataclass(frozen=True)
 class Window:
     """The positions a model reads, and where its config.json says so (for a message)."""
