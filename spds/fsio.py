@@ -253,6 +253,21 @@ def read_bytes(path: str | os.PathLike, limit: int = MAX_DOCUMENT_BYTES) -> byte
     return data
 
 
+def document_lines(path: str | os.PathLike, limit: int = MAX_DOCUMENT_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a JSONL document spds reads whole (a questions file): every line and
+    the whole file bounded, refused by name past `limit` before the lines are kept."""
+    path = Path(path)
+    with open_regular(path) as stream:
+        if os.fstat(stream.fileno()).st_size > limit:
+            raise SpdsError(f"{path}: larger than {limit >> 20} MiB, the limit for a file of this kind")
+        read = 0
+        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            read += len(line)
+            if read > limit:  # it grew while read
+                raise SpdsError(f"{path}: larger than {limit >> 20} MiB, the limit for a file of this kind")
+            yield number, line
+
+
 def read_text(path: str | os.PathLike, limit: int = MAX_DOCUMENT_BYTES) -> str:
     """A regular file's UTF-8 text, or an SpdsError naming the path and the first bad byte."""
     data = read_bytes(path, limit)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from spds.errors import SpdsError
-from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json, read_json
+from spds.fsio import MAX_LINE_BYTES, document_lines, open_regular, parse_json, read_json
 
 
 class RowError(SpdsError):
@@ -100,19 +100,27 @@ def _numbered(batches) -> Iterator[tuple[int, dict]]:
 
 def read_questions(path: Path) -> list[dict]:
     """generate.questions: each line a question_id and messages (or one question's text)."""
-    questions = []
-    with open_regular(path) as stream:
-        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            try:
-                if len(line) > MAX_LINE_BYTES:
-                    raise ValueError(f"rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
-                row = parse_json(line)  # strictly, as every file spds reads
-                messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
-                questions.append(dict(question_id=str(row["question_id"]), messages=messages))
-            except (ValueError, KeyError, TypeError, AttributeError) as error:
-                raise SpdsError(
-                    f"{path}:{number}: a question needs question_id and messages or question ({error})"
-                ) from None
+    questions, seen = [], {}
+    for number, line in document_lines(path):
+        if not line.strip():
+            continue
+        try:
+            if len(line) > MAX_LINE_BYTES:
+                raise ValueError(f"rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
+            row = parse_json(line)  # strictly, as every file spds reads
+            messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
+            question_id = str(row["question_id"])
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise SpdsError(
+                f"{path}:{number}: a question needs question_id and messages or question ({error})"
+            ) from None
+        if question_id in seen:  # its rows' request_ids would repeat
+            raise SpdsError(
+                f"{path}:{number}: question_id {question_id!r}: rule 'unique question_id': already used at line "
+                f"{seen[question_id]}"
+            )
+        seen[question_id] = number
+        questions.append(dict(question_id=question_id, messages=messages))
     return questions
 
 
@@ -123,33 +131,32 @@ def read_eval_questions(path: Path) -> list[dict]:
     """The questions of an eval.questions file (spds/eval_questions.py), each checked; an SpdsError
     names the line and rule."""
     questions, seen, first_with = [], {}, {}
-    with open_regular(path) as stream:
-        for number, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = parse_json(line)
-            except ValueError as error:
-                raise SpdsError(f"{where}: not a JSON object ({error})") from None
-            if not isinstance(row, dict):
-                raise SpdsError(f"{where}: a question is a JSON object with question_id and question")
-            for key in ("question_id", "question", *EVAL_OPTIONAL):
-                if key in row and (not isinstance(row[key], str) or not row[key].strip()):
-                    raise SpdsError(f"{where}: {key} must be a non-empty string")
-            for key in ("question_id", "question"):
-                if key not in row:
-                    raise SpdsError(f"{where}: rule 'fields': a question needs {key}")
-            if row["question_id"] in seen:
-                raise SpdsError(
-                    f"{where}: question_id {row['question_id']!r}: rule 'unique question_id': "
-                    f"already used at line {seen[row['question_id']]}"
-                )
-            seen[row["question_id"]] = number
-            for key in EVAL_OPTIONAL:
-                if key in row:
-                    first_with.setdefault(key, number)
-            questions.append(dict(row, line=number))
+    for number, line in document_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = parse_json(line)
+        except ValueError as error:
+            raise SpdsError(f"{where}: not a JSON object ({error})") from None
+        if not isinstance(row, dict):
+            raise SpdsError(f"{where}: a question is a JSON object with question_id and question")
+        for key in ("question_id", "question", *EVAL_OPTIONAL):
+            if key in row and (not isinstance(row[key], str) or not row[key].strip()):
+                raise SpdsError(f"{where}: {key} must be a non-empty string")
+        for key in ("question_id", "question"):
+            if key not in row:
+                raise SpdsError(f"{where}: rule 'fields': a question needs {key}")
+        if row["question_id"] in seen:
+            raise SpdsError(
+                f"{where}: question_id {row['question_id']!r}: rule 'unique question_id': "
+                f"already used at line {seen[row['question_id']]}"
+            )
+        seen[row["question_id"]] = number
+        for key in EVAL_OPTIONAL:
+            if key in row:
+                first_with.setdefault(key, number)
+        questions.append(dict(row, line=number))
     if not questions:
         raise SpdsError(f"{path}: holds no questions")
     for key, number in first_with.items():

@@ -32,9 +32,12 @@ def teacher_window_problems(config: Config, tokenizer, scaffold) -> list[str]:
             f"generate.self_study.chunk_tokens: {study.chunk_tokens} is more than the context's "
             f"{context_tokens} tokens ({context_source(config)}): a chunk is a part of the context; lower it"
         )
-    window, asked = config.teacher_window, longest_question(config, tokenizer)
+    try:  # the questions files, read as generate and eval read them: what validate passes, they take
+        window, asked = config.teacher_window, longest_question(config, tokenizer)
+    except SpdsError as error:
+        return problems + [str(error)]
     if window is None or asked is None:
-        return problems  # no window declared: the student's rule names it; an unreadable file: generate names it
+        return problems  # no window declared: the student's rule names it
     question, answer, bound = asked
     need = context_prompt_tokens(config, tokenizer, scaffold) + question + answer
     if need > window.positions:
@@ -49,8 +52,8 @@ def teacher_window_problems(config: Config, tokenizer, scaffold) -> list[str]:
 
 def longest_question(config: Config, tokenizer) -> tuple[int, int, str] | None:
     """The teacher's longest question (its tokens past an empty user turn's), the longest answer
-    it may write and the setting that bounds it; None where it answers nothing or a questions
-    file does not read (generate and eval refuse it, naming the line)."""
+    it may write and the setting that bounds it; None where it answers nothing. A questions file
+    that does not read raises the SpdsError generate and eval would, naming the line."""
     settings, kwargs = config.generate, config.data.chat_template_kwargs
     empty = len(render(tokenizer, [{"role": "user", "content": ""}], True, kwargs))
     answer, bound = settings.max_new_tokens, "generate.max_new_tokens"
@@ -60,19 +63,16 @@ def longest_question(config: Config, tokenizer) -> tuple[int, int, str] | None:
         lengths.append(study.question_max_tokens)
         if RECITE in study.kinds and study.chunk_tokens + 1 > answer:  # a recital: up to a chunk, then its end
             answer, bound = study.chunk_tokens + 1, "generate.self_study.chunk_tokens and its end token"
-    try:
-        if settings.questions is not None:
-            questions = read_questions(config.resolve(settings.questions))
-            lengths += [len(render(tokenizer, q["messages"], True, kwargs)) - empty for q in questions]
-            turns = max((sum(m["role"] == "user" for m in q["messages"]) for q in questions), default=1)
-            if turns > 1:  # every earlier answer stands in the conversation of the last turn
-                answer, bound = answer * turns, f"{turns} user turns x {bound}"
-        if config.eval.questions is not None:
-            asked = read_eval_questions(config.resolve(config.eval.questions))
-            user = [[{"role": "user", "content": q["question"]}] for q in asked]
-            lengths += [len(render(tokenizer, messages, True, kwargs)) - empty for messages in user]
-    except SpdsError:
-        return None
+    if settings.questions is not None:
+        questions = read_questions(config.resolve(settings.questions))
+        lengths += [len(render(tokenizer, q["messages"], True, kwargs)) - empty for q in questions]
+        turns = max((sum(m["role"] == "user" for m in q["messages"]) for q in questions), default=1)
+        if turns > 1:  # every earlier answer stands in the conversation of the last turn
+            answer, bound = answer * turns, f"{turns} user turns x {bound}"
+    if config.eval.questions is not None:
+        asked = read_eval_questions(config.resolve(config.eval.questions))
+        user = [[{"role": "user", "content": q["question"]}] for q in asked]
+        lengths += [len(render(tokenizer, messages, True, kwargs)) - empty for messages in user]
     return (max(lengths), answer, bound) if lengths else None
 
 
