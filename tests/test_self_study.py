@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import Counter
 
@@ -347,3 +348,26 @@ def test_a_kind_at_temperature_0_is_answered_greedily_and_the_others_sample_as_b
         # the answer's tokens are greedy's, up to an end token (a cut answer's is appended)
         assert answer[:-1] == greedy[: len(answer) - 1] and end not in answer[:-1]
     assert any(r != a for r, a in zip(facts, (a for a in sampled if a["self_study"]["kind"] == "fact")))
+
+
+def test_a_batch_whose_question_writing_does_not_fit_is_refused_with_the_rows_that_fit(study_dir):
+    """The prefill of question writing (each row's chunk and instruction after the shared context)
+    is inside the memory check: under a memory budget (SPDS_TEST_FREE_BYTES, the CPU stand-in for a
+    GPU's free memory) a batch too large is refused before any row is written, naming the batch size
+    that fits, and that batch size then completes under the same budget."""
+    config = json.loads((study_dir / "config.json").read_text())
+    config["generate"]["batch_size"] = 24
+    (study_dir / "config.json").write_text(json.dumps(config, indent=2))
+    budget = dict(SPDS_TEST_FREE_BYTES=str(6 << 20))
+    refused = spds(["generate", "config.json"], study_dir, **budget)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    match = re.search(r"set generate.batch_size to at most (\d+)", refused.stderr)
+    assert match and "prefill" in refused.stderr, refused.stderr
+    output = study_dir / config["generate"]["output"]
+    assert not output.exists() or not output.read_text(), "rows were written before the refusal"
+    fits = int(match.group(1))
+    assert 1 <= fits < 24
+    config["generate"].update(batch_size=fits, output="fits.jsonl")
+    (study_dir / "config.json").write_text(json.dumps(config, indent=2))
+    check(spds(["generate", "config.json"], study_dir, **budget))
+    assert len((study_dir / "fits.jsonl").read_text().splitlines()) == 12 * 2

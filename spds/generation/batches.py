@@ -19,6 +19,7 @@ gloo group of their own, also when eval has already joined an NCCL one.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import tempfile
@@ -29,7 +30,16 @@ from pathlib import Path
 import torch
 
 from spds.errors import SpdsError
-from spds.fsio import MAX_LINE_BYTES, fsync_dir, open_regular, parse_json, write_failure
+from spds.fsio import (
+    MAX_LINE_BYTES,
+    atomic_write_json,
+    exclusive_lock,
+    fsync_dir,
+    open_regular,
+    parse_json,
+    read_json,
+    write_failure,
+)
 
 
 @dataclass
@@ -77,13 +87,29 @@ class Ranks:
             torch.distributed.barrier(group=self.group)
 
 
+# Recorded, not compared: on CPU a row's top-k log-probabilities can differ in their last bits
+# between thread counts (torchrun gives each rank one thread; a lone process takes every core), so
+# the record says how the output's first writer ran; the rows' settings are the same whatever it was.
+NOT_COMPARED = ("cpu_threads",)
+
+
 class Output:
     """generate.output, written by a run's ranks together: the batches each answers wait in files
-    of their own (<output's folder>/.<output's name>.batches/, one per batch, named by its number)
-    until rank 0 appends them to the output in batch order."""
+    of their own (<output's folder>/.<output's name>.batches/, one per batch, named by its number
+    and the sha256 of its bytes) until rank 0 appends them to the output in batch order, each
+    checked first: its bytes the ones written, its rows the batch's request_ids in order.
 
-    def __init__(self, path: Path, batches: list[list[str]], ranks: Ranks):
+    The output is owned. Rank 0 holds a lock on it from start to finish (a second generate into
+    it is refused), and a provenance record beside it (<output>.provenance.json) names what
+    decides its rows' bytes (`provenance`: the generate settings, the context, questions, teacher
+    and tokenizer): a rerun whose settings would write other bytes is refused, each setting's two
+    values named, instead of appending rows of another kind after the old ones."""
+
+    def __init__(self, path: Path, batches: list[list[str]], ranks: Ranks, provenance: dict | None = None):
         self.path = path
+        self.provenance = provenance
+        self.record = path.with_name(path.name + ".provenance.json")
+        self.lock = None  # rank 0: held from start to finish
         self.directory = path.parent / f".{path.name}.batches"
         self.batches = batches  # the request_ids of each batch, in order
         self.ranks = ranks
@@ -99,7 +125,12 @@ class Output:
         left = {}
         if self.ranks.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.present = repair_and_read(self.path)
+            self.lock = exclusive_lock(
+                self.path.parent / f".{self.path.name}.lock", f"another spds generate writing {self.path}"
+            )
+            self.lock.__enter__()
+            ours = self.own()
+            self.present = repair_and_read(self.path, torn_is_ours=ours)
             self.merge()  # an earlier run's answered batches
             self.found, self.appended = len(self.present), 0
             waiting = self.waiting()
@@ -108,16 +139,45 @@ class Output:
                     left[number] = [request for request in batch if request in self.present]
         return self.ranks.from_rank_0(left)
 
+    def own(self) -> bool:
+        """Check the provenance record against this run's, or write it: True where spds wrote the
+        output (the record was there), so a torn last line is its own half-written row."""
+        if self.provenance is None:  # a library caller that records nothing (tests of the merge)
+            return True
+        if self.record.exists():
+            then = read_json(self.record)
+            keys = (set(then) | set(self.provenance)) - set(NOT_COMPARED)
+            changed = sorted(key for key in keys if then.get(key) != self.provenance.get(key))
+            if changed:
+                raise SpdsError(
+                    f"{self.path} was written under other settings, and its rows would mix with rows of "
+                    f"another kind (its record: {self.record})",
+                    [f"{key}: then {then.get(key)!r:.120}, now {self.provenance.get(key)!r:.120}" for key in changed]
+                    + [
+                        "name a new generate.output for these settings, or remove the output and its record "
+                        "to write it again from the start"
+                    ],
+                )
+            return True
+        atomic_write_json(self.record, self.provenance)
+        return False
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.__exit__(None, None, None)
+            self.lock = None
+
     def write(self, number: int, lines: list[str]) -> None:
         """Batch `number`'s rows, durably and whole or not at all; rank 0 then appends what comes
         next in order."""
         began = time.perf_counter()
-        target, temporary = self.batch_path(number), None
+        data = "".join(lines).encode("utf-8")
+        target, temporary = self.directory / f"{number:08d}.{hashlib.sha256(data).hexdigest()[:16]}.jsonl", None
         try:
             self.directory.mkdir(exist_ok=True)
             descriptor, temporary = tempfile.mkstemp(prefix=f".{number:08d}.", suffix=".tmp", dir=self.directory)
-            with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-                stream.write("".join(lines))
+            with os.fdopen(descriptor, "wb") as stream:
+                stream.write(data)
                 stream.flush()
                 os.fsync(stream.fileno())
             os.replace(temporary, target)
@@ -138,19 +198,25 @@ class Output:
         waited = time.perf_counter() - began
         if self.ranks.rank == 0:
             self.merge()
+            self.release()
         self.seconds += time.perf_counter() - began - waited
         counts = dict(written=self.appended, skipped=self.found, left=len(self.batches) - self.cursor)
         counts.update(output_seconds=self.seconds, waited_seconds=waited)
         return self.ranks.from_rank_0(counts)
 
-    def batch_path(self, number: int) -> Path:
-        return self.directory / f"{number:08d}.jsonl"
+    def batch_path(self, number: int) -> Path | None:
+        """Batch `number`'s file, if one waits (whole: it appears by rename)."""
+        found = sorted(self.directory.glob(f"{number:08d}.*jsonl")) if self.directory.is_dir() else []
+        if len(found) > 1:
+            names = ", ".join(p.name for p in found)
+            raise SpdsError(f"{self.directory}: holds batch {number} twice ({names}): remove the one not spds's")
+        return found[0] if found else None
 
     def waiting(self) -> set[int]:
-        """The batches waiting in files (each whole: they appear by rename)."""
+        """The batches waiting in files."""
         if not self.directory.is_dir():
             return set()
-        return {int(p.stem) for p in self.directory.glob("*.jsonl") if p.stem.isdigit()}
+        return {int(p.name[:8]) for p in self.directory.glob("*.jsonl") if p.name[:8].isdigit()}
 
     def merge(self) -> None:
         """Rank 0: append the batch files that come next in order to the output (each row not
@@ -158,13 +224,13 @@ class Output:
         leaves a file whose rows are all present: the next merge removes it."""
         while self.cursor < len(self.batches):
             number, path = self.cursor, self.batch_path(self.cursor)
-            if not path.exists():
+            if path is None:
                 if all(request in self.present for request in self.batches[number]):
                     self.cursor += 1
                     continue
                 break  # the next batch in order is not answered yet
             batch = self.batches[number]
-            whole = path.read_bytes()
+            whole = checked_batch(path, batch)
             if not any(request in self.present for request in batch) and whole.count(b"\n") == len(batch):
                 # the usual case, none of its rows there yet: the file holds them all, appended as
                 # bytes (at 8 ranks rank 0 appends every rank's rows; reading each again was its
@@ -174,16 +240,48 @@ class Output:
                 kept = [(request, line) for request, line in batch_rows(path) if request not in self.present]
                 rows, text = [request for request, _ in kept], "".join(line for _, line in kept).encode("utf-8")
             if rows:
-                with open(self.path, "ab") as stream:
-                    stream.write(text)
-                    stream.flush()
-                    os.fsync(stream.fileno())
+                try:
+                    with open(self.path, "ab") as stream:
+                        stream.write(text)
+                        stream.flush()
+                        os.fsync(stream.fileno())
+                except OSError as error:  # a full disk: the torn append is cut by the next run
+                    raise write_failure(self.path, error) from None
                 self.present.update(rows)
                 self.appended += len(rows)
             path.unlink()
             self.cursor += 1
         if self.cursor == len(self.batches) and self.directory.is_dir() and not any(self.directory.iterdir()):
             self.directory.rmdir()
+
+
+def checked_batch(path: Path, batch: list[str]) -> bytes:
+    """A batch file's bytes, refused by name (the output untouched) unless they are the bytes its
+    writer named (sha256 in the file name) and hold the batch's rows in order, each its own line."""
+    whole = path.read_bytes()
+    named = path.name.split(".")[1] if path.name.count(".") == 2 else ""
+    if hashlib.sha256(whole).hexdigest()[:16] != named:
+        raise SpdsError(
+            f"{path}: its bytes are not those spds generate wrote (sha256 {named or 'missing'} in its name): "
+            "the output was not changed; remove the file and run generate again (its batch is answered again)"
+        )
+    order = {request: i for i, request in enumerate(batch)}
+    last, decoder, head = -1, json.JSONDecoder(), b'{"request_id": '
+    lines = whole.split(b"\n")
+    for line in lines[:-1]:  # each a row of this batch (the rows the writer had not found written), in order
+        try:
+            request, _ = decoder.raw_decode(line[len(head) :].decode("utf-8")) if line.startswith(head) else (None, 0)
+        except ValueError:
+            request = None
+        if order.get(request, -1) <= last:
+            raise SpdsError(
+                f"{path}: does not hold batch {path.name[:8]}'s rows ({', '.join(batch[:3])}, ...) in order: the "
+                "output was not changed; remove the file and run generate again (its batch is answered again)"
+            )
+        last = order[request]
+    if lines[-1]:
+        raise SpdsError(f"{path}: its last row has no newline: not a batch file spds generate wrote")
+    return whole
 
 
 def batch_rows(path: Path) -> list[tuple[str, str]]:
@@ -202,10 +300,12 @@ def batch_rows(path: Path) -> list[tuple[str, str]]:
     return rows
 
 
-def repair_and_read(output: Path) -> set[str]:
-    """request_ids already written. Only a last line without its newline (a crash mid-append) is
-    cut; any other line that is not a row stops generate, naming it, with the file untouched: the
-    rows a teacher wrote are the most expensive data a user has."""
+def repair_and_read(output: Path, torn_is_ours: bool = True) -> set[str]:
+    """request_ids already written. A last line without its newline that is a whole row (one a
+    user appended by hand) is kept, its newline added; one that is not is a crash mid-append and
+    is cut, only where spds wrote the output (`torn_is_ours`: its provenance record was there),
+    and refused otherwise. Any other line that is not a row stops generate, naming it, with the
+    file untouched: the rows a teacher wrote are the most expensive data a user has."""
     if not output.exists():
         return set()
     done, complete = set(), 0  # complete: the bytes up to the last newline
@@ -217,7 +317,19 @@ def repair_and_read(output: Path) -> set[str]:
                         f"{output}:{number}: longer than {MAX_LINE_BYTES >> 20} MiB: not a row spds "
                         "wrote; nothing was changed"
                     )
-                break  # the torn last line
+                try:
+                    done.add(parse_json(line)["request_id"])  # a whole row, written without its newline
+                    with open(output, "ab") as appended:
+                        appended.write(b"\n")
+                        os.fsync(appended.fileno())
+                    return done
+                except (ValueError, KeyError, TypeError):
+                    if not torn_is_ours:
+                        raise SpdsError(
+                            f"{output}:{number}: the last line is not a whole row, and spds did not write this "
+                            "file (no provenance record beside it): nothing was changed; fix or remove that line"
+                        ) from None
+                break  # the torn last line of spds's own append
             try:
                 row = parse_json(line)
                 done.add(row["request_id"])

@@ -43,6 +43,7 @@ graph, and the attention they need are one mechanism, each part shaped by the ot
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 
@@ -269,7 +270,7 @@ class Decoder:
         else:
             prefix, shared = len(prefix_embeds), self.embedded_states(prefix_embeds, prefix_kv)
         rows, longest = len(prompts), max(len(p) for p in prompts)
-        self.check_fits(rows, longest + room, kept_per_row)
+        self.check_fits(rows, longest + room, kept_per_row, prefilled=longest)
         cache = BatchCache(self.layers, rows, longest + room, device, shared)
         cache.skip_holes([longest - len(p) for p in prompts])
         self.plan_window(cache, prefix, prefix + longest + room - 1)
@@ -312,10 +313,12 @@ class Decoder:
         self.seconds += time.perf_counter() - began
         return tops
 
-    def check_fits(self, rows: int, positions: int, kept_per_row: int = 0) -> None:
+    def check_fits(self, rows: int, positions: int, kept_per_row: int = 0, prefilled: int = 0) -> None:
         """Refuse, before anything is allocated, a batch whose own keys and values and logits (and
-        `kept_per_row` bytes more a row: the top-k kept) would not fit the device's free memory: a
-        message that says what fits, not an out-of-memory error halfway through a batch."""
+        `kept_per_row` bytes more a row: the top-k kept), with the activations of the prefill's
+        forward over its `prefilled` own positions a row (its MLP's, a few of [positions,
+        intermediate]: self-study's question writing reads a chunk of hundreds), would not fit the
+        device's free memory: a message that says what fits, not an out-of-memory error halfway."""
         free = free_bytes(self.model.device)
         if free is None:
             return
@@ -323,13 +326,16 @@ class Decoder:
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         cache = -(-positions // 16) * 16 * self.layers * 2 * kv_heads * head_dim_of(config)
         logits = 3 * 4 * config.vocab_size  # fp32 logits, probabilities, copy
-        per_row = cache * self.model.dtype.itemsize + logits + kept_per_row
-        if rows * per_row > 0.9 * free:  # a tenth for the forward's activations
+        width = max(config.hidden_size, getattr(config, "intermediate_size", 0) or 0)
+        activations = 4 * prefilled * width * self.model.dtype.itemsize
+        per_row = cache * self.model.dtype.itemsize + logits + kept_per_row + activations
+        if rows * per_row > 0.9 * free:  # a tenth for what is not counted here
             raise SpdsError(
                 f"generate.batch_size: {rows} rows of up to {positions} positions of their own need about "
-                f"{rows * per_row / 2**30:.1f} GiB for their keys, values and logits ({per_row / 2**20:.1f} MiB a "
-                f"row), and the GPU has {free / 2**30:.1f} GiB free: set generate.batch_size to at most "
-                f"{max(1, int(0.9 * free // per_row))}"
+                f"{rows * per_row / 2**30:.1f} GiB for their keys, values, logits and prefill ({per_row / 2**20:.1f} "
+                f"MiB a row), and the {self.model.device.type.upper()} has {free / 2**30:.1f} GiB free: set "
+                f"generate.batch_size to at most {max(1, int(0.9 * free // per_row))} (in a new generate.output: "
+                "batch k samples with seed + k, so the batch size is one of the rows' settings)"
             )
 
     KEPT_PREFIXES = 2  # generate's context and a question-writing batch's prefix, alternating
@@ -568,7 +574,11 @@ def captured(step: Step):
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """The device's free memory in bytes; None off CUDA (host memory is not budgeted here)."""
+    """The device's free memory in bytes; None off CUDA (host memory is not budgeted here).
+    SPDS_TEST_FREE_BYTES stands in for it on any device: the tests' memory budget on CPU."""
+    budget = os.environ.get("SPDS_TEST_FREE_BYTES")
+    if budget:
+        return int(budget)
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 

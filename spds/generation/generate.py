@@ -17,6 +17,7 @@ only what is missing, with the same result.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,10 +32,11 @@ import torch
 
 from spds.contract.config import Config
 from spds.contract.settings import GenerateSettings, SelfStudySettings
-from spds.data.chat import encode_text, end_token_ids, render, render_chat_row, with_context
+from spds.data.chat import encode_text, end_token_ids, render, render_chat_row, tokenizer_identity, with_context
 from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
+from spds.fsio import sha256_file
 from spds.generation.batches import Output, Ranks
 from spds.generation.decode import Decoder, common_prefix
 from spds.generation.self_study import (
@@ -58,7 +60,7 @@ from spds.generation.self_study import (
 from spds.generation.teacher_window import require_ready
 from spds.kernels.attention import head_dim_of, kernels_in, require_fa4
 from spds.model.student import apply_liger_kernels, unsafe_weights
-from spds.stop import StopRequest, fault_point, pace_point
+from spds.stop import StopRequest, fault_point, pace_point, peer_lost
 
 
 def load_teacher(path: Path, dtype: str, device: torch.device, trust_remote_code: bool = False):
@@ -111,7 +113,8 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     ]
     batches = [requests[i : i + settings.batch_size] for i in range(0, len(requests), settings.batch_size)]
     ranks = Ranks.join(config.distributed.timeout_minutes)
-    output = Output(config.resolve(settings.output), [[r["request_id"] for r in batch] for batch in batches], ranks)
+    ids = [[r["request_id"] for r in batch] for batch in batches]
+    output = Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer))
     left = output.start()  # batch -> its rows already in the output
     checked = time.time()
     asking = load_asking(config, tokenizer, scaffold, end_ids, ranks.device)
@@ -122,13 +125,46 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
         log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
     began = time.perf_counter()
     mine = {number: left[number] for number in sorted(left)[ranks.rank :: ranks.world]}
-    answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir)
-    counts = output.finish()
+    try:
+        answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir)
+        counts = output.finish()
+    except BaseException as error:  # another rank killed: one line, not the backend's traceback
+        then = "The batches written are whole: the same command completes the same rows on any number of ranks."
+        lost = peer_lost(error, config.output_dir, ranks.rank, then)
+        if lost:
+            raise lost from None
+        raise
     ranks.leave()
     if ranks.rank == 0:
         StopRequest.current().answered()  # the run stopped or ended: the request must not stop the next launch
         report(output, asking, study, dict(counts, answered=answered), log, began)
     return dict(counts, output=str(output.path))
+
+
+def output_provenance(config: Config, tokenizer) -> dict:
+    """What decides the bytes of generate.output's rows, recorded beside it (spds/generation/
+    batches.py's Output): every generate setting but the output's own name (batch_size among them:
+    batch k samples with seed + k, so another batch size gives other rows), the context, the
+    questions file, the teacher, its tokenizer and template, and the dtype and kernels it decodes
+    in. The number of ranks is not in it: any number writes the same bytes."""
+    settings = dataclasses.asdict(config.generate)
+    settings.pop("output")
+    settings.pop("teacher_path")
+    questions = config.resolve(config.generate.questions) if config.generate.questions else None
+    teacher = config.teacher_path
+    return {
+        **{f"generate.{key}": value for key, value in settings.items()},
+        "context_sha256": hashlib.sha256((config.context_text or "").encode()).hexdigest(),
+        "questions_sha256": sha256_file(questions) if questions else None,
+        "teacher": str(teacher),
+        "teacher_config_sha256": sha256_file(teacher / "config.json") if (teacher / "config.json").is_file() else None,
+        "tokenizer": tokenizer_identity(tokenizer),
+        "chat_template_kwargs": config.data.chat_template_kwargs,
+        "end_tokens": config.data.end_tokens,
+        "student.dtype": config.student.dtype,
+        "student.liger_kernels": config.student.liger_kernels,
+        "cpu_threads": torch.get_num_threads(),  # recorded, not compared (batches.py's NOT_COMPARED)
+    }
 
 
 def answer_batches(
