@@ -84,7 +84,10 @@ def cmd_stop(args) -> int:
     else:
         raise SpdsError("name the run's CONFIG (or --output-dir)")
     path = request(output_dir, args.why)
-    print(f"spds stop: requested in {path}; the ranks stop after the update in flight, with a checkpoint")
+    print(
+        f"spds stop: requested in {path}; a train stops after the update in flight (with a checkpoint), a "
+        "generate or eval after the batch in flight (its batches kept whole)"
+    )
     return 0
 
 

@@ -156,3 +156,31 @@ def pace_point() -> None:
     pace = os.environ.get("SPDS_TEST_PACE")
     if pace:
         time.sleep(float(pace))
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
+
+
+def peer_lost(error: BaseException, log_dir: Path, rank: int, then: str) -> SpdsError | None:
+    """When another rank's process ended mid-collective (killed, out of memory), what this rank
+    says in one line, ending with `then` (what the same command does next); the backend's
+    traceback goes to a file in `log_dir`, not the terminal. None for any other error."""
+    import traceback
+
+    import torch.distributed  # only ever called with torch loaded: an error of a collective
+
+    text = str(error)
+    if not (isinstance(error, torch.distributed.DistError) or any(s in text for s in PEER_GONE)):
+        return None
+    log = Path(log_dir) / f"rank-{rank}-traceback.log"
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        log = None
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+    return SpdsError(
+        f"rank {rank}: another rank's process ended during a collective ({first}); this rank stopped too. "
+        + (f"The backend's traceback is in {log}. " if log else "")
+        + then
+    )

@@ -16,7 +16,6 @@ import math
 import os
 import random
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from spds.model.build import build_soft_prompt_model
 from spds.model.soft_prompt import load_segments
 from spds.model.student import quadratic_length
 from spds.model.teacher import Teacher, build_teacher
-from spds.stop import StopRequest, fault_point, pace_point
+from spds.stop import StopRequest, fault_point, pace_point, peer_lost
 from spds.training.checkpoint import Checkpointer
 from spds.training.engine import Engine, all_reduce_sum, build_engine, check_precision, init_distributed
 from spds.training.identity import check_smoke_evidence, run_identities
@@ -90,7 +89,9 @@ def run(config: Config, smoke: bool, clock: StartupClock | None = None) -> dict:
                 run.saver.prove_restore(run.engine, run_files.checkpoint)
                 run_files.smoke_passed(run.identities, world, run.plan.longest_record_tokens, metric)
         except BaseException as error:
-            lost = peer_lost(error, config.output_dir, rank)
+            lost = peer_lost(
+                error, config.output_dir, rank, "The same command resumes from the newest committed checkpoint."
+            )
             run_files.failed(lost or error)
             if lost:
                 raise lost from None
@@ -157,28 +158,6 @@ def start_up(
     )
     stopping = stopping or stop_agreed(stop, device)
     return Started(store, plan, identities, teacher, sampler, engine, saver, start, stopping)
-
-
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
-
-
-def peer_lost(error: BaseException, output_dir: Path, rank: int) -> SpdsError | None:
-    """When another rank's process ended mid-collective (killed, out of memory), what this rank
-    says in one line; the backend's traceback goes to a file beside terminal.json, not the terminal."""
-    text = str(error)
-    if not (isinstance(error, torch.distributed.DistError) or any(s in text for s in PEER_GONE)):
-        return None
-    log = output_dir / f"rank-{rank}-traceback.log"
-    try:
-        log.write_text("".join(traceback.format_exception(error)))
-    except OSError:
-        log = None
-    first = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
-    return SpdsError(
-        f"rank {rank}: another rank's process ended during a collective ({first}); this rank stopped too. "
-        + (f"The backend's traceback is in {log}. " if log else "")
-        + "The same command resumes from the newest committed checkpoint."
-    )
 
 
 def open_store(config: Config) -> PackedStore:
