@@ -190,8 +190,9 @@ def test_a_batch_too_large_for_the_gpu_is_refused_before_it_starts(saved, monkey
     batch = prompts(torch.Generator().manual_seed(3))
     decoder.answer(batch, 1, temperature=0.0, top_p=1.0, seed=0)  # the shared prefix, kept, before memory is short
     # the tiny Qwen3: 2 layers x 2 (keys, values) x 1 kv head x 16 dims x 4 bytes = 256 bytes a
-    # position, 32 positions (9 + 12, in rows of 16) = 8 KiB a row, and 3 x 4 x 300 vocabulary bytes
-    per_row = 32 * 256 + 3 * 4 * 300
+    # position, 32 positions (9 + 12, in rows of 16) = 8 KiB a row, 3 x 4 x 300 vocabulary bytes,
+    # and the prefill's activations over the row's own 9 positions: 4 x 9 x 256 (the MLP's width) x 4
+    per_row = 32 * 256 + 3 * 4 * 300 + 4 * 9 * 256 * 4
     monkeypatch.setattr(
         spds.generation.decode, "free_bytes", lambda device: int(per_row * 3 / 0.9) + 16
     )  # room for 3 rows
@@ -199,11 +200,11 @@ def test_a_batch_too_large_for_the_gpu_is_refused_before_it_starts(saved, monkey
         decoder.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)
     assert len(decoder.answer(batch[:3], 12, temperature=0.0, top_p=1.0, seed=0)) == 3
     # generate.top_k_logprobs keeps k int32 ids and fp32 log-probabilities a step (13 with the
-    # closing one): at k 64, 6.5 KiB more a row, so the same room holds 1 row
-    with pytest.raises(SpdsError, match=r"generate.batch_size: 3 rows .* at most 1"):
+    # closing one): at k 64, 6.5 KiB more a row, so the same room holds 2 rows
+    with pytest.raises(SpdsError, match=r"generate.batch_size: 3 rows .* at most 2"):
         decoder.answer_with_top_k(batch[:3], 12, 0.0, 1.0, seed=0, k=64)
     # a context that does not fit by itself is refused before its forward, with what it needs:
-    # 40 positions x 256 bytes of keys and values, and 4 x 40 x 128 (the MLP's width) x 4 bytes
+    # 40 positions x 256 bytes of keys and values, and 4 x 40 x 256 (the MLP's width) x 4 bytes
     fresh = Decoder(load_teacher(saved["qwen3"], "float32", torch.device("cpu")), [END], 0)
     with pytest.raises(SpdsError, match=r"the context's 40 positions need about 0.0 GiB .* GiB free"):
         fresh.answer(batch, 12, temperature=0.0, top_p=1.0, seed=0)

@@ -124,6 +124,7 @@ def test_a_merge_killed_between_its_append_and_the_files_removal_appends_no_row_
     output.directory.joinpath(f"00000001.{hashlib.sha256(data).hexdigest()[:16]}.jsonl").write_bytes(data)
     with open(tmp_path / "rows.jsonl", "a") as stream:
         stream.write(lines[batches[1][0]] + lines[batches[1][1]][:9])
+    output.release()  # the killed merge's process is gone, and its lock with it
     again = Output(tmp_path / "rows.jsonl", batches, Ranks(0, 1, torch.device("cpu")))
     assert again.start() == {}  # the torn line cut, batch 1 and 2 appended from their files, nothing left
     assert (tmp_path / "rows.jsonl").read_bytes() == straight
