@@ -30,6 +30,9 @@ SUBJECTS = ["harbor", "orchard", "glacier", "library", "meadow", "comet", "violi
 
 
 def write_inputs(directory: Path, args) -> None:
+    import torch
+
+    gpu = torch.cuda.is_available()  # Liger's kernels are CUDA's; a CPU dry run of the tool goes without
     lines, i = [], 0
     while sum(map(len, lines)) < args.context:
         lines.append(f"{i}. The {SUBJECTS[i % 10]} of wing {i} keeps ledger {7 * i} in drawer {i % 97}.\n")
@@ -50,11 +53,16 @@ def write_inputs(directory: Path, args) -> None:
     common.synthetic_run(
         directory,
         args.model,
-        student={"model_path": "student", "dtype": "bfloat16", "liger_kernels": True},
+        student={"model_path": "student", "dtype": "bfloat16", "liger_kernels": gpu},
         context={"file": "context.md"},
         soft_prompt={"length": 128, "placement": "system", "init": {"method": "context"}},
         generate=generate,
-        data={"candidates": [{"path": "rows.jsonl"}], "packed_dir": "packed", "eval_fraction": 0.1},
+        data={
+            "candidates": [{"path": "rows.jsonl"}],
+            "packed_dir": "packed",
+            "eval_fraction": 0.1,
+            "context_limit": None,
+        },
         loss={"objective": "mix", "teacher": "top_k"},
         optim={
             "updates": args.updates,
@@ -121,7 +129,8 @@ def main() -> None:
     directory = common.out_dir(args.out, "pipeline") / f"{args.model}-{args.context}"
     directory.mkdir(parents=True, exist_ok=True)
     write_inputs(directory, args)
-    (directory / "rows.jsonl").unlink(missing_ok=True)
+    for made in ("rows.jsonl", "rows.jsonl.provenance.json"):  # each run generates afresh
+        (directory / made).unlink(missing_ok=True)
     for verb in args.verbs:
         with PeakMemory() as memory:
             command = [sys.executable, "-m", "spds.cli", verb, str(directory / "config.json")]
