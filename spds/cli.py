@@ -177,6 +177,16 @@ def cmd_export(args) -> int:
     from spds.contract.gate import load_config  # per verb
     from spds.export import export  # per verb
 
+    if args.compose:
+        from spds.export import compose  # per verb
+
+        if args.config or args.checkpoint or args.out or len(args.compose) < 3:
+            raise SpdsError("spds export --compose A.safetensors B.safetensors [...] OUT: two prompts or more, then "
+                            "the output directory, and no config")  # fmt: skip
+        print(json.dumps(compose([Path(p) for p in args.compose[:-1]], Path(args.compose[-1]))))
+        return 0
+    if not args.config:
+        raise SpdsError("spds export CONFIG (or --compose A.safetensors B.safetensors OUT)")
     config = load_config(args.config)
     result = export(config, args.checkpoint, Path(args.out) if args.out else config.output_dir / "export")
     print(json.dumps(result))
@@ -282,7 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
     p.set_defaults(run=cmd_sample)
     p = verbs.add_parser("export", help="safetensors soft prompt (and a PEFT adapter for prefix placement)")
-    p.add_argument("config")
+    p.add_argument("config", nargs="?")
+    p.add_argument(
+        "--compose",
+        nargs="+",
+        metavar="PATH",
+        help="A.safetensors B.safetensors [...] OUT: one prompt from exported ones of the same student, in order",
+    )
     p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
     p.add_argument("--out", default=None, help="output directory (default: OUTPUT_DIR/export)")
     p.set_defaults(run=cmd_export)

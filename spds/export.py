@@ -31,7 +31,7 @@ from spds.data.packed import PackedStore
 from spds.data.rows import RowRules, place
 from spds.errors import SpdsError
 from spds.fsio import atomic_path, read_json, sha256_json
-from spds.model.kv_prompt import form_of, length_of, require_fits
+from spds.model.kv_prompt import form_of, length_of, moved, require_fits
 from spds.model.student import load_student, skeleton
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
 
@@ -78,6 +78,58 @@ def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
     if manifest["placement"] == "prefix":
         result["peft_adapter"] = str(export_peft(config, prompt, out / "peft"))
     return result
+
+
+# What composed prompts must share: the student, where the prompt goes and how a record is laid out.
+SAME_FOR_COMPOSITION = ("form", "student_identity", "placement", "scaffold", "insert_at", "chat_template_kwargs")
+
+
+def compose(paths: list[Path], out: Path) -> dict:
+    """One prompt from prompts exported from separate runs on the same student, in the order given:
+    the embeddings form's vectors concatenated; the kv form's keys and values concatenated along
+    positions, each later prompt's keys turned by RoPE to the positions it now takes (after the
+    ones before it), so each is read as it was trained. Refused, naming both files and the key,
+    for prompts of another student, form, placement or layout."""
+    from safetensors.torch import save_file
+
+    loaded = [(Path(path), *load_soft_prompt(path)) for path in paths]
+    first_path, first, first_meta = loaded[0]
+    for path, prompt, metadata in loaded[1:]:
+        for key in SAME_FOR_COMPOSITION:
+            if metadata.get(key, "embeddings" if key == "form" else None) != first_meta.get(
+                key, "embeddings" if key == "form" else None
+            ):
+                raise SpdsError(
+                    f"cannot compose {path} after {first_path}: their {key} differs ({str(first_meta.get(key))[:80]!r}"
+                    f" and {str(metadata.get(key))[:80]!r}): prompts compose only for the same student, form and "
+                    "placement (rule 'composable prompts')"
+                )
+    kv = form_of(first) == "kv"
+    parts, shift = [], 0
+    if kv:
+        if len(json.loads(first_meta["insert_at"])) != 1:
+            raise SpdsError(f"{first_path}: its records put the prompt at several offsets ({first_meta['insert_at']})")
+        student = skeleton(first_meta["student_path"])
+        for path, prompt, _ in loaded:
+            require_fits(prompt, student, str(path))
+    for path, prompt, _ in loaded:
+        parts.append(moved(student, prompt, shift) if kv else prompt)
+        shift += length_of(prompt)
+    prompt = torch.cat(parts, dim=3 if kv else 0).contiguous()
+    metadata = {key: value for key, value in first_meta.items() if isinstance(value, str)}
+    metadata.update(
+        scaffold=json.dumps(first_meta["scaffold"]),
+        chat_template_kwargs=json.dumps(first_meta["chat_template_kwargs"]),
+        prompt_length=str(length_of(prompt)),
+        composed_of=json.dumps([{"file": str(path), "prompt_length": length_of(p)} for path, p, _ in loaded]),
+        spds_version=__version__,
+    )
+    for key in ("checkpoint", "update"):
+        metadata[key] = json.dumps([m.get(key) for _, _, m in loaded])
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / FILE) as temporary:
+        save_file({"prompt": prompt}, str(temporary), metadata=metadata)
+    return {"soft_prompt": str(out / FILE), "composed": [str(path) for path, _, _ in loaded], "prompt_length": shift}
 
 
 def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:

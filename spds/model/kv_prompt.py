@@ -146,3 +146,41 @@ def prefilled(student, header: list[int], tokens: list[int]) -> torch.Tensor:
     a, layers = len(header), student.config.num_hidden_layers
     states = [cached_states(output.past_key_values, layer) for layer in range(layers)]
     return torch.stack([torch.stack([k[0, :, a:], v[0, :, a:]]) for k, v in states]).float().cpu()
+
+
+def moved(student, prompt: torch.Tensor, shift: int) -> torch.Tensor:
+    """A kv prompt whose keys are rotated as if it sat `shift` positions later: RoPE's rotation by
+    m + shift is its rotation by m, then by shift, so the keys stored after rotation at a .. a+p-1
+    are turned by shift alone (its scaled frequencies, YaRN's and Llama 3's too; the attention
+    factor some scalings fold into cos and sin is already in the keys, and is divided out of the
+    turn). The turn's cos and sin come from the student family's own rotary module, and its own
+    apply_rotary_pos_emb applies them (in fp64: one rounding, at the end).
+    Refused for a family with more than one rotary module (Gemma 3: one per kind of layer) or a
+    dynamic scaling (its frequencies depend on the length read)."""
+    import sys
+
+    ropes = [m for m in student.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len({type(m) for m in ropes}) != 1 or len(ropes) > 1:
+        raise SpdsError(
+            f"composing kv prompts turns their keys to new positions, and {type(student).__name__} has "
+            f"{len(ropes)} rotary embeddings (one a kind of layer, or none): compose embeddings prompts instead"
+        )
+    kind = getattr(ropes[0], "rope_type", "default")
+    if kind == "dynamic":
+        raise SpdsError("composing kv prompts: a dynamic RoPE scaling's frequencies depend on the length read")
+    if shift == 0 or not length_of(prompt):
+        return prompt
+    with torch.device("cpu"):  # the student's own may sit on the meta device
+        rope = type(ropes[0])(config=student.config)
+    family = sys.modules[type(student).__module__]
+    p = length_of(prompt)
+    probe = torch.zeros(1, p, prompt.shape[-1], dtype=torch.float64)
+    cos, sin = rope(probe, torch.full((1, p), shift, dtype=torch.long))
+    scale = float(getattr(rope, "attention_scaling", 1.0))
+    cos, sin = cos.double() / scale, sin.double() / scale
+    turned = prompt.clone()
+    for layer in range(prompt.shape[0]):
+        keys = prompt[layer, 0][None].double()  # [1, kv heads, p, D]
+        _, keys = family.apply_rotary_pos_emb(keys, keys, cos, sin)
+        turned[layer, 0] = keys[0].to(prompt.dtype)
+    return turned
