@@ -79,3 +79,32 @@ def metadata_of(path) -> dict:
 
     with safe_open(str(path), framework="pt") as handle:
         return dict(handle.metadata())
+
+
+def test_a_kv_prompt_of_another_layer_count_is_refused(tiny):
+    """The kv form's shape names the student's layers: a 2-layer student's prompt on a 3-layer one
+    of the same widths once gave figures and answers (only the number of dimensions was checked)."""
+    edit_config(tiny, **FAST)
+    edit_config(tiny, soft_prompt={**FAST["soft_prompt"], "form": "kv"}, data={"eval_fraction": 0.25})
+    check(spds(["prepare", "config.json"], tiny))
+    check(spds(["train", "config.json"], tiny))
+    edit_config(tiny, student={"model_path": str(other_student(tiny / "deeper", layers=3))})
+    for verb in ("eval", "sample", "export"):
+        result = spds([verb, "config.json"], tiny)
+        assert result.returncode == 1 and "rule 'prompt fits its student'" in result.stderr, (verb, result.stderr)
+        assert "[2, 2, 2, 4, 16]" in result.stderr and "[3, 2, 2, 4, 16]" in result.stderr, result.stderr
+
+
+def test_eval_questions_without_rouge_score_is_refused_before_any_work(tiny, monkeypatch):
+    """eval scores the answers' ROUGE-L only after the teacher has answered every question: a missing
+    rouge-score is named by validate and every command's contract, before any of it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rouge_score" else real(name, *a))
+    (tiny / "questions.jsonl").write_text(json.dumps({"question_id": "a", "question": "Why?"}) + "\n")
+    edit_config(tiny, context={"text": "A context."}, eval={"questions": "questions.jsonl"})
+    for verb in ("validate", "eval"):
+        result = spds([verb, "config.json"], tiny)
+        assert result.returncode == 1 and "pip install rouge-score" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
