@@ -41,6 +41,7 @@ def environment(**extra) -> dict:
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["SPDS_PYTHON"] = sys.executable  # the launch scripts run this suite's venv (make test-latest's too)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update({k: str(v) for k, v in extra.items()})
     return env

@@ -26,7 +26,7 @@ from packaging.version import InvalidVersion, Version
 TESTED = {
     "torch": SpecifierSet(">=2.11,<2.14"),
     "deepspeed": SpecifierSet(">=0.19.8,<0.20"),
-    "transformers": SpecifierSet(">=5.17,<5.25"),
+    "transformers": SpecifierSet(">=5.17,<5.26"),
     "liger-kernel": SpecifierSet(">=0.8.5,<0.9"),
     "flash-attn-4": SpecifierSet("==4.0.0b36"),
 }
