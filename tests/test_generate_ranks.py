@@ -72,6 +72,10 @@ def test_a_killed_rank_leaves_whole_batches_and_the_rerun_completes_the_same_byt
     directory, one = asked
     killed = spds(["generate", "config.json"], directory, world=2, launcher="torchrun", SPDS_FAULT="kill-after-batch:3")
     assert killed.returncode != 0
+    # the survivor says so in one line, gloo's traceback in a file (torchrun's own report follows it)
+    assert "rank 0: another rank's process ended during a collective" in killed.stderr, killed.stderr[-3000:]
+    assert (directory / "run" / "rank-0-traceback.log").exists()
+    assert "spds/generation" not in killed.stderr, "spds's own stack reached the terminal"
     waiting = sorted(p.name for p in (directory / ".teacher.jsonl.batches").glob("*.jsonl"))
     assert (
         any(name.startswith("00000003.") for name in waiting)
