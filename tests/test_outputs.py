@@ -148,3 +148,18 @@ def test_a_questions_file_with_a_question_id_twice_or_past_64_mib_is_refused(ask
         result = spds([verb, "config.json"], asking)
         assert result.returncode == 1 and "larger than 64 MiB" in result.stderr, result.stderr
     assert not (asking / "rows.jsonl").exists()
+
+
+def test_a_refused_rerun_leaves_the_output_free_for_the_next(asking):
+    """The lock goes with the run that held it, refused or failed, also when spds runs as a library
+    in one process: the rerun under the first settings completes the same bytes."""
+    check(spds(["generate", "config.json"], asking))
+    rows = asking / "rows.jsonl"
+    whole = rows.read_bytes()
+    rows.write_bytes(b"".join(whole.splitlines(keepends=True)[:2]))
+    first = (asking / "config.json").read_text()
+    edit_config(asking, generate={"seed": 3})
+    assert spds(["generate", "config.json"], asking).returncode == 1
+    (asking / "config.json").write_text(first)
+    check(spds(["generate", "config.json"], asking))
+    assert rows.read_bytes() == whole

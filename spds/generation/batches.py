@@ -167,6 +167,12 @@ class Output:
             self.lock.__exit__(None, None, None)
             self.lock = None
 
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()  # also when the run fails: a library caller's next generate may write it
+
     def write(self, number: int, lines: list[str]) -> None:
         """Batch `number`'s rows, durably and whole or not at all; rank 0 then appends what comes
         next in order."""

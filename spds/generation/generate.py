@@ -114,26 +114,26 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     batches = [requests[i : i + settings.batch_size] for i in range(0, len(requests), settings.batch_size)]
     ranks = Ranks.join(config.distributed.timeout_minutes)
     ids = [[r["request_id"] for r in batch] for batch in batches]
-    output = Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer))
-    left = output.start()  # batch -> its rows already in the output
-    checked = time.time()
-    asking = load_asking(config, tokenizer, scaffold, end_ids, ranks.device)
-    loaded = time.time()
-    splits = [("imports and config", entered - started)] if started else []
-    splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
-    if ranks.rank == 0:
-        log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
-    began = time.perf_counter()
-    mine = {number: left[number] for number in sorted(left)[ranks.rank :: ranks.world]}
-    try:
-        answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir)
-        counts = output.finish()
-    except BaseException as error:  # another rank killed: one line, not the backend's traceback
-        then = "The batches written are whole: the same command completes the same rows on any number of ranks."
-        lost = peer_lost(error, config.output_dir, ranks.rank, then)
-        if lost:
-            raise lost from None
-        raise
+    with Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer)) as output:
+        left = output.start()  # batch -> its rows already in the output
+        checked = time.time()
+        asking = load_asking(config, tokenizer, scaffold, end_ids, ranks.device)
+        loaded = time.time()
+        splits = [("imports and config", entered - started)] if started else []
+        splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
+        if ranks.rank == 0:
+            log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
+        began = time.perf_counter()
+        mine = {number: left[number] for number in sorted(left)[ranks.rank :: ranks.world]}
+        try:
+            answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir)
+            counts = output.finish()
+        except BaseException as error:  # another rank killed: one line, not the backend's traceback
+            then = "The batches written are whole: the same command completes the same rows on any number of ranks."
+            lost = peer_lost(error, config.output_dir, ranks.rank, then)
+            if lost:
+                raise lost from None
+            raise
     ranks.leave()
     if ranks.rank == 0:
         StopRequest.current().answered()  # the run stopped or ended: the request must not stop the next launch
