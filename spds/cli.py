@@ -225,6 +225,12 @@ def cmd_launch_ended(args) -> int:
     return 0
 
 
+PROMPT_HELP = (
+    "a committed checkpoint directory (default: the newest), or an exported soft_prompt.safetensors (a composed "
+    "one too) whose placement and length the run's packed records were made for"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spds", description="Soft-prompt distillation on a frozen causal LM.")
     # The deepspeed launcher puts --local_rank=N before the verb; LOCAL_RANK in the environment says the same.
@@ -277,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_launch_ended)
     p = verbs.add_parser("eval", help="held-out NLL: floor, ceiling, soft prompt; gap recovered")
     p.add_argument("config")
-    p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
+    p.add_argument("--checkpoint", default=None, help=PROMPT_HELP)
     p.set_defaults(run=cmd_eval)
     p = verbs.add_parser("sample", help="answers by the bare student, with the context, and with the soft prompt")
     p.add_argument("config")
@@ -289,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a questions file (jsonl, as generate.questions); default: the held-out records",
     )
-    p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
+    p.add_argument("--checkpoint", default=None, help=PROMPT_HELP)
     p.set_defaults(run=cmd_sample)
     p = verbs.add_parser("export", help="safetensors soft prompt (and a PEFT adapter for prefix placement)")
     p.add_argument("config", nargs="?")

@@ -31,12 +31,12 @@ from spds.data.sources import read_eval_questions
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
 from spds.eval_questions import answer_scores, teacher_config
+from spds.export import prompt_to_read
 from spds.fsio import atomic_path, atomic_write_json
 from spds.model.build import build_soft_prompt_model
 from spds.model.loss import final_logit_softcap, make_loss
 from spds.model.soft_prompt import load_segments
 from spds.model.teacher import ContextTeacher, build_teacher, teacher_kind
-from spds.training.checkpoint import checkpoint_to_read, prompt_of
 from spds.training.engine import init_distributed, shard_student
 from spds.training.records import read_metrics
 from spds.training.schedule import lockstep_passes
@@ -44,8 +44,7 @@ from spds.training.schedule import lockstep_passes
 
 @torch.no_grad()
 def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> dict:
-    directory = checkpoint_to_read(config.output_dir, checkpoint_path)
-    prompt, commit = prompt_of(directory)
+    prompt, directory, update = prompt_to_read(config, checkpoint_path)  # a checkpoint's, or an exported file's
     store = PackedStore.open(config.packed_dir)
     held_out = held_out_records(config, store)
     rank, world, device = eval_ranks(config)
@@ -53,11 +52,11 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     if config.eval.questions:  # the teacher's answers to them, packed, before the student takes the memory
         questions = QuestionStore.made(config, rank, world, log)
     ceiling_fits(config, [(store, held_out)] + ([(questions.store, questions.records)] if questions else []))
-    model = build_soft_prompt_model(config, device, prompt=prompt, training=False, prompt_source=str(directory))
+    model = build_soft_prompt_model(config, device, prompt=prompt, training=False, prompt_source=directory)
     if config.shards_student:
         shard_student(config, model, world)
     scoring = Scoring.of(config, model, prompt, device, rank, world)
-    result = dict(checkpoint=str(directory), update=commit["update"])
+    result = dict(checkpoint=directory, update=update)
     result.update(held_out_figures(config, scoring, store, held_out))
     result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
     if questions is not None:
@@ -115,7 +114,7 @@ def held_out_figures(config: Config, scoring: Scoring, store: PackedStore, held_
     return figures
 
 
-def answer_views(config: Config, result: dict, directory: Path, student, questions, ranks: tuple[int, int]) -> dict:
+def answer_views(config: Config, result: dict, directory: str, student, questions, ranks: tuple[int, int]) -> dict:
     """Greedy answers bare / with the context / with the soft prompt, every rank answering its
     share (spds/sample.py): a few held-out records' (eval.samples) and every eval.questions
     question's; none for a student sharded over the ranks (its forward is collective)."""

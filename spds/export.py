@@ -187,6 +187,28 @@ def load_soft_prompt(path: str | Path) -> tuple[torch.Tensor, dict]:
     return prompt, metadata
 
 
+def prompt_to_read(config: Config, path: str | None) -> tuple[torch.Tensor, str, int | None]:
+    """(prompt, where it came from, its update) for eval and sample: a committed checkpoint's (the
+    run's newest, or the directory `path` names), or the file `path` names (an export, a composed
+    one too: its update is None), which must have been placed as this run's records are."""
+    if path is None or not str(path).endswith(".safetensors"):
+        directory = checkpoint_to_read(config.output_dir, path)
+        prompt, commit = prompt_of(directory)
+        return prompt, str(directory), commit["update"]
+    prompt, metadata = load_soft_prompt(path)
+    manifest = read_json(config.packed_dir / "manifest.json")
+    said = dict(placement=metadata.get("placement"), scaffold=metadata.get("scaffold"), prompt_length=length_of(prompt))
+    for key, value in said.items():
+        if value != manifest.get(key):
+            raise SpdsError(
+                f"{path}: its {key} is {str(value)[:80]!r}, and {config.packed_dir}'s records were packed for "
+                f"{str(manifest.get(key))[:80]!r}: pack a store for it (soft_prompt.length {length_of(prompt)}, the "
+                "same placement and template, a new data.packed_dir) to measure it (rule 'prompt fits its records')"
+            )
+    update = metadata.get("update", "")
+    return prompt, str(Path(path).resolve()), int(update) if update.isdigit() else None
+
+
 KV_KEYS = ("layers", "kv_heads", "prompt_length", "head_dim")
 
 

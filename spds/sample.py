@@ -22,11 +22,10 @@ from spds.data.packed import PackedStore
 from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
-from spds.export import insertion_point
+from spds.export import insertion_point, prompt_to_read
 from spds.fsio import atomic_writer
 from spds.model.kv_prompt import form_of, require_fits, stand_in
 from spds.model.student import load_student
-from spds.training.checkpoint import checkpoint_to_read, prompt_of
 
 VIEWS = ("bare", "context", "soft")
 TITLES = {"bare": "bare student", "context": "with the context", "soft": "with the soft prompt"}
@@ -91,15 +90,14 @@ def answers(
     a prefix shared by a batch of questions). `ranks` (rank, world): each rank answers every
     world-th batch of ANSWER_BATCH and every rank gets all the rows: the same answers on any
     number of ranks, as a question's batch is."""
-    directory = checkpoint_to_read(config.output_dir, checkpoint)
-    prompt, commit = prompt_of(directory)
+    prompt, directory, update = prompt_to_read(config, checkpoint)  # a checkpoint's, or an exported file's
     store = PackedStore.open(config.packed_dir)
     tokenizer = load_tokenizer(config)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     student = student or load_student(
         config.model_path, config.student.dtype, "sdpa", device, config.student.trust_remote_code
     )
-    require_fits(prompt, student, str(directory))
+    require_fits(prompt, student, directory)
     embed = student.get_input_embeddings()
     hidden = embed.embedding_dim
     # each view: what goes where the prompt goes, and a kv prompt's keys and values (None: none)
@@ -115,7 +113,7 @@ def answers(
     for first in range(rank * ANSWER_BATCH, len(asked), world * ANSWER_BATCH):
         batch = asked[first : first + ANSWER_BATCH]
         for offset, answered in enumerate(views.answer(batch, max_new_tokens)):
-            rows[first + offset] = dict(question=batch[offset][0], checkpoint=str(directory), update=commit["update"])
+            rows[first + offset] = dict(question=batch[offset][0], checkpoint=directory, update=update)
             rows[first + offset].update(answered)
     if world > 1:
         shares = [None] * world

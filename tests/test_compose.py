@@ -103,6 +103,18 @@ def test_embeddings_compose_by_concatenation_and_other_forms_or_students_are_ref
     check(spds(["export", "--compose", str(path_a), str(path_b), str(out)], tiny))
     composed, _ = load_soft_prompt(out / "soft_prompt.safetensors")
     assert torch.equal(composed, torch.cat([a, b]))
+    # eval and sample read the composed file, on records packed for its length
+    edit_config(
+        tiny, soft_prompt={**FAST["soft_prompt"], "length": 8}, data={"packed_dir": "packed8", "eval_fraction": 0.25}
+    )
+    check(spds(["prepare", "config.json"], tiny))
+    composed_file = str(out / "soft_prompt.safetensors")
+    check(spds(["eval", "config.json", "--checkpoint", composed_file], tiny))
+    report = json.loads((tiny / "run" / "eval.json").read_text())
+    assert report["checkpoint"] == composed_file and report["update"] is None and report["records"] > 0
+    check(spds(["sample", "config.json", "--checkpoint", composed_file], tiny))
+    refused = spds(["eval", "config.json", "--checkpoint", str(path_a)], tiny)  # 4 positions, records packed for 8
+    assert refused.returncode == 1 and "rule 'prompt fits its records'" in refused.stderr, refused.stderr
     stranger = path_a.with_name("stranger.safetensors")
     save_file({"prompt": b}, str(stranger), metadata={**metadata, "student_identity": "another-student"})
     refused = spds(["export", "--compose", str(path_a), str(stranger), str(tiny / "no")], tiny)
