@@ -96,13 +96,11 @@ def compose(paths: list[Path], out: Path) -> dict:
     first_path, first, first_meta = loaded[0]
     for path, prompt, metadata in loaded[1:]:
         for key in SAME_FOR_COMPOSITION:
-            if metadata.get(key, "embeddings" if key == "form" else None) != first_meta.get(
-                key, "embeddings" if key == "form" else None
-            ):
+            this, that = (str(m.get(key, "embeddings" if key == "form" else None)) for m in (first_meta, metadata))
+            if this != that:
                 raise SpdsError(
-                    f"cannot compose {path} after {first_path}: their {key} differs ({str(first_meta.get(key))[:80]!r}"
-                    f" and {str(metadata.get(key))[:80]!r}): prompts compose only for the same student, form and "
-                    "placement (rule 'composable prompts')"
+                    f"cannot compose {path} after {first_path}: their {key} differs ({this[:80]!r} and {that[:80]!r}): "
+                    "prompts compose only for the same student, form and placement (rule 'composable prompts')"
                 )
     kv = form_of(first) == "kv"
     parts, shift = [], 0

@@ -169,6 +169,7 @@ def _model_ids(tokenizer, text: str) -> list[int]:
 
 
 PLACEHOLDER = "\ue000spds-content-{}\ue001"  # private-use characters: no template writes them
+PLACEHOLDERS = re.compile(re.escape(PLACEHOLDER).replace(re.escape("{}"), "(\\d+)"))  # k in group 1
 
 
 def _render_protected(tokenizer, messages, add_generation_prompt, template_kwargs) -> list[int]:
@@ -181,7 +182,7 @@ def _render_protected(tokenizer, messages, add_generation_prompt, template_kwarg
     ]
     shape = _apply(tokenizer, stand_ins, add_generation_prompt, template_kwargs, tokenize=False)
     real = _apply(tokenizer, messages, add_generation_prompt, template_kwargs, tokenize=False)
-    parts = re.split("\ue000spds-content-(\\d+)\ue001", shape)  # template, k, template, k, ..., template
+    parts = PLACEHOLDERS.split(shape)  # template, k, template, k, ..., template
     ids, at = [], 0
     for n in range(0, len(parts), 2):
         template = parts[n]

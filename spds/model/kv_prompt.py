@@ -160,7 +160,7 @@ def moved(student, prompt: torch.Tensor, shift: int) -> torch.Tensor:
     import sys
 
     ropes = [m for m in student.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len({type(m) for m in ropes}) != 1 or len(ropes) > 1:
+    if len(ropes) != 1:
         raise SpdsError(
             f"composing kv prompts turns their keys to new positions, and {type(student).__name__} has "
             f"{len(ropes)} rotary embeddings (one a kind of layer, or none): compose embeddings prompts instead"
