@@ -134,7 +134,11 @@ def cmd_eval(args) -> int:
         print(nll_line(asked))
         if "keyword_share" in asked:
             share = asked["keyword_share"]
-            print("greedy answers holding the keyword  " + "  ".join(f"{view} {share[view]:.0%}" for view in share))
+            named = {"context": "truncated"} if result.get("corpus", {}).get("context") == "truncated" else {}
+            print(
+                "greedy answers holding the keyword  "
+                + "  ".join(f"{named.get(view, view)} {share[view]:.0%}" for view in share)
+            )
         if "rouge_l_soft_vs_context" in asked:
             print(f"ROUGE-L F1 of soft against context answers {asked['rouge_l_soft_vs_context']:.3f}")
         if asked.get("answers"):
@@ -241,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("data", help="a candidate rows file (jsonl); with --context, the one spds generate writes")
     p.add_argument(
         "--context",
-        help="a context file to distill from alone: the config has spds generate write DATA by self-study, "
-        "with the measured recipe (docs/config.md)",
+        help="a context file to distill from alone, or a corpus (a directory of files, a JSONL of documents): "
+        "the config has spds generate write DATA by self-study, with the measured recipe (docs/config.md)",
     )
     p.add_argument(
         "--recipe",

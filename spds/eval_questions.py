@@ -40,7 +40,7 @@ def teacher_config(config: Config, questions: Path) -> Config:
         questions=sha256_path(questions),
         samples=config.eval.question_samples,
         teacher=str(config.teacher_path),
-        context=sha256_json(config.context_text),
+        context=config.context_digest(),
         **{k: generate[k] for k in ("temperature", "top_p", "max_new_tokens", "seed", "top_k_logprobs")},
     )
     directory = config.output_dir / "eval-questions" / sha256_json(decides)[:16]
@@ -69,7 +69,7 @@ def answer_scores(questions: list[dict], rows: list[dict]) -> dict:
     from rouge_score import rouge_scorer  # per use: only eval with eval.questions reads it
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    views = [view for view in ("bare", "context", "soft") if rows and rows[0].get(view) is not None]
+    views = [view for view in ("bare", "context", "soft", "oracle") if rows and rows[0].get(view) is not None]
 
     def rouge(reference: str, candidate: str) -> float:
         return scorer.score(reference, candidate)["rougeL"].fmeasure

@@ -59,6 +59,12 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     result = dict(checkpoint=directory, update=update)
     result.update(held_out_figures(config, scoring, store, held_out))
     result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
+    corpus = config.corpus
+    if corpus is not None:  # the context view is the corpus truncated to the window where it passes it
+        whole = "whole" if corpus.whole else "truncated"
+        result["corpus"] = dict(
+            documents=len(corpus.documents), slices=len(corpus.slices), slice_tokens=corpus.budget, context=whole
+        )
     if questions is not None:
         result["questions"] = scoring.figures(questions.store, questions.records, None)
     answered = answer_views(config, result, directory, model.student, questions, (rank, world))
@@ -182,7 +188,7 @@ class QuestionStore:
     def answered(self, config: Config, rows: list[dict]) -> dict:
         """The greedy answers (spds.sample's rows, in the questions' order), with their scores."""
         for question, row in zip(self.questions, rows):
-            row.update(question_id=question["question_id"], keyword=question.get("keyword"))
+            row.update(question_id=question["question_id"], keyword=question.get("keyword"), doc=question.get("doc"))
         return dict(answer_scores(self.questions, rows), answers=rows)
 
 

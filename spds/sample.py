@@ -27,8 +27,13 @@ from spds.fsio import atomic_writer
 from spds.model.kv_prompt import form_of, require_fits, stand_in
 from spds.model.student import load_student
 
-VIEWS = ("bare", "context", "soft")
-TITLES = {"bare": "bare student", "context": "with the context", "soft": "with the soft prompt"}
+VIEWS = ("bare", "context", "soft", "oracle")
+TITLES = {
+    "bare": "bare student",
+    "context": "with the context",  # a corpus past the window: its first slice, the corpus truncated to it
+    "soft": "with the soft prompt",
+    "oracle": "with the corpus's slice holding the question's document",
+}
 
 
 def prompts_to_answer(config: Config, store: PackedStore, tokenizer, count: int, questions: Path | None):
@@ -39,7 +44,7 @@ def prompts_to_answer(config: Config, store: PackedStore, tokenizer, count: int,
         for question in read_questions(questions)[:count]:
             ids = render(tokenizer, question["messages"], True, kwargs)  # the question's text stays text
             ids, at = insertion_point(ids, metadata)
-            yield question["messages"][-1]["content"], ids, at
+            yield question["messages"][-1]["content"], ids, at, question.get("doc")
         return
     held_out = np.flatnonzero(~store.is_train)
     if not len(held_out):
@@ -54,7 +59,7 @@ def prompts_to_answer(config: Config, store: PackedStore, tokenizer, count: int,
             continue
         seen.add(tuple(ids))
         at = int(store.insert_at[i])
-        yield asked_text(tokenizer, ids, at, store.manifest), ids, at
+        yield asked_text(tokenizer, ids, at, store.manifest), ids, at, None
         if len(seen) == count:
             return
 
@@ -107,7 +112,20 @@ def answers(
         ids = torch.tensor(encode_text(tokenizer, config.context_text), device=embed.weight.device)
         blocks["context"] = (embed(ids), None)
     asked = list(prompts_to_answer(config, store, tokenizer, count, questions))
-    views = Views(student, blocks, tokenizer, config.data.end_tokens)
+    corpus = config.corpus
+    oracle = None
+    if corpus is not None and not corpus.whole and any(doc for *_, doc in asked):
+        slices = {doc: corpus.holding(doc) for *_, doc in asked if doc}
+        missing = sorted(doc for doc, index in slices.items() if index is None)
+        if missing:
+            raise SpdsError(
+                f"{questions}: doc {missing[0]!r}: rule 'a document of the corpus': context.documents holds none"
+            )
+
+        def oracle(doc: str) -> torch.Tensor:  # the slice holding the document, in place of the prompt
+            return embed(torch.tensor(encode_text(tokenizer, corpus.text(slices[doc])), device=embed.weight.device))
+
+    views = Views(student, blocks, tokenizer, config.data.end_tokens, oracle)
     rank, world = ranks
     rows = {}
     for first in range(rank * ANSWER_BATCH, len(asked), world * ANSWER_BATCH):
@@ -129,10 +147,11 @@ class Views:
     `answer` (transformers reads the attention implementation at every forward: switched and put
     back, as the on-policy sampler does)."""
 
-    def __init__(self, student, blocks: dict, tokenizer, end_tokens):
+    def __init__(self, student, blocks: dict, tokenizer, end_tokens, oracle=None):
         from spds.generation.decode import Decoder  # per use: spds sample alone needs no decoder before
 
         self.student, self.blocks, self.tokenizer = student, blocks, tokenizer
+        self.oracle = oracle  # a question's doc -> its corpus slice's block (None: no oracle view)
         self.end_ids = end_token_ids(tokenizer, end_tokens)
         own = student.config._attn_implementation
         rows = student.get_output_embeddings().weight.shape[0]
@@ -140,26 +159,30 @@ class Views:
         self.implementations = (own, student.config._attn_implementation)
         student.config._attn_implementation = own
 
-    def answer(self, batch: list[tuple[str, list[int], int]], max_new_tokens: int) -> list[dict]:
-        """For each (question, prompt ids, where the prompt goes): each view's answer text (None:
-        a view the config cannot give, the context without one)."""
+    def answer(self, batch: list[tuple[str, list[int], int, str | None]], max_new_tokens: int) -> list[dict]:
+        """For each (question, prompt ids, where the prompt goes, its corpus document): each view's
+        answer text (None: a view the config cannot give, the context without one, the oracle for
+        a question naming no document)."""
         embed = self.student.get_input_embeddings()
         answered = [{view: None for view in VIEWS} for _ in batch]
         groups: dict[tuple, list[int]] = {}  # by the ids before the prompt (a question may bring its own system turn)
-        for number, (_, ids, at) in enumerate(batch):
+        for number, (_, ids, at, _) in enumerate(batch):
             groups.setdefault(tuple(ids[:at]), []).append(number)
+        views = [(view, numbers, block) for view, block in self.blocks.items() for numbers in groups.values()]
+        if self.oracle is not None:  # each question with its own document's slice
+            views += [("oracle", [n], (self.oracle(batch[n][3]), None)) for n in range(len(batch)) if batch[n][3]]
         own, decoding = self.implementations
         self.student.config._attn_implementation = decoding
         try:
-            for view, (block, kv) in self.blocks.items():
-                for header, numbers in groups.items():
-                    head = embed(torch.tensor(header, dtype=torch.long, device=embed.weight.device))
-                    prefix = torch.cat([head, block.to(device=head.device, dtype=head.dtype)])
-                    asked = [batch[n][1][batch[n][2] :] for n in numbers]
-                    kv_at = (len(header), kv.to(head.device)) if kv is not None else None
-                    texts = self.greedy(asked, prefix, max_new_tokens, kv_at)
-                    for number, text in zip(numbers, texts):
-                        answered[number][view] = text
+            for view, numbers, (block, kv) in views:
+                header = batch[numbers[0]][1][: batch[numbers[0]][2]]
+                head = embed(torch.tensor(header, dtype=torch.long, device=embed.weight.device))
+                prefix = torch.cat([head, block.to(device=head.device, dtype=head.dtype)])
+                asked = [batch[n][1][batch[n][2] :] for n in numbers]
+                kv_at = (len(header), kv.to(head.device)) if kv is not None else None
+                texts = self.greedy(asked, prefix, max_new_tokens, kv_at)
+                for number, text in zip(numbers, texts):
+                    answered[number][view] = text
         finally:
             self.student.config._attn_implementation = own
         return answered

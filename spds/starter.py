@@ -167,6 +167,13 @@ def render(values: dict, schema: dict, fields: list = FIELDS, note: str | None =
         if section == "context" and values["context"].get("file"):
             lines += ["context:  # the context being distilled", f"  file: {json.dumps(values['context']['file'])}"]
             continue
+        if section == "context" and values["context"].get("documents"):
+            lines += [
+                "context:  # the corpus being distilled: each file a document (docs/config.md: a corpus)",
+                f"  documents: {json.dumps(values['context']['documents'])}",
+                "  # description: one paragraph the teacher reads first: what this corpus is",
+            ]
+            continue
         if section == "context":  # nothing to set unless there is one: a commented example
             lines += [
                 "# context:  # the system prompt being distilled (the kl objective's teacher, eval's ceiling)",
@@ -200,7 +207,9 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
     if context is not None:
         for section, chosen in self_study_recipe(recipe).items():
             values[section].update(chosen)
-        values["context"] = {"file": context}
+        given = Path(context).expanduser()  # a directory or a JSONL of documents: a corpus
+        as_corpus = given.is_dir() or (out.parent / given).is_dir() or given.suffix.lower() == ".jsonl"
+        values["context"] = {"documents" if as_corpus else "file": context}
         values["generate"]["output"] = data
         note = (
             f"# The self-study recipe for a {recipe.upper()} (spds init --recipe {recipe}), measured on a real "
@@ -250,8 +259,9 @@ def chat_rows_need_a_template(path: Path) -> None:
 def render_json(values: dict, fields: list = FIELDS) -> str:
     """The fields render writes, as JSON (no comments: JSON has none) for an --out named *.json."""
     chosen = {}
-    if values["context"].get("file"):
-        chosen["context"] = {"file": values["context"]["file"]}
+    for key in ("file", "documents"):
+        if values["context"].get(key):
+            chosen["context"] = {key: values["context"][key]}
     for section, name in fields:
         if section == "context" or (name == "chat_template_kwargs" and not values[section][name]):
             continue

@@ -12,6 +12,7 @@ from spds.contract.config import Config
 from spds.contract.model_config import model_window_problems
 from spds.contract.pins import pins_path
 from spds.contract.schema import describe_errors
+from spds.data.corpus import context_entries
 from spds.errors import SpdsError
 from spds.fsio import read_json
 from spds.generation.self_study import BUILT_IN_KINDS, RECITE, UNINSTRUCTED
@@ -127,6 +128,12 @@ def read_paths(config: Config) -> tuple[list[tuple[str, Path]], list[tuple[str, 
     for key, value in (("context.file", config.context.file), ("generate.questions", config.generate.questions)):
         if value:
             files.append((key, config.resolve(value)))
+    for entry in context_entries(config):  # a corpus's directories and files (a glob's matches: its own)
+        path = config.resolve(entry)
+        if path.is_dir():
+            directories.append(("context.documents", path))
+        elif path.is_file():
+            files.append(("context.documents", path))
     return directories, files
 
 
@@ -228,9 +235,10 @@ def input_problems(config: Config, candidates: str = "must exist") -> list[str]:
 
 
 def context_problems(config: Config) -> list[str]:
-    """Settings that read the context, when there is none; self-study beside a questions file."""
-    has_context = bool(config.context.text or config.context.file)
-    problems = []
+    """Settings that read the context, when there is none; self-study beside a questions file; a
+    corpus past the window where something must read it whole."""
+    has_context = config.has_context
+    problems = corpus_problems(config)
     needs = [
         ("soft_prompt.init.method", config.soft_prompt.init.method == "context", "'context' starts the prompt from it"),
         ("generate.self_study", config.generate.self_study is not None, "self-study writes its questions from it"),
@@ -238,7 +246,9 @@ def context_problems(config: Config) -> list[str]:
     ]
     for key, used, why in needs:
         if used and not has_context:
-            problems.append(f"{key}: {why}, and the config has none: set context.file or context.text")
+            problems.append(
+                f"{key}: {why}, and the config has none: set context.file, context.text or context.documents"
+            )
     if config.eval.questions is not None and importlib.util.find_spec("rouge_score") is None:
         # eval scores the answers with it only after the teacher has answered every question
         problems.append(
@@ -268,6 +278,67 @@ def context_problems(config: Config) -> list[str]:
             "generate.self_study: generate.questions is set too; self-study writes the questions itself: "
             "set one of them (questions: null for self-study)"
         )
+    return problems
+
+
+def corpus_problems(config: Config) -> list[str]:
+    """One context; a description only for a corpus; what a corpus past the window cannot do (the
+    online teacher and a questions file read one context whole); eval questions' documents."""
+    context = config.context
+    given = [key for key in ("text", "file", "documents") if getattr(context, key)]
+    problems = []
+    if len(given) > 1:
+        problems.append(f"context: {' and '.join('context.' + k for k in given)} are set: the context is one of them")
+    if context.description and not context.documents:
+        problems.append("context.description: describes a corpus (context.documents), and none is set")
+    if not context.documents or len(given) > 1:
+        return problems
+    try:
+        corpus = config.corpus
+    except SpdsError:
+        return problems  # the teacher window's checks list the corpus's own problems
+    problems += document_problems(config, corpus.ids())
+    if corpus.whole:
+        return problems
+    past = f"the corpus is {len(corpus.slices)} slices of the teacher's window (context.documents)"
+    online = config.loss.teacher == "context" or (config.loss.teacher == "auto" and not config.generate.top_k_logprobs)
+    if config.loss.objective != "ce" and online:
+        problems.append(
+            f"loss.teacher: {config.loss.teacher}: the online teacher reads the context whole, and {past}: train "
+            "from the top-k generate writes with each slice (loss.teacher top_k, generate.top_k_logprobs > 0)"
+        )
+    return problems
+
+
+def document_problems(config: Config, ids: set[str]) -> list[str]:
+    """Questions naming a document (`doc`) the corpus lacks; generate.questions, where the corpus
+    passes the window, naming none (its teacher reads the slice holding the question's document)."""
+    from spds.data.sources import read_eval_questions, read_questions
+
+    problems, whole = [], config.corpus.whole
+    files = [("generate.questions", config.generate.questions, read_questions)]
+    files.append(("eval.questions", config.eval.questions, read_eval_questions))
+    for key, name, reader in files:
+        path = config.resolve(name) if name else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            questions = reader(path)
+        except SpdsError:
+            continue  # the teacher window's checks name the line
+        for question in questions:
+            doc = question.get("doc")
+            if doc is not None and doc not in ids:
+                problems.append(
+                    f"{key}: {path}: question_id {question['question_id']!r}: doc {doc!r}: rule 'a document of the "
+                    "corpus': context.documents holds no document of that id"
+                )
+            elif doc is None and key == "generate.questions" and not whole:
+                problems.append(
+                    f"{key}: {path}: question_id {question['question_id']!r} names no doc, and the corpus passes the "
+                    "teacher's window: give each question the doc holding its answer (its teacher reads that "
+                    "document's slice), or let self-study ask (generate.self_study)"
+                )
     return problems
 
 
@@ -306,7 +377,7 @@ def on_policy_problems(config: Config) -> list[str]:
             f"and loss.objective is {loss.objective!r}: set it to kl (cross entropy on the student's own "
             "tokens would train it to repeat itself)"
         )
-    if loss.teacher != "context" or not (config.context.text or config.context.file):
+    if loss.teacher != "context" or not config.has_context:
         problems.append(
             "loss.on_policy.fraction: the student's own answers have no offline teacher's log-probabilities: "
             "set loss.teacher to context (the student with the context scores them online) and give the context"

@@ -19,8 +19,7 @@ import jsonschema
 
 from spds.contract.checks import deepspeed_config_problems, input_problems
 from spds.contract.config import Config
-from spds.contract.digests import sha256_path
-from spds.contract.pins import PINS_FORMAT, merge_pins, pin_problems, pinned_inputs, pins_path
+from spds.contract.pins import PINS_FORMAT, digest, merge_pins, pin_problems, pinned_inputs, pins_path
 from spds.contract.schema import (
     StrictValidator,
     apply_defaults,
@@ -138,7 +137,7 @@ def pin_config(path: str | Path) -> dict[str, str]:
     # Re-pinning starts from the inputs as they are now; the old pins file stays until the new one
     # replaces it (atomically), so a refused or killed pin leaves it as it was.
     config = load_config(path, check_pins=False, use_pins=False)
-    pins = {key: sha256_path(input_path) for key, input_path, _ in pinned_inputs(config)}
+    pins = {key: digest(config, key, input_path) for key, input_path, _ in pinned_inputs(config)}
     atomic_write_json(lock, {"format": PINS_FORMAT, "config": path.name, "pins": pins})
     return pins
 

@@ -32,6 +32,8 @@ def _pin_slot(raw: dict, key: str) -> tuple[dict, str] | None:
         return None
     if key in ("student.model_sha256", "student.tokenizer_sha256") and isinstance(raw.get("student"), dict):
         return raw["student"], key.split(".")[1]
+    if key == "context.sha256" and isinstance(raw.get("context"), dict):
+        return raw["context"], "sha256"
     return None
 
 
@@ -62,14 +64,28 @@ def merge_pins(path: Path, raw: dict) -> list[str]:
 
 
 def pinned_inputs(config: Config) -> list[tuple[str, Path, str | None]]:
-    """(config key, resolved path, pinned sha256 or None) of every pinnable input."""
+    """(config key, resolved path, pinned sha256 or None) of every pinnable input (`digest` hashes
+    one: a corpus's path is its config's directory, its digest that of its files)."""
     student = config.student
     inputs = [("student.model_sha256", config.model_path, student.model_sha256)]
     if student.tokenizer_path is not None:
         inputs.append(("student.tokenizer_sha256", config.tokenizer_path, student.tokenizer_sha256))
     for i, candidate in enumerate(config.data.candidates):
         inputs.append((f"data.candidates[{i}].sha256", config.resolve(candidate.path), candidate.sha256))
+    if config.context.file:
+        inputs.append(("context.sha256", config.resolve(config.context.file), config.context.sha256))
+    elif config.context.documents:
+        inputs.append(("context.sha256", config.path.parent, config.context.sha256))
     return inputs
+
+
+def digest(config: Config, key: str, path: Path) -> str:
+    """The sha256 an input is pinned by."""
+    if key == "context.sha256" and config.context.documents:
+        from spds.data import corpus  # reads the corpus's files as the corpus does
+
+        return corpus.sha256(config)
+    return sha256_path(path)
 
 
 def pin_problems(config: Config) -> list[str]:
@@ -77,7 +93,8 @@ def pin_problems(config: Config) -> list[str]:
     for key, path, pinned in pinned_inputs(config):
         if pinned is None or not path.exists():
             continue
-        actual = sha256_path(path)
+        actual = digest(config, key, path)
         if actual != pinned:
-            problems.append(f"{key}: {path} changed since it was pinned (expected sha256 {pinned}, actual {actual})")
+            what = "the corpus (context.documents)" if key == "context.sha256" and config.context.documents else path
+            problems.append(f"{key}: {what} changed since it was pinned (expected sha256 {pinned}, actual {actual})")
     return problems

@@ -157,12 +157,16 @@ class DistributedSettings:
 class ContextSettings:
     text: str | None
     file: str | None
+    documents: str | tuple | None  # a corpus: spds/data/corpus.py
+    description: str | None
+    sha256: str | None
 
 
 @dataclass(frozen=True)
 class SelfStudySettings:
     conversations: int
     chunk_tokens: int
+    slice_tokens: int | None
     kinds: dict  # seed kind -> weight
     seed_prompts: dict  # seed kind -> the instruction the teacher reads
     temperatures: dict  # seed kind -> the teacher's temperature for its answers

@@ -92,14 +92,17 @@ def window_problems(config: Config, tokenizer, scaffold) -> list[str]:
 
 
 def context_source(config: Config) -> str:
+    if config.context.documents:
+        return "context.documents (the first slice)" if not config.corpus.whole else "context.documents"
     return "context.file" if config.context.file else "context.text"
 
 
-def context_prompt_tokens(config: Config, tokenizer, scaffold) -> int:
-    """The tokens of the chat template holding the context where the prompt goes and an empty user
-    turn: what a model reads with the context before any question's own tokens."""
+def context_prompt_tokens(config: Config, tokenizer, scaffold, text: str | None = None) -> int:
+    """The tokens of the chat template holding the context (or `text`) where the prompt goes and
+    an empty user turn: what a model reads with the context before any question's own tokens."""
     in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
-    asked = with_context([{"role": "user", "content": ""}], config.context_text, in_user_turn)
+    context = config.context_text if text is None else text
+    asked = with_context([{"role": "user", "content": ""}], context, in_user_turn)
     return len(render(tokenizer, asked, True, config.data.chat_template_kwargs))
 
 

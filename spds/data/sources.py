@@ -110,6 +110,8 @@ def read_questions(path: Path) -> list[dict]:
             row = parse_json(line)  # strictly, as every file spds reads
             messages = row.get("messages") or [{"role": "user", "content": row["question"]}]
             question_id = str(row["question_id"])
+            if "doc" in row and (not isinstance(row["doc"], str) or not row["doc"]):
+                raise ValueError("doc must be a non-empty string")
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise SpdsError(
                 f"{path}:{number}: a question needs question_id and messages or question ({error})"
@@ -120,11 +122,14 @@ def read_questions(path: Path) -> list[dict]:
                 f"{seen[question_id]}"
             )
         seen[question_id] = number
-        questions.append(dict(question_id=question_id, messages=messages))
+        question = dict(question_id=question_id, messages=messages)
+        if "doc" in row:  # the corpus document that holds its answer (spds/data/corpus.py)
+            question["doc"] = row["doc"]
+        questions.append(question)
     return questions
 
 
-EVAL_OPTIONAL = ("keyword", "answer")
+EVAL_OPTIONAL = ("keyword", "answer", "doc")
 
 
 def read_eval_questions(path: Path) -> list[dict]:

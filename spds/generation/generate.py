@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import pickle
@@ -48,8 +49,8 @@ from spds.generation.self_study import (
     Lines,
     Recital,
     Seed,
+    Slices,
     coverage,
-    cut,
     fact_line,
     fact_messages,
     kinds_of,
@@ -104,14 +105,16 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     tokenizer = load_tokenizer(config)
     scaffold = require_ready(config, tokenizer)  # before the first batch: refused rows cost no hour
     end_ids = end_token_ids(tokenizer, config.data.end_tokens)
-    study = SelfStudy.of(settings, tokenizer, context) if not settings.questions else None
+    study = SelfStudy.of(settings, tokenizer, config) if not settings.questions else None
     questions = study.questions() if study else read_questions(config.resolve(settings.questions))
     requests = [
         dict(q, request_id=f"{q['question_id']}-s{s}", sample_index=s)
         for q in questions
         for s in range(settings.samples_per_question)
     ]
-    batches = [requests[i : i + settings.batch_size] for i in range(0, len(requests), settings.batch_size)]
+    key = slice_key(config, study)
+    batches = batched(requests, settings.batch_size, key)
+    context_of = (lambda batch: config.corpus.text(key(batch[0]))) if key else None
     ranks = Ranks.join(config.distributed.timeout_minutes)
     ids = [[r["request_id"] for r in batch] for batch in batches]
     with Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer)) as output:
@@ -126,7 +129,7 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
         began = time.perf_counter()
         mine = {number: left[number] for number in sorted(left)[ranks.rank :: ranks.world]}
         try:
-            answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir)
+            answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir, context_of)
             counts = output.finish()
         except BaseException as error:  # another rank killed: one line, not the backend's traceback
             then = "The batches written are whole: the same command completes the same rows on any number of ranks."
@@ -139,6 +142,37 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
         StopRequest.current().answered()  # the run stopped or ended: the request must not stop the next launch
         report(output, asking, study, dict(counts, answered=answered), log, began)
     return dict(counts, output=str(output.path))
+
+
+def slice_key(config: Config, study):
+    """Which of a corpus's slices a request's teacher reads, where the corpus is past the window:
+    a self-study conversation's chunk's, or the slice holding a question's `doc` (the first slice,
+    the corpus truncated to the window, for a question that names none). None: one context."""
+    corpus = config.corpus
+    if corpus is None or corpus.whole:
+        return None
+    if study:
+        return lambda request: study.slice_of(request["conversation"])
+
+    def holding(request: dict) -> int:
+        if "doc" not in request:
+            return 0
+        index = corpus.holding(request["doc"])
+        if index is None:
+            raise SpdsError(
+                f"question {request['question_id']!r}: doc {request['doc']!r}: rule 'a document of the corpus': "
+                "context.documents holds no document of that id"
+            )
+        return index
+
+    return holding
+
+
+def batched(requests: list[dict], size: int, slice_of=None) -> list[list[dict]]:
+    """The requests in batches of `size`, in order; with `slice_of`, a batch never spans two of a
+    corpus's slices (each slice's last batch may be short): its rows then share one context."""
+    groups = [list(group) for _, group in itertools.groupby(requests, slice_of)] if slice_of else [requests]
+    return [group[i : i + size] for group in groups for i in range(0, len(group), size)]
 
 
 def output_provenance(config: Config, tokenizer) -> dict:
@@ -154,7 +188,7 @@ def output_provenance(config: Config, tokenizer) -> dict:
     teacher = config.teacher_path
     return {
         **{f"generate.{key}": value for key, value in settings.items()},
-        "context_sha256": hashlib.sha256((config.context_text or "").encode()).hexdigest(),
+        "context_sha256": config.context_digest(),
         "questions_sha256": sha256_file(questions) if questions else None,
         "teacher": str(teacher),
         "teacher_config_sha256": sha256_file(teacher / "config.json") if (teacher / "config.json").is_file() else None,
@@ -175,11 +209,13 @@ def answer_batches(
     end_ids: list[int],
     output: Output,
     stop_requests: Path,
+    context_of=None,
 ) -> int:
     """This rank's batches (number -> its rows already in the output), each answered and written
     whole (`Output.write`); batch k samples with seed + k whatever was done before, so a resumed
     or shared run writes what a straight one would. Stops after the batch in flight when asked
-    (spds stop, a signal: spds/stop.py). Returns the batches answered."""
+    (spds stop, a signal: spds/stop.py). `context_of`: a batch's slice of a corpus past the
+    window, which its teacher reads in place of the context. Returns the batches answered."""
     from tqdm import tqdm
 
     stop = StopRequest.current()
@@ -188,9 +224,10 @@ def answer_batches(
     for number in tqdm(mine, desc="generate", disable=output.ranks.rank != 0 or not os.isatty(2)):
         pace_point()
         batch = batches[number]
+        reading = asking.reading(context_of(batch)) if context_of else asking
         if study:  # the teacher writes the batch's user messages first
             batch = study.asked(batch, asking, end_ids)
-        turns = asking.answer_turns(batch, seed=settings.seed + number)
+        turns = reading.answer_turns(batch, seed=settings.seed + number)
         output.write(
             number,
             [
@@ -300,6 +337,11 @@ class Asking:
         # (spds/generation/batches.py), not a prefix that reaches into some batch's questions.
         probes = [self.prompt([{"role": "user", "content": text}]) for text in ("A", "Z?")]
         self.context_end = common_prefix(probes)
+
+    def reading(self, context: str) -> Asking:
+        """Asked with another context (a corpus's slice): the same decoder, its shared prefix kept
+        per context (Decoder.shared_states)."""
+        return self if context == self.context else dataclasses.replace(self, context=context)
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """The ids the teacher reads to answer `messages`: the context placed, the template rendered."""
@@ -447,36 +489,51 @@ WRITING_SEED = 1 << 32  # the question-writing batches sample from seeds of thei
 class SelfStudy:
     """generate.self_study's conversations: each one's chunk and seed kind (spds/generation/self_study.py),
     and the user messages the teacher wrote, written in fixed batches of conversations on first
-    need, each with its own seed, so a resumed run writes the same ones."""
+    need, each with its own seed, so a resumed run writes the same ones. With a corpus past the
+    window the conversations are numbered slice by slice (a stable order of the plan), so that a
+    batch's rows share one slice, read by the teacher once for all of them."""
 
     settings: SelfStudySettings
     batch_size: int
     seed: int
-    chunks: list[Chunk]
+    slices: Slices
+    corpus: Any  # spds/data/corpus.py's Corpus where the context is one past the window, else None
     seeds: dict[str, Seed]  # seed kind -> instruction and opening
-    planned: list[tuple[int, str]]  # (chunk, kind) per conversation
+    planned: list[tuple[int, str]]  # (chunk, kind) per conversation, chunks numbered across the slices
     written: dict[int, str]  # conversation -> its user message
-    lines: Lines
     tokenizer: Any
     ordinals: list[int]  # per conversation: how many of its chunk's conversations of its kind come before it
 
     @classmethod
-    def of(cls, settings: GenerateSettings, tokenizer, context: str) -> SelfStudy:
-        study = settings.self_study
-        lines = Lines.of(tokenizer, context)
-        chunks = cut(tokenizer, lines, study.chunk_tokens)
-        planned = plan(study.conversations, len(chunks), study.kinds, settings.seed)
+    def of(cls, settings: GenerateSettings, tokenizer, config: Config) -> SelfStudy:
+        study, corpus = settings.self_study, config.corpus
+        if corpus is not None and not corpus.whole:
+            slices = Slices(tokenizer, corpus.text, len(corpus.slices), study.chunk_tokens)
+        else:
+            corpus, context = None, config.context_text
+            slices = Slices(tokenizer, lambda _: context, 1, study.chunk_tokens)
+        drawn = plan(study.conversations, slices.chunks, study.kinds, settings.seed)
+        planned = sorted(drawn, key=lambda pair: slices.holding(pair[0])[0])  # stable: the plan's order within a slice
         ordinals, seen = [], Counter()
-        for drawn in planned:
-            ordinals.append(seen[drawn])
-            seen[drawn] += 1
+        for pair in planned:
+            ordinals.append(seen[pair])
+            seen[pair] += 1
         return cls(
-            study, settings.batch_size, settings.seed, chunks, kinds_of(study), planned, {}, lines, tokenizer, ordinals
+            study, settings.batch_size, settings.seed, slices, corpus, kinds_of(study), planned, {}, tokenizer, ordinals
         )
 
     def questions(self) -> list[dict]:
         """The conversations as generate's questions, their messages written later (`asked`)."""
         return [dict(question_id=f"self-study-{i:06d}", conversation=i) for i in range(len(self.planned))]
+
+    def slice_of(self, conversation: int) -> int:
+        return self.slices.holding(self.planned[conversation][0])[0]
+
+    def chunk(self, conversation: int) -> tuple[Lines, Chunk]:
+        """The lines of the conversation's slice, and its chunk."""
+        index, own = self.slices.holding(self.planned[conversation][0])
+        lines, chunks = self.slices.read(index)
+        return lines, chunks[own]
 
     def asked(self, batch: list[dict], asking: Asking, end_ids: list[int]) -> list[dict]:
         """The batch's requests with their user message (and what the row records of it); a
@@ -489,10 +546,12 @@ class SelfStudy:
         requests = []
         for request in batch:
             i = request["conversation"]
-            chunk, kind = self.planned[i]
-            span = self.chunks[chunk]
+            kind = self.planned[i][1]
+            span = self.chunk(i)[1]
             # how the request is answered (its given answer, its own temperature), and what its row records
             answering, recorded = {}, dict(chunk=[span.start, span.end], kind=kind, question=self.written[i])
+            if self.corpus is not None:  # the chunk's token offsets are its slice's
+                recorded["slice"] = self.corpus.record(self.slice_of(i))
             message = [{"role": "user", "content": self.written[i]}]
             if kind == RECITE:  # the answer as the chat template renders it, to its end-of-turn token
                 recited = self.recital(i)
@@ -515,16 +574,14 @@ class SelfStudy:
     def recital(self, conversation: int) -> Recital:
         """Conversation `conversation`'s recital: its chunk's how-many-th recital it is decides
         the line and the phrasing."""
-        chunk = self.planned[conversation][0]
-        ordinal = self.ordinals[conversation]
-        return recital(self.tokenizer, self.lines, self.chunks[chunk], ordinal, self.settings.chunk_tokens)
+        lines, chunk = self.chunk(conversation)
+        return recital(self.tokenizer, lines, chunk, self.ordinals[conversation], self.settings.chunk_tokens)
 
     def fact_line(self, conversation: int) -> FactLine:
         """Conversation `conversation`'s fact line: its chunk's how-many-th fact question it is
         decides the line."""
-        chunk = self.planned[conversation][0]
-        ordinal = self.ordinals[conversation]
-        return fact_line(self.tokenizer, self.lines, self.chunks[chunk], ordinal, self.settings.chunk_tokens)
+        lines, chunk = self.chunk(conversation)
+        return fact_line(self.tokenizer, lines, chunk, self.ordinals[conversation], self.settings.chunk_tokens)
 
     def write(self, number: int, asking: Asking) -> None:
         """The user messages of conversation batch `number`: the teacher reads a chunk and its
@@ -545,7 +602,7 @@ class SelfStudy:
             else []
         )
         for i, text in zip(conversations, texts):
-            chunk = self.chunks[self.planned[i][0]]
+            chunk = self.chunk(i)[1]
             # an empty message cannot be asked: the chunk's first line stands in for it
             self.written[i] = text or f"What does the document say about this: {chunk.text.strip().splitlines()[0]}"
 
@@ -553,13 +610,13 @@ class SelfStudy:
         """What the teacher reads to write conversation `conversation`'s user message, and what its
         reply opens with: a fact line after the worked examples, or the chunk where the context
         goes and the kind's instruction as the user turn."""
-        chunk, kind = self.planned[conversation]
+        kind = self.planned[conversation][1]
         if kind == FACT:
             return fact_messages(self.fact_line(conversation).text), ""
         seed = self.seeds[kind]
-        excerpt = EXCERPT.format(chunk=self.chunks[chunk].text)
+        excerpt = EXCERPT.format(chunk=self.chunk(conversation)[1].text)
         asked = [{"role": "user", "content": seed.instruction}]
         return with_context(asked, excerpt, context_in_user_turn), seed.opening
 
     def coverage(self) -> str:
-        return coverage(self.planned, self.chunks)
+        return coverage(self.planned, self.slices.chunks, self.slices.count)

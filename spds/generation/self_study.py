@@ -164,6 +164,37 @@ def cut(tokenizer, lines: Lines, size: int) -> list[Chunk]:
     return chunks
 
 
+class Slices:
+    """The context as self-study reads it, in slices: one (a context, or a corpus within the
+    window) or a corpus's (spds/data/corpus.py), each cut into its own chunks, numbered across
+    the slices in order. A slice's lines and chunks are computed again when asked after another's
+    (one slice is kept): a corpus costs one slice's tokens at a time, not all of its text."""
+
+    def __init__(self, tokenizer, text, count: int, size: int):
+        self.tokenizer, self.text, self.count, self.size = tokenizer, text, count, size
+        self.kept: tuple[int, Lines, list[Chunk]] | None = None
+        self.first = [0]  # slice s's chunks are [first[s], first[s + 1])
+        for index in range(count):
+            self.first.append(self.first[-1] + len(self.read(index)[1]))
+
+    def read(self, index: int) -> tuple[Lines, list[Chunk]]:
+        if self.kept is None or self.kept[0] != index:
+            lines = Lines.of(self.tokenizer, self.text(index))
+            # a corpus's last slice may be shorter than a chunk: it is then one chunk
+            size = self.size if self.count == 1 else min(self.size, len(lines.ids))
+            self.kept = (index, lines, cut(self.tokenizer, lines, size))
+        return self.kept[1], self.kept[2]
+
+    @property
+    def chunks(self) -> int:
+        return self.first[-1]
+
+    def holding(self, chunk: int) -> tuple[int, int]:
+        """(slice, its own chunk number) of chunk number `chunk`."""
+        index = bisect_right(self.first, chunk) - 1
+        return index, chunk - self.first[index]
+
+
 @dataclass(frozen=True)
 class Recital:
     """A recite conversation: the user message quoting a line's first words, and the answer, the
@@ -278,11 +309,12 @@ def written_question(text: str) -> str:
     return text
 
 
-def coverage(planned: list[tuple[int, str]], chunks: list[Chunk]) -> str:
+def coverage(planned: list[tuple[int, str]], chunks: int, slices: int = 1) -> str:
     """One line: how often each chunk and each kind was drawn."""
     per_chunk = Counter(chunk for chunk, _ in planned)
-    counts = [per_chunk.get(c, 0) for c in range(len(chunks))]
+    counts = [per_chunk.get(c, 0) for c in range(chunks)]
     kinds = Counter(kind for _, kind in planned)
-    return f"coverage: {len(chunks)} chunks of the context, each drawn {min(counts)}-{max(counts)} times; " + ", ".join(
+    of = f"the context's {slices} slices" if slices > 1 else "the context"
+    return f"coverage: {chunks} chunks of {of}, each drawn {min(counts)}-{max(counts)} times; " + ", ".join(
         f"{kind} {count}" for kind, count in kinds.items()
     )

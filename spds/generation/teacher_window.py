@@ -18,9 +18,66 @@ from spds.errors import SpdsError
 from spds.generation.self_study import RECITE
 
 
+def load_corpus(config: Config, tokenizer=None):
+    """context.documents indexed and sliced for the teacher's window (spds/data/corpus.py)."""
+    from spds.data.corpus import Corpus
+    from spds.data.prepare import scaffold_for
+
+    tokenizer = tokenizer or load_tokenizer(config)
+    return Corpus.build(config, tokenizer, slice_budget(config, tokenizer, scaffold_for(config, tokenizer)))
+
+
+def slice_budget(config: Config, tokenizer, scaffold) -> int | None:
+    """The most tokens of a corpus one teacher reads: generate.self_study.slice_tokens, else what
+    the teacher's window leaves after the chat template, the longest question and the longest
+    answer (None where no window is declared: the corpus is read whole, and validate names the
+    missing window)."""
+    study = config.generate.self_study
+    if study is not None and study.slice_tokens is not None:
+        return study.slice_tokens
+    window, asked = config.teacher_window, longest_question(config, tokenizer)
+    if window is None:
+        return None
+    question, answer, _ = asked or (0, config.generate.max_new_tokens, "")
+    return window.positions - context_prompt_tokens(config, tokenizer, scaffold, text="") - question - answer
+
+
+def slice_problems(config: Config, tokenizer, scaffold) -> list[str]:
+    """A slice setting past the window; a corpus that does not read (each of its problems)."""
+    from spds.data.corpus import CorpusError
+
+    study, window = config.generate.self_study, config.teacher_window
+    try:
+        asked = longest_question(config, tokenizer)
+    except SpdsError:
+        asked = None  # teacher_window_problems names the file
+    if study is not None and study.slice_tokens is not None and window is not None and asked is not None:
+        question, answer, bound = asked
+        need = context_prompt_tokens(config, tokenizer, scaffold, text="") + study.slice_tokens + question + answer
+        if need > window.positions:
+            return [
+                f"generate.self_study.slice_tokens: {study.slice_tokens} tokens of the corpus with the chat template, "
+                f"the longest question ({question} tokens) and the longest answer ({answer}: {bound}) are {need} "
+                f"positions, past the teacher's window of {window.positions} ({window.source}): lower it, or leave it "
+                "null for what the window leaves"
+            ]
+    try:
+        corpus = config.corpus
+    except CorpusError as error:
+        return error.problems or [str(error)]
+    if corpus.budget is not None and corpus.budget < 16:
+        return [
+            f"context.documents: the teacher's window leaves {corpus.budget} tokens for the corpus after the chat "
+            "template, the longest question and the longest answer: shorten them"
+        ]
+    return []
+
+
 def teacher_window_problems(config: Config, tokenizer, scaffold) -> list[str]:
     """A context whose template, longest question and longest answer pass the teacher's window; a
-    self-study chunk longer than the context."""
+    self-study chunk longer than the context. A corpus: its slices are cut to fit (`slice_problems`)."""
+    if config.context.documents:
+        return slice_problems(config, tokenizer, scaffold)
     text = config.context_text
     if not text or not (config.generate.questions or config.generate.self_study or config.eval.questions):
         return []

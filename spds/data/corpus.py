@@ -1,0 +1,413 @@
+"""A corpus as the context (context.documents): many documents, possibly far more than a window.
+
+What a user most wants a prompt to carry is often larger than any window (a manual, a body of
+policies, a codebase). So the context may be a corpus: files (a list, a directory, a glob), each
+one document named by its path, or JSONL files of documents (`id`, optional `title`, `text`), and
+an optional context.description, one paragraph a teacher reads first.
+
+  * Reading streams: a document is read a line at a time and never kept; what is kept per
+    document is where it lies (`Source`) and, per part, its line and byte range and its token
+    count. A corpus of 10^8 characters costs its index, not its text. Every document is checked
+    as it streams (UTF-8, with the file and byte offset; not empty; a unique id), and every
+    problem is listed at once (`CorpusError`).
+  * A document is rendered as a block: "## " + its title (else its id), a line break, its text;
+    blocks are joined by a blank line after the description. The corpus in one window is exactly
+    that text: spds reads it as it reads context.file, so a corpus that fits behaves as one file.
+  * A corpus past the window is cut into **slices**: the description, then whole documents in
+    order, as many as fit `budget` tokens (generate.self_study.slice_tokens, by default what the
+    teacher's window leaves after the longest question and answer: spds/generation/
+    teacher_window.py). A document larger than a slice is cut into parts of whole lines; a single
+    line larger than a slice is refused. Each slice's token count is then measured exactly on its
+    rendered text (a part that tipped it over moves to the next slice), so no slice passes the
+    budget by a token. Self-study asks each conversation with the slice that holds its chunk, and
+    eval's views read a slice: the first (the corpus truncated to the window) or the one holding a
+    question's document (the oracle).
+Slices are a fixed partition, not a window re-centred on each chunk: every conversation of a slice
+then shares the slice's keys and values in decoding, computed once (spds/generation/decode.py),
+where per-chunk windows would prefill a window's positions for every row.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from spds.contract.digests import remembered_sha256
+from spds.data.chat import encode_text, holds_added_token
+from spds.errors import SpdsError
+from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json
+
+MAGIC = set("*?[")  # a documents entry holding one of these is a glob
+SEPARATOR = "\n\n"  # between the description and each block
+COUNTED_LINES = 4096  # lines tokenized together (the fast tokenizer's batch)
+
+
+class CorpusError(SpdsError):
+    """A corpus that breaks a rule: every problem found, each naming the file, line or byte and the rule."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a document's text lies, to be read again when a slice needs it."""
+
+    path: Path
+    line: int | None  # a JSONL document's line (from 1); None: the whole file is the document
+    offset: int  # that line's byte offset (0 for a file document)
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}" if self.line else str(self.path)
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    title: str | None
+    source: Source
+
+    @property
+    def heading(self) -> str:
+        return f"## {self.title or self.id}\n"
+
+
+@dataclass(frozen=True)
+class Part:
+    """A document whole, or whole lines of one too large for a slice."""
+
+    document: int  # its index in Corpus.documents
+    lines: tuple[int, int]  # [first, end) of the document's lines (from 0)
+    bytes: tuple[int, int] | None  # [start, end) in the file, for a file document (read without the rest)
+    tokens: int  # its block's tokens, counted a line at a time: the slicing's estimate
+    whole: bool
+
+
+@dataclass(frozen=True)
+class Slice:
+    parts: tuple[Part, ...]
+    tokens: int  # of its rendered text, exactly
+
+
+def files(config) -> list[tuple[Path, str]]:
+    """(file, the id of the document it is) for each file context.documents names, in order: a file
+    is its name; a directory its files under it (sorted, hidden ones skipped), each its path
+    relative to the directory; a glob its matches (sorted), each its path relative to the glob's
+    fixed part. A JSONL file's documents take their ids from its lines."""
+    entries = context_entries(config)
+    found, problems = [], []
+    for entry in entries:
+        path = config.resolve(entry)
+        if MAGIC & set(entry):
+            base = Path(*[part for part in Path(entry).parts if not MAGIC & set(part)][: _fixed_parts(entry)])
+            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+            if not matches:
+                problems.append(f"context.documents: {entry!r} matches no file")
+            root = config.resolve(str(base)) if str(base) != "." else config.resolve(".")
+            found += [(match, match.relative_to(root).as_posix()) for match in matches]
+        elif path.is_dir():
+            under = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+            )
+            if not under:
+                problems.append(f"context.documents: {path} holds no file")
+            found += [(p, p.relative_to(path).as_posix()) for p in under]
+        elif path.is_file():
+            found.append((path, path.name))
+        else:
+            problems.append(f"context.documents: {path} is not a file, a directory or a glob that matches")
+    if problems:
+        raise CorpusError("context.documents: the corpus cannot be read", problems)
+    return found
+
+
+def _fixed_parts(entry: str) -> int:
+    """How many of a glob's leading path parts hold no wildcard."""
+    parts = Path(entry).parts
+    return next((i for i, part in enumerate(parts) if MAGIC & set(part)), len(parts))
+
+
+def context_entries(config) -> list[str]:
+    documents = config.context.documents
+    return [documents] if isinstance(documents, str) else list(documents or [])
+
+
+def sha256(config) -> str:
+    """The corpus's digest: each file's name as read and its sha256, in order (what `spds pin` pins
+    as context.sha256): a file added, removed, renamed or edited changes it."""
+    digest = hashlib.sha256()
+    for path, name in files(config):
+        digest.update(name.encode() + b"\0" + remembered_sha256(path).encode() + b"\n")
+    digest.update((config.context.description or "").encode())
+    return digest.hexdigest()
+
+
+def read(config) -> Iterator[tuple[Document, Iterator[tuple[str, int | None]]]]:
+    """Each document and its lines (text with its line break, and its byte offset in a file
+    document, None in a JSONL one), streamed: a document's lines must be consumed before the next
+    document is asked for. A broken rule raises CorpusError after the whole corpus is read, with
+    every problem; a document that breaks one is skipped meanwhile."""
+    problems, seen = [], {}
+    for path, name in files(config):
+        if path.suffix.lower() == ".jsonl":
+            documents = _jsonl_documents(path, problems)
+        else:
+            documents = [(Document(name, None, Source(path, None, 0)), None)]
+        for document, text in documents:
+            if document.id in seen:
+                problems.append(
+                    f"{document.source}: document {document.id!r}: rule 'unique id': already the id of the document "
+                    f"at {seen[document.id]}"
+                )
+                continue
+            seen[document.id] = document.source
+            lines = _file_lines(path, problems) if text is None else ((line, None) for line in text.splitlines(True))
+            checked = _not_empty(document, lines, problems)
+            yield document, checked
+            for _ in checked:  # what the caller left unread, read for its checks
+                pass
+    if not seen and not problems:
+        problems.append("context.documents: the corpus holds no document")
+    if problems:
+        raise CorpusError("context.documents: the corpus breaks its rules", problems)
+
+
+def _not_empty(document: Document, lines, problems: list[str]):
+    blank = True
+    for line, offset in lines:
+        blank = blank and not line.strip()
+        yield line, offset
+    if blank:
+        problems.append(f"{document.source}: document {document.id!r}: rule 'not empty': it holds no text")
+
+
+def _file_lines(path: Path, problems: list[str]) -> Iterator[tuple[str, int]]:
+    """A file document's lines, decoded as UTF-8 a line at a time (a line longer than
+    MAX_LINE_BYTES is read in pieces of that size)."""
+    offset = 0
+    with open_regular(path) as stream:
+        for number, raw in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES), b""), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                problems.append(
+                    f"{path}: byte {offset + error.start} (line {number}): rule 'UTF-8 text': not UTF-8 "
+                    f"({raw[error.start : error.start + 4]!r})"
+                )
+                return
+            yield line, offset
+            offset += len(raw)
+
+
+def _jsonl_documents(path: Path, problems: list[str]) -> Iterator[tuple[Document, str]]:
+    """The documents of a JSONL file, one a line: an object with id, text and optionally title."""
+    offset = 0
+    with open_regular(path) as stream:
+        for number, raw in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            where, start = f"{path}:{number}", offset
+            offset += len(raw)
+            if len(raw) > MAX_LINE_BYTES:
+                problems.append(f"{where}: rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
+                return
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                problems.append(f"{where}: byte {start + error.start}: rule 'UTF-8 text': not UTF-8")
+                continue
+            if not raw.strip():
+                continue
+            row = _document_row(raw, where, problems)
+            if row is not None:
+                yield Document(row["id"], row.get("title"), Source(path, number, start)), row["text"]
+
+
+def _document_row(raw: bytes, where: str, problems: list[str]) -> dict | None:
+    try:
+        row = parse_json(raw)
+    except ValueError as error:
+        problems.append(f"{where}: rule 'one JSON object per line': {error}")
+        return None
+    if not isinstance(row, dict):
+        problems.append(f"{where}: rule 'document fields': a document is an object with id, text and optionally title")
+        return None
+    wrong = [
+        f"{key} must be a non-empty string"
+        for key in ("id", "text", "title")
+        if (key in row or key != "title") and (not isinstance(row.get(key), str) or not row[key].strip())
+    ] + [f"no field {key!r} (a document has id, text and title)" for key in sorted(set(row) - {"id", "text", "title"})]
+    for key in ("id", "text", "title"):
+        if isinstance(row.get(key), str) and not _encodable(row[key]):
+            wrong.append(f"{key} holds a lone surrogate (an escape that is no character): not UTF-8 text")
+    if wrong:
+        name = f"document {row['id']!r}: " if isinstance(row.get("id"), str) else ""
+        problems.append(f"{where}: {name}rule 'document fields': " + "; ".join(wrong))
+        return None
+    return row
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def count_lines(tokenizer, lines: list[str]) -> list[int]:
+    """Each line's tokens as user text (chat.encode_text), the ordinary lines in one batch."""
+    plain = [i for i, line in enumerate(lines) if not holds_added_token(tokenizer, line)]
+    counts = [0] * len(lines)
+    if plain:
+        encoded = tokenizer([lines[i] for i in plain], add_special_tokens=False)["input_ids"]
+        for i, ids in zip(plain, encoded):
+            counts[i] = len(ids)
+    for i in set(range(len(lines))) - set(plain):
+        counts[i] = len(encode_text(tokenizer, lines[i]))
+    return counts
+
+
+@dataclass
+class Corpus:
+    """The corpus's documents, cut into slices of at most `budget` tokens (None: one slice, the
+    whole corpus, for a teacher with no declared window, which validate refuses anyway)."""
+
+    description: str | None
+    documents: list[Document]
+    slices: list[Slice]
+    budget: int | None
+    tokenizer: object = field(repr=False)
+
+    @classmethod
+    def build(cls, config, tokenizer, budget: int | None) -> Corpus:
+        description = (config.context.description or "").strip() or None
+        overhead = len(encode_text(tokenizer, description + SEPARATOR)) if description else 0
+        cap = None if budget is None else budget - overhead
+        documents, parts = [], []
+        for document, lines in read(config):
+            documents.append(document)
+            parts += _parts(len(documents) - 1, document, lines, tokenizer, cap)
+        corpus = cls(description, documents, [], budget, tokenizer)
+        corpus.slices = corpus._sliced(parts, overhead)
+        return corpus
+
+    def _sliced(self, parts: list[Part], overhead: int) -> list[Slice]:
+        """Greedy in order by the parts' estimates, then each slice measured exactly; a slice over
+        the budget gives its last part to the next one."""
+        groups, current, tokens = [], [], overhead
+        for part in parts:
+            join = 0 if not current else len(encode_text(self.tokenizer, SEPARATOR))
+            if current and self.budget is not None and tokens + join + part.tokens > self.budget:
+                groups.append(current)
+                current, tokens, join = [], overhead, 0
+            current.append(part)
+            tokens += join + part.tokens
+        groups.append(current)
+        slices, pending = [], groups
+        while pending:
+            group, pending = pending[0], pending[1:]
+            exact = len(encode_text(self.tokenizer, self.text_of(group)))
+            if self.budget is not None and exact > self.budget:
+                if len(group) == 1:
+                    part = group[0]
+                    raise CorpusError(
+                        f"{self.documents[part.document].source}: document {self.documents[part.document].id!r}, "
+                        f"lines {part.lines[0] + 1}-{part.lines[1]}: {exact} tokens alone, past a slice's "
+                        f"{self.budget}: rule 'a part fits a slice': raise generate.self_study.slice_tokens"
+                    )
+                pending = [group[:-1], [group[-1], *(pending[0] if pending else [])], *pending[1:]]
+                continue
+            slices.append(Slice(tuple(group), exact))
+        return slices
+
+    @property
+    def whole(self) -> bool:
+        """The corpus in one slice: read whole, as one context file is."""
+        return len(self.slices) == 1
+
+    def text(self, index: int) -> str:
+        """Slice `index`'s rendered text (the whole corpus's for one slice)."""
+        return self.text_of(self.slices[index].parts)
+
+    def text_of(self, parts) -> str:
+        blocks = [self.documents[p.document].heading + self.part_text(p).rstrip() for p in parts]
+        return SEPARATOR.join([self.description, *blocks] if self.description else blocks)
+
+    def part_text(self, part: Part) -> str:
+        source = self.documents[part.document].source
+        with open_regular(source.path) as stream:
+            if source.line is None:
+                stream.seek(part.bytes[0])
+                return stream.read(part.bytes[1] - part.bytes[0]).decode("utf-8")
+            stream.seek(source.offset)
+            text = parse_json(stream.readline(MAX_LINE_BYTES + 1))["text"]
+        return "".join(text.splitlines(True)[part.lines[0] : part.lines[1]])
+
+    def holding(self, document_id: str) -> int | None:
+        """The first slice that holds the document (its first part), None for no such document."""
+        for index, piece in enumerate(self.slices):
+            if any(self.documents[p.document].id == document_id for p in piece.parts):
+                return index
+        return None
+
+    def ids(self) -> set[str]:
+        return {d.id for d in self.documents}
+
+    def record(self, index: int) -> dict:
+        """What a row records of the slice its teacher read: its index, and each part's document id
+        (with its line range where the part is not the whole document)."""
+        return dict(
+            index=index,
+            documents=[
+                self.documents[p.document].id if p.whole else [self.documents[p.document].id, *p.lines]
+                for p in self.slices[index].parts
+            ],
+            tokens=self.slices[index].tokens,
+        )
+
+    def summary(self) -> str:
+        sizes = [s.tokens for s in self.slices]
+        return (
+            f"corpus: {len(self.documents)} documents in {len(self.slices)} slices of {min(sizes)}-{max(sizes)} "
+            f"tokens (at most {self.budget})"
+        )
+
+
+def _parts(index: int, document: Document, lines, tokenizer, cap: int | None) -> list[Part]:
+    """A document's parts: whole, or groups of whole lines each within `cap` tokens with its heading."""
+    heading = len(encode_text(tokenizer, document.heading))
+    parts, first, tokens, start, number, end_byte = [], 0, heading, 0, 0, 0
+    pending: list[tuple[str, int | None]] = []
+
+    def flush(batch):
+        nonlocal first, tokens, start, number, end_byte
+        for (line, offset), count in zip(batch, count_lines(tokenizer, [line for line, _ in batch])):
+            line_bytes = len(line.encode("utf-8"))
+            if cap is not None and heading + count > cap:
+                raise CorpusError(
+                    f"{document.source}: document {document.id!r}, line {number + 1}: {count} tokens, more than a "
+                    f"slice holds ({cap} after the description and heading): rule 'a line fits a slice': break the "
+                    "line, or raise generate.self_study.slice_tokens"
+                )
+            if cap is not None and number > first and tokens + count > cap:
+                parts.append(Part(index, (first, number), None if offset is None else (start, offset), tokens, False))
+                first, tokens, start = number, heading, offset if offset is not None else 0
+            tokens += count
+            number += 1
+            end_byte = (offset or 0) + line_bytes
+
+    for line in lines:
+        pending.append(line)
+        if len(pending) == COUNTED_LINES:
+            flush(pending)
+            pending = []
+    flush(pending)
+    is_file = document.source.line is None
+    parts.append(Part(index, (first, number), (start, end_byte) if is_file else None, tokens, not parts))
+    return parts
+
+
+def document_ids(config) -> set[str]:
+    """The corpus's document ids, read without a tokenizer (eval.questions' doc is checked against them)."""
+    return {document.id for document, _ in read(config)}
