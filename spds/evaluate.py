@@ -61,7 +61,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
     corpus = config.corpus
     if corpus is not None:  # the context view is the corpus truncated to the window where it passes it
-        whole = "whole" if corpus.whole else "truncated"
+        whole = "truncated" if corpus.truncates else "whole"
         result["corpus"] = dict(
             documents=len(corpus.documents), slices=len(corpus.slices), slice_tokens=corpus.budget, context=whole
         )

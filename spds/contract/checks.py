@@ -298,9 +298,9 @@ def corpus_problems(config: Config) -> list[str]:
     except SpdsError:
         return problems  # the teacher window's checks list the corpus's own problems
     problems += document_problems(config, corpus.ids())
-    if corpus.whole:
+    if not corpus.truncates:
         return problems
-    past = f"the corpus is {len(corpus.slices)} slices of the teacher's window (context.documents)"
+    past = "the corpus passes the teacher's window (context.documents)"
     online = config.loss.teacher == "context" or (config.loss.teacher == "auto" and not config.generate.top_k_logprobs)
     if config.loss.objective != "ce" and online:
         problems.append(

@@ -162,11 +162,11 @@ class Config:
 
     @cached_property
     def context_text(self) -> str | None:  # read once: every user of it sees the same text
-        """The system prompt being distilled: context.text, context.file's text, or a corpus's
-        first slice (the whole corpus where it fits the teacher's window; otherwise the corpus
-        truncated to it, what a model reading the context in place of the prompt can read)."""
+        """The system prompt being distilled: context.text, context.file's text, or a corpus (the
+        whole corpus where it fits the teacher's window; otherwise the corpus truncated to it,
+        what a model reading the context in place of the prompt can read)."""
         if self.context.documents:
-            return self.corpus.text(0)
+            return self.corpus.truncated
         return read_text(self.resolve(self.context.file)) if self.context.file else self.context.text
 
     def context_digest(self) -> str:

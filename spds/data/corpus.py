@@ -278,9 +278,13 @@ class Corpus:
     slices: list[Slice]
     budget: int | None
     tokenizer: object = field(repr=False)
+    overhead: int = 0  # the description's tokens and its separator
+    window: Slice | None = None  # the corpus truncated to the teacher's window (`truncated`)
 
     @classmethod
-    def build(cls, config, tokenizer, budget: int | None) -> Corpus:
+    def build(cls, config, tokenizer, budget: int | None, window: int | None = None) -> Corpus:
+        """Slices of at most `budget` tokens; `window`: the most the teacher's window holds (the
+        truncated view; `budget` where None)."""
         description = (config.context.description or "").strip() or None
         overhead = len(encode_text(tokenizer, description + SEPARATOR)) if description else 0
         cap = None if budget is None else budget - overhead
@@ -288,33 +292,38 @@ class Corpus:
         for document, lines in read(config):
             documents.append(document)
             parts += _parts(len(documents) - 1, document, lines, tokenizer, cap)
-        corpus = cls(description, documents, [], budget, tokenizer)
-        corpus.slices = corpus._sliced(parts, overhead)
+        corpus = cls(description, documents, [], budget, tokenizer, overhead)
+        corpus.slices = corpus._sliced(parts, budget)
+        window = budget if window is None or budget is None else max(window, budget)
+        corpus.window = corpus.slices[0] if window == budget else corpus._sliced(parts, window, first=True)[0]
         return corpus
 
-    def _sliced(self, parts: list[Part], overhead: int) -> list[Slice]:
+    def _sliced(self, parts: list[Part], budget: int | None, first: bool = False) -> list[Slice]:
         """Greedy in order by the parts' estimates, then each slice measured exactly; a slice over
-        the budget gives its last part to the next one."""
-        groups, current, tokens = [], [], overhead
+        the budget gives its last part to the next one. `first`: the first slice alone."""
+        groups, current, tokens = [], [], self.overhead
+        join = len(encode_text(self.tokenizer, SEPARATOR))
         for part in parts:
-            join = 0 if not current else len(encode_text(self.tokenizer, SEPARATOR))
-            if current and self.budget is not None and tokens + join + part.tokens > self.budget:
+            if current and budget is not None and tokens + join + part.tokens > budget:
                 groups.append(current)
-                current, tokens, join = [], overhead, 0
+                if first:
+                    break
+                current, tokens = [], self.overhead
+            tokens += (join if current else 0) + part.tokens
             current.append(part)
-            tokens += join + part.tokens
-        groups.append(current)
+        else:
+            groups.append(current)
         slices, pending = [], groups
-        while pending:
+        while pending and not (first and slices):
             group, pending = pending[0], pending[1:]
             exact = len(encode_text(self.tokenizer, self.text_of(group)))
-            if self.budget is not None and exact > self.budget:
+            if budget is not None and exact > budget:
                 if len(group) == 1:
                     part = group[0]
                     raise CorpusError(
                         f"{self.documents[part.document].source}: document {self.documents[part.document].id!r}, "
                         f"lines {part.lines[0] + 1}-{part.lines[1]}: {exact} tokens alone, past a slice's "
-                        f"{self.budget}: rule 'a part fits a slice': raise generate.self_study.slice_tokens"
+                        f"{budget}: rule 'a part fits a slice': raise generate.self_study.slice_tokens"
                     )
                 pending = [group[:-1], [group[-1], *(pending[0] if pending else [])], *pending[1:]]
                 continue
@@ -325,6 +334,18 @@ class Corpus:
     def whole(self) -> bool:
         """The corpus in one slice: read whole, as one context file is."""
         return len(self.slices) == 1
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the teacher's window holds less than the whole corpus."""
+        return len(self.window.parts) < sum(len(s.parts) for s in self.slices)
+
+    @property
+    def truncated(self) -> str:
+        """The corpus truncated to the teacher's window: the description and the documents from
+        the first, as many as the window holds after the longest question and answer (what a
+        model reading the corpus in context can read)."""
+        return self.text_of(self.window.parts)
 
     def text(self, index: int) -> str:
         """Slice `index`'s rendered text (the whole corpus's for one slice)."""

@@ -93,7 +93,7 @@ def window_problems(config: Config, tokenizer, scaffold) -> list[str]:
 
 def context_source(config: Config) -> str:
     if config.context.documents:
-        return "context.documents (the first slice)" if not config.corpus.whole else "context.documents"
+        return "context.documents (truncated to the window)" if config.corpus.truncates else "context.documents"
     return "context.file" if config.context.file else "context.text"
 
 

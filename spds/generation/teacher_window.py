@@ -24,16 +24,18 @@ def load_corpus(config: Config, tokenizer=None):
     from spds.data.prepare import scaffold_for
 
     tokenizer = tokenizer or load_tokenizer(config)
-    return Corpus.build(config, tokenizer, slice_budget(config, tokenizer, scaffold_for(config, tokenizer)))
+    scaffold = scaffold_for(config, tokenizer)
+    window = slice_budget(config, tokenizer, scaffold, chosen=False)
+    return Corpus.build(config, tokenizer, slice_budget(config, tokenizer, scaffold), window)
 
 
-def slice_budget(config: Config, tokenizer, scaffold) -> int | None:
-    """The most tokens of a corpus one teacher reads: generate.self_study.slice_tokens, else what
-    the teacher's window leaves after the chat template, the longest question and the longest
-    answer (None where no window is declared: the corpus is read whole, and validate names the
-    missing window)."""
+def slice_budget(config: Config, tokenizer, scaffold, chosen: bool = True) -> int | None:
+    """The most tokens of a corpus one teacher reads: generate.self_study.slice_tokens (`chosen`),
+    else what the teacher's window leaves after the chat template, the longest question and the
+    longest answer (None where no window is declared: the corpus is read whole, and validate
+    names the missing window)."""
     study = config.generate.self_study
-    if study is not None and study.slice_tokens is not None:
+    if chosen and study is not None and study.slice_tokens is not None:
         return study.slice_tokens
     window, asked = config.teacher_window, longest_question(config, tokenizer)
     if window is None:

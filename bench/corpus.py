@@ -1,0 +1,170 @@
+"""A corpus larger than the window, on the real example's model (SmolLM2-135M-Instruct, window
+8,192): what a soft prompt carries past the window, against the teacher reading the corpus
+truncated to it and the teacher reading the right slice (the oracle); and composition.
+
+    python bench/corpus.py MODEL_DIR [--steps all|whole|halves] [--conversations N] [--out DIR]
+
+The corpus: fact sheets of towns written here from a seed (each a short sheet of eight facts:
+a 135M teacher states a sheet's facts when it reads a few sheets, not thousands of lines), as
+many as make three windows of the model's tokens, and 48 keyword questions, one fact of every
+fourth sheet, spread over the whole corpus, each naming its sheet (`doc`). Everything runs
+through the CLI as a user would: `spds generate` (self-study, slices of a few sheets), prepare,
+train, eval (soft / truncated / oracle on the 48 questions). Steps:
+  whole   one embeddings prompt (128 positions) and one kv prompt (16) on the whole corpus;
+  halves  one embeddings prompt per half of the corpus, each evaluated alone on all 48
+          questions, and the two composed (`spds export --compose`), against the whole one.
+Each figure is one JSON line (bench/common.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SYLLABLES = "bar ken lo mir tas vel dun or rik sa mon tel gra fen hol ast bri cor lun pe".split()
+RIVERS = "Amber Silt Heron Willow Copper Linden Slate Marsh Ember Fjell".split()
+EXPORTS = "cheese timber wool salt glass honey copper paper rope cider".split()
+MONTHS = "January February March April May June July August September October November December".split()
+DESCRIPTION = "Fact sheets of the towns of the Varn valley: one sheet per town, eight facts each."
+
+
+def town_sheets(seed: int):
+    """Towns without end, each a sheet of eight facts and the question each fact answers (keyword)."""
+    rng, names, count = random.Random(seed), set(), 0
+    while True:
+        name = "".join(rng.sample(SYLLABLES, 3)).capitalize() + rng.choice(["holm", "by", "stad", "wick"])
+        mayor = "".join(rng.sample(SYLLABLES, 3)).capitalize()
+        if name in names:
+            continue
+        names.add(name)
+        bridges, tower, year = rng.randint(12, 98), rng.randint(20, 90), rng.randint(1100, 1899)
+        river = rng.choice(RIVERS)
+        export, month, club = rng.choice(EXPORTS), rng.choice(MONTHS), mayor[:3].capitalize() + "rovers"
+        facts = [  # (fact, the question it answers, the keyword an answer holding it holds)
+            (f"{name} lies on the {river} river.", f"Which river does {name} lie on?", river),
+            (f"The mayor of {name} is {mayor}.", f"Who is the mayor of {name}?", mayor),
+            (f"{name} was founded in {year}.", f"In what year was {name} founded?", str(year)),
+            (f"The main export of {name} is {export}.", f"What is the main export of {name}?", export),
+            (f"The festival of {name} is held every {month}.", f"In which month is {name}'s festival?", month),
+            (f"{name} has {bridges} bridges.", f"How many bridges does {name} have?", str(bridges)),
+            (f"The bell tower of {name} is {tower} metres tall.", f"How tall is {name}'s bell tower?", str(tower)),
+            (f"{name}'s football club is the {club}.", f"What is {name}'s football club?", club),
+        ]
+        text = "".join(f"{i}. {fact}\n" for i, (fact, _, _) in enumerate(facts, start=1))
+        yield dict(id=f"{count:03d}-{name.lower()}", title=f"Town of {name}", text=text, facts=facts)
+        count += 1
+
+
+def write_corpus(work: Path, model: Path, windows: int) -> list[dict]:
+    """The towns (enough for `windows` windows of the model's tokens) as one file each, and the questions."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    window = AutoConfig.from_pretrained(model).max_position_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    towns, tokens = [], 0
+    for town in town_sheets(0):
+        towns.append(town)
+        tokens += len(tokenizer.encode(f"## {town['title']}\n{town['text']}\n\n", add_special_tokens=False))
+        if tokens >= windows * window:
+            break
+    for half, members in (("a", towns[: len(towns) // 2]), ("b", towns[len(towns) // 2 :]), ("all", towns)):
+        directory = work / f"corpus-{half}"
+        directory.mkdir(exist_ok=True)
+        with open(directory / "towns.jsonl", "w") as stream:
+            stream.writelines(json.dumps({k: t[k] for k in ("id", "title", "text")}) + "\n" for t in members)
+    with open(work / "questions.jsonl", "w") as stream:
+        for n, town in enumerate(towns[::4][:48]):
+            fact = n % 8
+            _, asked, keyword = town["facts"][fact]
+            question = dict(question_id=f"q{n:02d}", question=asked, keyword=keyword)
+            stream.write(json.dumps(dict(question, doc=town["id"])) + "\n")
+    common.record(figure="corpus", towns=len(towns), tokens=tokens, window=window, windows=round(tokens / window, 2))
+    return towns
+
+
+def config(work: Path, name: str, corpus: str, form: str, length: int, rate: float, args, rows: str = "") -> str:
+    """A run's config: the real example's recipe on `corpus` (a, b or all); `rows`: another
+    corpus's rows to pack (an eval-only config: eval.questions on the whole corpus)."""
+    base = json.loads((common.REPO / "examples" / "real" / "run.json").read_text())
+    base["student"].update(model_path="model", dtype=args.dtype)
+    base["context"] = {"documents": f"corpus-{corpus}/towns.jsonl", "description": DESCRIPTION}
+    base["soft_prompt"].update(form=form, length=length)
+    base["generate"].update(output=f"rows-{corpus}.jsonl", batch_size=args.batch)
+    base["generate"]["self_study"].update(conversations=args.conversations // (1 if corpus == "all" else 2),
+                                          slice_tokens=args.slice_tokens)  # fmt: skip
+    packed = rows or corpus
+    base["data"].update(candidates=[{"path": f"rows-{packed}.jsonl"}], packed_dir=f"packed-{name}-{length}")
+    base["data"]["context_limit"] = None
+    base["optim"].update(learning_rate=rate, updates=args.updates, effective_batch=args.rows, micro_batch=args.rows)
+    base["optim"]["warmup_updates"] = min(4, args.updates)
+    base["output_dir"] = f"run-{name}"
+    base["eval"] = dict(base.get("eval", {}), questions="questions.jsonl" if corpus == "all" else None, samples=0)
+    (work / f"{name}.json").write_text(json.dumps(base, indent=2))
+    return f"{name}.json"
+
+
+def spds(work: Path, *verb: str) -> None:
+    log = work / f"{verb[-1].replace('/', '_')}-{verb[0]}.log"
+    status, _ = common.timed([sys.executable, "-m", "spds.cli", *verb], log, cwd=work)
+    if status:
+        sys.exit(f"spds {' '.join(verb)} failed: {log}")
+
+
+def evaluated(work: Path, name: str, variant: str, checkpoint: str | None = None) -> None:
+    spds(work, "eval", f"{name}.json", *(["--checkpoint", checkpoint] if checkpoint else []))
+    report = json.loads((work / f"run-{name}" / "eval.json").read_text())
+    asked = report["questions"]
+    hits = {view: round(share * asked["questions"]) for view, share in asked["keyword_share"].items()}
+    common.record(figure="corpus quality", variant=variant, facts_of=asked["questions"], facts=hits,
+                  questions_gap=asked["gap_recovered"], nll=asked["nll"], corpus=report.get("corpus"))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="examples/real/make_model.py's output")
+    parser.add_argument("--steps", default="all", choices=("all", "whole", "halves"))
+    parser.add_argument("--conversations", type=int, default=4096, help="self-study conversations on the whole corpus")
+    parser.add_argument("--slice-tokens", type=int, default=640, help="generate.self_study.slice_tokens")
+    parser.add_argument("--updates", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=64, help="optim.effective_batch")
+    parser.add_argument("--batch", type=int, default=256, help="generate.batch_size")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", help="work directory (default: outside the checkout, bench/common.py)")
+    args = parser.parse_args()
+    work = common.out_dir(args.out, "corpus")
+    if not (work / "model").exists():
+        (work / "model").symlink_to(Path(args.model).resolve())
+    began = time.time()
+    write_corpus(work, Path(args.model), windows=3)
+    if args.steps in ("all", "whole"):
+        for name, form, length, rate in (("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)):
+            file = config(work, name, "all", form, length, rate, args)
+            for verb in ("generate", "prepare", "train"):
+                spds(work, verb, file)
+            evaluated(work, name, name)
+    if args.steps in ("all", "halves"):
+        for half in ("a", "b"):
+            file = config(work, f"half-{half}", half, "embeddings", 128, 0.01, args)
+            for verb in ("generate", "prepare", "train", "export"):
+                spds(work, verb, file)
+        for half in ("a", "b"):  # each half's prompt alone, on every question of the corpus
+            file = config(work, f"alone-{half}", "all", "embeddings", 128, 0.01, args, rows=half)
+            spds(work, "prepare", file)
+            evaluated(work, f"alone-{half}", f"half {half} alone", f"run-half-{half}/export/soft_prompt.safetensors")
+        parts = [f"run-half-{h}/export/soft_prompt.safetensors" for h in ("a", "b")]
+        spds(work, "export", "--compose", *parts, "composed")
+        file = config(work, "composed", "all", "embeddings", 256, 0.01, args, rows="a")
+        spds(work, "prepare", file)
+        evaluated(work, "composed", "halves composed", "composed/soft_prompt.safetensors")
+    common.record(figure="corpus bench", seconds=round(time.time() - began))
+
+
+if __name__ == "__main__":
+    main()
