@@ -1,0 +1,283 @@
+"""A corpus as the context (context.documents, spds/data/corpus.py): read by rule, pinned, cut
+into slices of the teacher's window; self-study asks each conversation with its chunk's slice;
+eval reports the soft prompt against the corpus truncated to the window and the oracle slice.
+
+The student is the tiny example's with its window cut to 1,024 positions (its config.json as
+a user's model declares one), so that a corpus of three windows is a few thousand characters.
+What the teacher read is recomputed with plain transformers from the rows alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tracemalloc
+
+import pytest
+import torch
+from conftest import edit_config, make_tiny
+from helpers import assert_same_adam_path, check, spds
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+WINDOW = 1024
+DESCRIPTION = "The drawer sheets of the Lumen Bay archive."
+
+
+def sheet(i: int) -> str:
+    return "".join(f"{j}. Ledger {i}-{j} lies in drawer {7 * i + j}.\n" for j in range(9))
+
+
+def rendered(documents: list[tuple[str, str]], description: str | None = None) -> str:
+    """The corpus as docs/config.md renders it: the description, then each document as "## id"
+    (or its title), a line break and its text, a blank line between them."""
+    blocks = [f"## {name}\n{text.rstrip()}" for name, text in documents]
+    return "\n\n".join([description, *blocks] if description else blocks)
+
+
+@pytest.fixture
+def corpus(tiny_assets, tmp_path):
+    """A run directory: the tiny student with a 1,024-position window, twelve sheets (about three
+    windows of its tokens), and a self-study config reading them."""
+    student = tmp_path / "student"
+    shutil.copytree(tiny_assets / "student", student)
+    declared = json.loads((student / "config.json").read_text())
+    (student / "config.json").write_text(json.dumps(dict(declared, max_position_embeddings=WINDOW)))
+    (tmp_path / "sheets").mkdir()
+    for i in range(12):
+        (tmp_path / "sheets" / f"sheet{i:02d}.md").write_text(sheet(i))
+    config = json.loads((tiny_assets / "loop.json").read_text())
+    config["student"].update(model_path=str(student), dtype="float32")
+    config["context"] = {"documents": "sheets", "description": DESCRIPTION}
+    config["data"].update(candidates=[{"path": "rows.jsonl"}], context_limit=None)
+    config["generate"] = dict(
+        config["generate"],
+        questions=None,
+        output="rows.jsonl",
+        self_study={"conversations": 24, "chunk_tokens": 64, "question_max_tokens": 12, "slice_tokens": 400},
+        samples_per_question=1,
+        max_new_tokens=12,
+        batch_size=8,
+        top_k_logprobs=3,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
+    return tmp_path
+
+
+def corpus_tokens(directory) -> int:
+    tokenizer = make_tiny.chatml_tokenizer()
+    texts = [(p.name, p.read_text()) for p in sorted((directory / "sheets").iterdir())]
+    return len(tokenizer.encode(rendered(texts, DESCRIPTION), add_special_tokens=False))
+
+
+def test_every_broken_document_is_named_by_file_and_rule_in_one_refusal(corpus):
+    (corpus / "sheets" / "blank.md").write_text("  \n\n")
+    (corpus / "sheets" / "latin1.md").write_bytes("Caf\xe9 opens at 9.\n".encode("latin-1"))
+    (corpus / "more.jsonl").write_text(
+        json.dumps({"id": "manual", "text": "Page one.\n"})
+        + "\n"
+        + json.dumps({"id": "manual", "title": "Again", "text": "Page two.\n"})
+        + "\n"
+        + '{"id": "odd", "text": "A lone \\ud800 surrogate."}\n'
+        + json.dumps({"id": "bare"})
+        + "\n"
+    )
+    edit_config(corpus, context={"documents": ["sheets", "more.jsonl"]})
+    result = spds(["validate", "config.json"], corpus)
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    for named in (
+        "blank.md: document 'blank.md': rule 'not empty'",
+        "latin1.md: byte 3 (line 1): rule 'UTF-8 text'",
+        "more.jsonl:2: document 'manual': rule 'unique id': already the id of the document at",
+        "more.jsonl:3: rule 'one JSON object per line': rule 'UTF-8 text'",
+        "more.jsonl:4: document 'bare': rule 'document fields': text must be a non-empty string",
+    ):
+        assert named in out, out
+    assert "Traceback" not in out and "latin1.md: document 'latin1.md': rule 'not empty'" not in out
+
+
+@pytest.mark.parametrize(
+    ("sections", "named"),
+    [
+        (dict(context={"text": "A context."}), "context: context.text and context.documents are set"),
+        (
+            dict(generate={"self_study": {"conversations": 4, "slice_tokens": 4 * WINDOW}}),
+            "generate.self_study.slice_tokens: 4096 tokens of the corpus",
+        ),
+        (dict(eval={"questions": "eval.jsonl"}), "doc 'nowhere.md': rule 'a document of the corpus'"),
+        (dict(loss={"objective": "kl", "teacher": "context"}), "loss.teacher: context: the online teacher reads"),
+        (dict(generate={"self_study": None, "questions": "asked.jsonl"}), "question_id 'q1' names no doc"),
+        (dict(context={"documents": "sheets/*.txt"}), "context.documents: 'sheets/*.txt' matches no file"),
+        (dict(context={"documents": None, "file": "sheets/sheet00.md"}), "context.description: describes a corpus"),
+    ],
+)
+def test_validate_refuses_what_a_corpus_cannot_do_naming_the_key(corpus, sections, named):
+    (corpus / "eval.jsonl").write_text(json.dumps({"question_id": "e1", "question": "Where?", "doc": "nowhere.md"}))
+    (corpus / "asked.jsonl").write_text(
+        json.dumps({"question_id": "q0", "question": "Where is ledger 3-1?", "doc": "sheet03.md"})
+        + "\n"
+        + json.dumps({"question_id": "q1", "question": "Where is ledger 4-1?"})
+        + "\n"
+    )
+    edit_config(corpus, **sections)
+    result = spds(["validate", "config.json"], corpus)
+    assert result.returncode != 0 and named in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_a_corpus_changed_since_pin_stops_the_run_before_any_work(corpus):
+    (corpus / "rows.jsonl").write_text("")  # pinned too (spds pin pins every input)
+    check(spds(["pin", "config.json"], corpus))
+    pins = json.loads((corpus / "config.json.pins.json").read_text())["pins"]
+    assert "context.sha256" in pins
+    check(spds(["validate", "config.json"], corpus))
+    (corpus / "sheets" / "sheet05.md").write_text(sheet(5).replace("drawer 38", "drawer 83"))
+    edited = spds(["generate", "config.json"], corpus)
+    assert edited.returncode != 0
+    assert "context.sha256: the corpus (context.documents) changed since it was pinned" in edited.stderr
+    assert (corpus / "rows.jsonl").read_text() == ""  # nothing written
+    (corpus / "sheets" / "sheet05.md").write_text(sheet(5))
+    check(spds(["validate", "config.json"], corpus))
+    (corpus / "sheets" / "sheet12.md").write_text(sheet(12))  # a document added
+    assert "changed since it was pinned" in spds(["validate", "config.json"], corpus).stderr
+
+
+def test_a_corpus_within_the_window_writes_the_bytes_of_the_same_text_as_one_context_file(corpus):
+    """Two sheets fit the window: the teacher reads them whole, as it reads context.file."""
+    for extra in sorted((corpus / "sheets").iterdir())[2:]:
+        extra.unlink()
+    edit_config(corpus, generate={"self_study": {"conversations": 12, "chunk_tokens": 64, "question_max_tokens": 12}})
+    check(spds(["generate", "config.json"], corpus))
+    rows = (corpus / "rows.jsonl").read_bytes()
+    assert b'"slice"' not in rows  # the whole corpus is the slice: nothing to record beyond today's row
+    texts = [(p.name, p.read_text()) for p in sorted((corpus / "sheets").iterdir())]
+    (corpus / "context.md").write_text(rendered(texts, DESCRIPTION))
+    edit_config(corpus, context={"file": "context.md", "documents": None, "description": None})
+    (corpus / "rows.jsonl").unlink()
+    (corpus / "rows.jsonl.provenance.json").unlink()  # its record names the corpus: another context's digest
+    check(spds(["generate", "config.json"], corpus))
+    assert (corpus / "rows.jsonl").read_bytes() == rows
+
+
+def test_self_study_over_three_windows_reads_each_chunks_slice_within_the_window(corpus):
+    """Each row's teacher read one slice: the description and whole sheets holding the row's chunk,
+    within the teacher's window with the question and answer; recomputed from the row alone with
+    plain transformers (the slice rendered from the documents it names, the published template's
+    rendering, a plain forward), the teacher's recorded top-k at the answer's first token is that
+    forward's."""
+    assert corpus_tokens(corpus) >= 3 * WINDOW
+    result = check(spds(["generate", "config.json"], corpus))
+    assert "slices" in result.stdout
+    rows = [json.loads(line) for line in (corpus / "rows.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(corpus / "student")
+    plain = AutoModelForCausalLM.from_pretrained(corpus / "student", dtype=torch.float32, attn_implementation="eager")
+    sheets = {p.name: p.read_text() for p in (corpus / "sheets").iterdir()}
+    named, indices = set(), set()
+    for row in rows:
+        study = row["self_study"]
+        documents = study["slice"]["documents"]
+        named.update(documents)
+        indices.add(study["slice"]["index"])
+        text = rendered([(name, sheets[name]) for name in documents], DESCRIPTION)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) == study["slice"]["tokens"] <= 400
+        start, end = study["chunk"]  # the chunk's offsets are the slice's tokens
+        assert 0 <= start < end <= len(ids)
+        if study["kind"] == "recite":  # its answer is the slice's own text there
+            recited = tokenizer.decode(ids[slice(*study["recited"])]).strip()
+            assert tokenizer.decode(row["labels"][row["prefix_tokens"] : -1]).strip() == recited
+        asked = [{"role": "system", "content": text}, {"role": "user", "content": study["question"]}]
+        prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert len(prompt) + row["supervised_tokens"] <= WINDOW
+    assert named == set(sheets) and len(indices) > 3  # every sheet read, in many slices
+    row = rows[0]
+    asked = [
+        {
+            "role": "system",
+            "content": rendered([(n, sheets[n]) for n in row["self_study"]["slice"]["documents"]], DESCRIPTION),
+        },
+        {"role": "user", "content": row["self_study"]["question"]},
+    ]
+    prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        logits = plain(torch.tensor([prompt])).logits[0, -1].float()
+    expected = torch.log_softmax(logits, -1).topk(3)
+    assert row["top_logprobs"]["ids"][0] == expected.indices.tolist()
+    # fp32 on both sides: the decoder's two-part softmax sums in another order (~1e-6)
+    assert (torch.tensor(row["top_logprobs"]["logprobs"][0]) - expected.values).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_spds_init_on_a_directory_runs_every_verb_and_two_ranks_write_the_one_rank_bytes(corpus):
+    """The corpus through `spds init --context DIR` and every verb; generate on two ranks writes
+    the one-rank bytes, and train on two ranks the one-rank prompt; eval reports the soft prompt
+    against the corpus truncated to the window and the oracle slice of each question's document."""
+    (corpus / "eval.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "question_id": f"e{i}",
+                    "question": f"Where is ledger {i}-2?",
+                    "keyword": str(7 * i + 2),
+                    "doc": f"sheet{i:02d}.md",
+                }
+            )
+            + "\n"  # fmt: skip
+            for i in (0, 6, 11)
+        )
+    )
+    check(spds(["init", str(corpus / "student"), "rows.jsonl", "--context", "sheets", "--out", "run.json"], corpus))
+    written = (corpus / "run.json").read_text()
+    assert '"documents": "sheets"' in written
+    run = json.loads(written)
+    run["generate"]["self_study"].update(conversations=16, question_max_tokens=12)
+    run["generate"].update(max_new_tokens=12, batch_size=4)
+    run["optim"].update(updates=2, warmup_updates=1, effective_batch=4, micro_batch=4)
+    run["soft_prompt"]["length"] = 8
+    run["eval"] = {"questions": "eval.jsonl", "samples": 0}
+    (corpus / "run.json").write_text(json.dumps(run))
+    check(spds(["generate", "run.json"], corpus))
+    one = (corpus / "rows.jsonl").read_bytes()
+    (corpus / "rows.jsonl").unlink()
+    check(spds(["generate", "run.json"], corpus, world=2, launcher="torchrun"))
+    assert (corpus / "rows.jsonl").read_bytes() == one
+    for verb in ("pin", "prepare", "smoke", "train"):
+        check(spds([verb, "run.json"], corpus))
+    shown = check(spds(["eval", "run.json"], corpus)).stdout
+    assert "truncated" in shown and "oracle" in shown
+    report = json.loads((corpus / "run" / "eval.json").read_text())
+    assert report["corpus"]["context"] == "truncated" and report["corpus"]["documents"] == 12
+    assert set(report["questions"]["keyword_share"]) == {"bare", "context", "soft", "oracle"}
+    assert all(answer["oracle"] is not None and answer["doc"] for answer in report["questions"]["answers"])
+    check(spds(["sample", "run.json", "--questions", "eval.jsonl"], corpus))
+    check(spds(["export", "run.json"], corpus))
+    # the same training on two ranks: the same Adam path, to the rounding of the sums' grouping
+    (corpus / "ranks.json").write_text(json.dumps(dict(run, output_dir="run-2", train={"require_smoke": False})))
+    check(spds(["train", "ranks.json"], corpus, world=2, launcher="torchrun"))
+    check(spds(["export", "ranks.json"], corpus))
+    one, two = (load_file(corpus / d / "export" / "soft_prompt.safetensors")["prompt"] for d in ("run", "run-2"))
+    assert_same_adam_path(two, one, [run["optim"]["learning_rate"]] * 2, what="the prompt on 2 ranks")
+
+
+def test_indexing_a_corpus_grows_by_its_index_not_by_its_text(corpus):
+    """Indexing holds one batch of lines and one slice's text at a time, and a few small objects
+    per slice: four times the text (long documents, cut into parts of whole lines) raises its
+    peak (Python's own allocations, tracemalloc) by a small share of the text added."""
+    from spds.contract.gate import load_config
+    from spds.data.corpus import Corpus
+
+    config = load_config(corpus / "config.json", check_pins=False, candidates="unread")
+    tokenizer = make_tiny.chatml_tokenizer()
+    peaks, sizes = [], []
+    for books in (4, 16):
+        for extra in (corpus / "sheets").iterdir():
+            extra.unlink()
+        for i in range(books):
+            (corpus / "sheets" / f"book{i:02d}.md").write_text("".join(sheet(1000 * i + j) for j in range(220)))
+        sizes.append(sum(p.stat().st_size for p in (corpus / "sheets").iterdir()))
+        tracemalloc.start()
+        built = Corpus.build(config, tokenizer, 4000)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert len(built.documents) == books and all(not p.whole for s in built.slices for p in s.parts)
+    # a slice of 4,000 tokens is about 4 kB of this text; its index entry a few hundred bytes
+    assert peaks[1] - peaks[0] < (sizes[1] - sizes[0]) / 4, (peaks, sizes)
