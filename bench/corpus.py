@@ -126,6 +126,14 @@ def evaluated(work: Path, name: str, variant: str, checkpoint: str | None = None
                   questions_gap=asked["gap_recovered"], nll=asked["nll"], corpus=report.get("corpus"))  # fmt: skip
 
 
+def train(work: Path, name: str, form: str, length: int, rate: float, args) -> None:
+    """One prompt on the whole corpus, through every verb, and eval's figures."""
+    file = config(work, name, "all", form, length, rate, args)
+    for verb in ("generate", "prepare", "train"):
+        spds(work, verb, file)
+    evaluated(work, name, name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="examples/real/make_model.py's output")
@@ -143,12 +151,9 @@ def main() -> None:
         (work / "model").symlink_to(Path(args.model).resolve())
     began = time.time()
     write_corpus(work, Path(args.model), windows=3)
+    whole = [("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)]
     if args.steps in ("all", "whole"):
-        for name, form, length, rate in (("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)):
-            file = config(work, name, "all", form, length, rate, args)
-            for verb in ("generate", "prepare", "train"):
-                spds(work, verb, file)
-            evaluated(work, name, name)
+        train(work, *whole[0], args)
     if args.steps in ("all", "halves"):
         for half in ("a", "b"):
             file = config(work, f"half-{half}", half, "embeddings", 128, 0.01, args)
@@ -163,6 +168,8 @@ def main() -> None:
         file = config(work, "composed", "all", "embeddings", 256, 0.01, args, rows="a")
         spds(work, "prepare", file)
         evaluated(work, "composed", "halves composed", "composed/soft_prompt.safetensors")
+    if args.steps in ("all", "whole"):
+        train(work, *whole[1], args)
     common.record(figure="corpus bench", seconds=round(time.time() - began))
 
 

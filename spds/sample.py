@@ -122,8 +122,9 @@ def answers(
                 f"{questions}: doc {missing[0]!r}: rule 'a document of the corpus': context.documents holds none"
             )
 
-        def oracle(doc: str) -> torch.Tensor:  # the slice holding the document, in place of the prompt
-            return embed(torch.tensor(encode_text(tokenizer, corpus.text(slices[doc])), device=embed.weight.device))
+        def oracle(doc: str) -> tuple[int, torch.Tensor]:  # the slice holding the document, in place of the prompt
+            ids = encode_text(tokenizer, corpus.text(slices[doc]))
+            return slices[doc], lambda: embed(torch.tensor(ids, device=embed.weight.device))
 
     views = Views(student, blocks, tokenizer, config.data.end_tokens, oracle)
     rank, world = ranks
@@ -151,7 +152,7 @@ class Views:
         from spds.generation.decode import Decoder  # per use: spds sample alone needs no decoder before
 
         self.student, self.blocks, self.tokenizer = student, blocks, tokenizer
-        self.oracle = oracle  # a question's doc -> its corpus slice's block (None: no oracle view)
+        self.oracle = oracle  # a question's doc -> (its corpus slice, that slice's block made on call); None: no oracle
         self.end_ids = end_token_ids(tokenizer, end_tokens)
         own = student.config._attn_implementation
         rows = student.get_output_embeddings().weight.shape[0]
@@ -169,12 +170,17 @@ class Views:
         for number, (_, ids, at, _) in enumerate(batch):
             groups.setdefault(tuple(ids[:at]), []).append(number)
         views = [(view, numbers, block) for view, block in self.blocks.items() for numbers in groups.values()]
-        if self.oracle is not None:  # each question with its own document's slice
-            views += [("oracle", [n], (self.oracle(batch[n][3]), None)) for n in range(len(batch)) if batch[n][3]]
+        if self.oracle is not None:  # each question with its own document's slice, a slice's questions together
+            by_slice: dict[tuple, list[int]] = {}
+            for number, (_, ids, at, doc) in enumerate(batch):
+                if doc:
+                    by_slice.setdefault((tuple(ids[:at]), self.oracle(doc)[0]), []).append(number)
+            views += [("oracle", numbers, None) for numbers in by_slice.values()]
         own, decoding = self.implementations
         self.student.config._attn_implementation = decoding
         try:
-            for view, numbers, (block, kv) in views:
+            for view, numbers, blocked in views:
+                block, kv = blocked or (self.oracle(batch[numbers[0]][3])[1](), None)
                 header = batch[numbers[0]][1][: batch[numbers[0]][2]]
                 head = embed(torch.tensor(header, dtype=torch.long, device=embed.weight.device))
                 prefix = torch.cat([head, block.to(device=head.device, dtype=head.dtype)])
