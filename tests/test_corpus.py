@@ -169,7 +169,6 @@ def test_self_study_over_three_windows_reads_each_chunks_slice_within_the_window
     assert "slices" in result.stdout
     rows = [json.loads(line) for line in (corpus / "rows.jsonl").read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(corpus / "student")
-    plain = AutoModelForCausalLM.from_pretrained(corpus / "student", dtype=torch.float32, attn_implementation="eager")
     sheets = {p.name: p.read_text() for p in (corpus / "sheets").iterdir()}
     named, indices = set(), set()
     for row in rows:
@@ -189,21 +188,49 @@ def test_self_study_over_three_windows_reads_each_chunks_slice_within_the_window
         prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert len(prompt) + row["supervised_tokens"] <= WINDOW
     assert named == set(sheets) and len(indices) > 3  # every sheet read, in many slices
+    # a run cut short (a torn last line) completes to the same bytes
+    written = (corpus / "rows.jsonl").read_bytes()
+    (corpus / "rows.jsonl").write_bytes(written[: len(written) // 2])
+    check(spds(["generate", "config.json"], corpus))
+    assert (corpus / "rows.jsonl").read_bytes() == written
     row = rows[0]
-    asked = [
-        {
-            "role": "system",
-            "content": rendered([(n, sheets[n]) for n in row["self_study"]["slice"]["documents"]], DESCRIPTION),
-        },
-        {"role": "user", "content": row["self_study"]["question"]},
-    ]
-    prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=True, return_dict=False)
-    with torch.no_grad():
-        logits = plain(torch.tensor([prompt])).logits[0, -1].float()
-    expected = torch.log_softmax(logits, -1).topk(3)
+    text = rendered([(n, sheets[n]) for n in row["self_study"]["slice"]["documents"]], DESCRIPTION)
+    expected = first_top_k(corpus, text, row["self_study"]["question"])
     assert row["top_logprobs"]["ids"][0] == expected.indices.tolist()
     # fp32 on both sides: the decoder's two-part softmax sums in another order (~1e-6)
     assert (torch.tensor(row["top_logprobs"]["logprobs"][0]) - expected.values).abs().max() < 1e-4
+
+
+def first_top_k(directory, text: str, question: str):
+    """A plain forward's top-3 log-probabilities at the answer's first token, the teacher reading
+    `text` as its system message (the published template's rendering)."""
+    tokenizer = AutoTokenizer.from_pretrained(directory / "student")
+    student = directory / "student"
+    plain = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32, attn_implementation="eager")
+    asked = [{"role": "system", "content": text}, {"role": "user", "content": question}]
+    prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        return torch.log_softmax(plain(torch.tensor([prompt])).logits[0, -1].float(), -1).topk(3)
+
+
+def test_a_question_naming_its_document_is_answered_with_that_documents_slice(corpus):
+    asked = {"q3": ("Where is ledger 3-4?", "sheet03.md"), "q10": ("Where is ledger 10-1?", "sheet10.md")}
+    (corpus / "asked.jsonl").write_text(
+        "".join(json.dumps({"question_id": q, "question": text, "doc": doc}) + "\n" for q, (text, doc) in asked.items())
+    )
+    edit_config(corpus, generate={"self_study": None, "questions": "asked.jsonl"})
+    check(spds(["generate", "config.json"], corpus))
+    rows = [json.loads(line) for line in (corpus / "rows.jsonl").read_text().splitlines()]
+    sheets = {p.name: p.read_text() for p in (corpus / "sheets").iterdir()}
+    assert len({row["slice"]["index"] for row in rows}) == 2
+    for row in rows:
+        question, doc = asked[row["question_id"]]
+        assert doc in row["slice"]["documents"]
+        text = rendered([(name, sheets[name]) for name in row["slice"]["documents"]], DESCRIPTION)
+        expected = first_top_k(corpus, text, question)
+        assert row["top_logprobs"]["ids"][0] == expected.indices.tolist()
+        # fp32 on both sides: the decoder's two-part softmax sums in another order (~1e-6)
+        assert (torch.tensor(row["top_logprobs"]["logprobs"][0]) - expected.values).abs().max() < 1e-4
 
 
 @pytest.mark.slow

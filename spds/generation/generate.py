@@ -115,6 +115,9 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     key = slice_key(config, study)
     batches = batched(requests, settings.batch_size, key)
     context_of = (lambda batch: config.corpus.text(key(batch[0]))) if key else None
+    if key and not study:  # a question's row records the slice its teacher read, as a conversation's does
+        requests = [dict(r, slice=config.corpus.record(key(r))) for r in requests]
+        batches = batched(requests, settings.batch_size, key)
     ranks = Ranks.join(config.distributed.timeout_minutes)
     ids = [[r["request_id"] for r in batch] for batch in batches]
     with Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer)) as output:
@@ -298,6 +301,8 @@ def teacher_row(tokenizer, request: dict, asked: list[Turn], end_ids: list[int],
         row["top_logprobs"] = {k: [v for turn in asked for v in turn.top[k]] for k in ("ids", "logprobs")}
     if "self_study" in request:
         row["self_study"] = request["self_study"]
+    if "slice" in request:
+        row["slice"] = request["slice"]
     return row
 
 
