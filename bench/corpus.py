@@ -8,11 +8,14 @@ The corpus: fact sheets of towns written here from a seed (each a short sheet of
 a 135M teacher states a sheet's facts when it reads a few sheets, not thousands of lines), as
 many as make three windows of the model's tokens, and 48 keyword questions, one fact of every
 fourth sheet, spread over the whole corpus, each naming its sheet (`doc`). Everything runs
-through the CLI as a user would: `spds generate` (self-study, slices of a few sheets), prepare,
-train, eval (soft / truncated / oracle on the 48 questions). Steps:
+through the CLI as a user would: `spds generate` (self-study over each half of the corpus, slices
+of a few sheets, `--conversations` in all), prepare, train, eval (soft / truncated / oracle on the
+48 questions). One set of rows serves every prompt: a half's prompt trains on its half's rows, the
+whole corpus's prompts on both (their teachers read the same slices: the comparison is of the
+prompts, not of two self-study runs). Steps:
   whole   one embeddings prompt (128 positions) and one kv prompt (16) on the whole corpus;
-  halves  one embeddings prompt per half of the corpus, each evaluated alone on all 48
-          questions, and the two composed (`spds export --compose`), against the whole one.
+  halves  one embeddings prompt per half, each evaluated alone on all 48 questions, and the two
+          composed (`spds export --compose`), against the whole one.
 Each figure is one JSON line (bench/common.py).
 """
 
@@ -90,18 +93,19 @@ def write_corpus(work: Path, model: Path, windows: int) -> list[dict]:
 
 
 def config(work: Path, name: str, corpus: str, form: str, length: int, rate: float, args, rows: str = "") -> str:
-    """A run's config: the real example's recipe on `corpus` (a, b or all); `rows`: another
-    corpus's rows to pack (an eval-only config: eval.questions on the whole corpus)."""
+    """A run's config: the real example's recipe on `corpus` (a, b or all); `rows`: which half's
+    self-study rows it packs ("ab": both; default: its own corpus's)."""
     base = json.loads((common.REPO / "examples" / "real" / "run.json").read_text())
     base["student"].update(model_path="model", dtype=args.dtype)
     base["context"] = {"documents": f"corpus-{corpus}/towns.jsonl", "description": DESCRIPTION}
     base["soft_prompt"].update(form=form, length=length)
-    base["generate"].update(output=f"rows-{corpus}.jsonl", batch_size=args.batch)
-    base["generate"]["self_study"].update(conversations=args.conversations // (1 if corpus == "all" else 2),
-                                          slice_tokens=args.slice_tokens)  # fmt: skip
-    packed = rows or corpus
-    base["data"].update(candidates=[{"path": f"rows-{packed}.jsonl"}], packed_dir=f"packed-{name}-{length}")
-    base["data"]["context_limit"] = None
+    base["generate"].update(output=f"rows-{corpus}.jsonl", batch_size=args.batch, max_new_tokens=args.max_new_tokens)
+    base["generate"]["self_study"].update(conversations=args.conversations // 2, slice_tokens=args.slice_tokens)
+    # both halves' rows: half b's under ids of their own (each self-study run numbers from 0)
+    candidates = (
+        [{"path": "rows-a.jsonl"}, {"path": "rows-b-ids.jsonl"}] if rows == "ab" else [{"path": f"rows-{corpus}.jsonl"}]
+    )
+    base["data"].update(candidates=candidates, packed_dir=f"packed-{name}-{length}", context_limit=None)
     base["optim"].update(learning_rate=rate, updates=args.updates, effective_batch=args.rows, micro_batch=args.rows)
     base["optim"]["warmup_updates"] = min(4, args.updates)
     base["output_dir"] = f"run-{name}"
@@ -126,18 +130,19 @@ def evaluated(work: Path, name: str, variant: str, checkpoint: str | None = None
                   questions_gap=asked["gap_recovered"], nll=asked["nll"], corpus=report.get("corpus"))  # fmt: skip
 
 
-def train(work: Path, name: str, form: str, length: int, rate: float, args) -> None:
-    """One prompt on the whole corpus, through every verb, and eval's figures."""
-    file = config(work, name, "all", form, length, rate, args)
-    for verb in ("generate", "prepare", "train"):
+def trained(work: Path, name: str, form: str, length: int, rate: float, args, corpus: str = "all") -> str:
+    """A prompt trained on the rows of both halves (corpus all) or of one, and its config."""
+    file = config(work, name, corpus, form, length, rate, args, rows="ab" if corpus == "all" else corpus)
+    for verb in ("prepare", "train", "export"):
         spds(work, verb, file)
-    evaluated(work, name, name)
+    return file
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="examples/real/make_model.py's output")
     parser.add_argument("--steps", default="all", choices=("all", "whole", "halves"))
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="generate.max_new_tokens")
     parser.add_argument("--conversations", type=int, default=4096, help="self-study conversations on the whole corpus")
     parser.add_argument("--slice-tokens", type=int, default=640, help="generate.self_study.slice_tokens")
     parser.add_argument("--updates", type=int, default=256)
@@ -151,25 +156,29 @@ def main() -> None:
         (work / "model").symlink_to(Path(args.model).resolve())
     began = time.time()
     write_corpus(work, Path(args.model), windows=3)
-    whole = [("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)]
-    if args.steps in ("all", "whole"):
-        train(work, *whole[0], args)
+    for half in ("a", "b"):  # self-study rows of each half: its teacher read slices of its half only
+        spds(work, "generate", config(work, f"rows-{half}", half, "embeddings", 128, 0.01, args))
+    with open(work / "rows-b.jsonl") as rows, open(work / "rows-b-ids.jsonl", "w") as renamed:
+        for line in rows:
+            row = json.loads(line)
+            renamed.write(
+                json.dumps(dict(row, request_id="b-" + row["request_id"], question_id="b-" + row["question_id"])) + "\n"
+            )
+    trained(work, "whole-emb", "embeddings", 128, 0.01, args)
+    evaluated(work, "whole-emb", "whole, embeddings 128")
     if args.steps in ("all", "halves"):
-        for half in ("a", "b"):
-            file = config(work, f"half-{half}", half, "embeddings", 128, 0.01, args)
-            for verb in ("generate", "prepare", "train", "export"):
-                spds(work, verb, file)
-        for half in ("a", "b"):  # each half's prompt alone, on every question of the corpus
-            file = config(work, f"alone-{half}", "all", "embeddings", 128, 0.01, args, rows=half)
+        for half in ("a", "b"):  # each half's prompt alone, read on every question of the corpus
+            trained(work, f"half-{half}", "embeddings", 128, 0.01, args, corpus=half)
+            file = config(work, f"alone-{half}", "all", "embeddings", 128, 0.01, args, rows="ab")
             spds(work, "prepare", file)
             evaluated(work, f"alone-{half}", f"half {half} alone", f"run-half-{half}/export/soft_prompt.safetensors")
         parts = [f"run-half-{h}/export/soft_prompt.safetensors" for h in ("a", "b")]
         spds(work, "export", "--compose", *parts, "composed")
-        file = config(work, "composed", "all", "embeddings", 256, 0.01, args, rows="a")
-        spds(work, "prepare", file)
+        spds(work, "prepare", config(work, "composed", "all", "embeddings", 256, 0.01, args, rows="ab"))
         evaluated(work, "composed", "halves composed", "composed/soft_prompt.safetensors")
     if args.steps in ("all", "whole"):
-        train(work, *whole[1], args)
+        trained(work, "whole-kv", "kv", 16, 0.1, args)
+        evaluated(work, "whole-kv", "whole, kv 16")
     common.record(figure="corpus bench", seconds=round(time.time() - began))
 
 

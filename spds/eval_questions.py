@@ -60,7 +60,10 @@ def teacher_config(config: Config, questions: Path) -> Config:
         backup_dir=None,
     )
     raw["loss"] = dict(raw["loss"], objective="ce")
-    return Config(path=config.path, raw=raw)
+    derived = Config(path=config.path, raw=raw)
+    if config.context.documents:  # the run's slices (cut for its self-study), not cut again without it
+        derived.__dict__["corpus"] = config.corpus
+    return derived
 
 
 def answer_scores(questions: list[dict], rows: list[dict]) -> dict:

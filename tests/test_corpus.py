@@ -193,6 +193,10 @@ def test_self_study_over_three_windows_reads_each_chunks_slice_within_the_window
     (corpus / "rows.jsonl").write_bytes(written[: len(written) // 2])
     check(spds(["generate", "config.json"], corpus))
     assert (corpus / "rows.jsonl").read_bytes() == written
+    # a sheet edited since: prepare refuses the rows whose teacher read another slice
+    (corpus / "sheets" / "sheet04.md").write_text(sheet(4) + "9. One more ledger.\n")
+    refused = spds(["prepare", "config.json"], corpus)
+    assert refused.returncode != 0 and "rule 'the corpus's slice'" in refused.stderr, refused.stderr[-2000:]
     row = rows[0]
     text = rendered([(n, sheets[n]) for n in row["self_study"]["slice"]["documents"]], DESCRIPTION)
     expected = first_top_k(corpus, text, row["self_study"]["question"])

@@ -99,11 +99,10 @@ def files(config) -> list[tuple[Path, str]]:
     for entry in entries:
         path = config.resolve(entry)
         if MAGIC & set(entry):
-            base = Path(*[part for part in Path(entry).parts if not MAGIC & set(part)][: _fixed_parts(entry)])
+            root = config.resolve(str(Path(*Path(entry).parts[: _fixed_parts(entry)])))
             matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
             if not matches:
                 problems.append(f"context.documents: {entry!r} matches no file")
-            root = config.resolve(str(base)) if str(base) != "." else config.resolve(".")
             found += [(match, match.relative_to(root).as_posix()) for match in matches]
         elif path.is_dir():
             under = sorted(
@@ -269,6 +268,9 @@ class Corpus:
     tokenizer: object = field(repr=False)
     overhead: int = 0  # the description's tokens and its separator
     window: Slice | None = None  # the corpus truncated to the teacher's window (`truncated`)
+    _first_slice: dict | None = field(default=None, repr=False)  # document id -> the first slice holding it
+    _records: dict = field(default_factory=dict, repr=False)  # slice index -> its record
+    _parts: dict | None = field(default=None, repr=False)  # a part's name in a record -> the part
 
     @classmethod
     def build(cls, config, tokenizer, budget: int | None, window: int | None = None) -> Corpus:
@@ -359,25 +361,46 @@ class Corpus:
 
     def holding(self, document_id: str) -> int | None:
         """The first slice that holds the document (its first part), None for no such document."""
-        for index, piece in enumerate(self.slices):
-            if any(self.documents[p.document].id == document_id for p in piece.parts):
-                return index
-        return None
+        if self._first_slice is None:
+            self._first_slice = {}
+            for index, piece in enumerate(self.slices):
+                for part in piece.parts:
+                    self._first_slice.setdefault(self.documents[part.document].id, index)
+        return self._first_slice.get(document_id)
 
     def ids(self) -> set[str]:
         return {d.id for d in self.documents}
 
     def record(self, index: int) -> dict:
-        """What a row records of the slice its teacher read: its index, and each part's document id
-        (with its line range where the part is not the whole document)."""
-        return dict(
-            index=index,
-            documents=[
-                self.documents[p.document].id if p.whole else [self.documents[p.document].id, *p.lines]
-                for p in self.slices[index].parts
-            ],
-            tokens=self.slices[index].tokens,
-        )
+        """What a row records of the slice its teacher read: its index, each part's document id
+        (with its line range where the part is not the whole document), its tokens and the sha256
+        of its text (`recorded_text` renders it again from the ids)."""
+        if index not in self._records:
+            parts = self.slices[index].parts
+            self._records[index] = dict(
+                index=index,
+                documents=[
+                    self.documents[p.document].id if p.whole else [self.documents[p.document].id, *p.lines]
+                    for p in parts
+                ],  # fmt: skip
+                tokens=self.slices[index].tokens,
+                sha256=hashlib.sha256(self.text_of(parts).encode()).hexdigest(),
+            )
+        return self._records[index]
+
+    def recorded_text(self, documents: list) -> str | None:
+        """The text of a slice a row names by its parts (`record`'s documents), rendered from this
+        corpus; None where it holds no such document or part."""
+        if self._parts is None:
+            self._parts = {}
+            for piece in self.slices:
+                for p in piece.parts:
+                    name = self.documents[p.document].id
+                    self._parts[name if p.whole else (name, *p.lines)] = p
+        keys = [name if isinstance(name, str) else tuple(name) for name in documents]
+        if not all(isinstance(key, (str, tuple)) and key in self._parts for key in keys):
+            return None
+        return self.text_of([self._parts[key] for key in keys])
 
     def summary(self) -> str:
         sizes = [s.tokens for s in self.slices]

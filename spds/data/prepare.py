@@ -153,6 +153,7 @@ def write_store(config: Config, tokenizer, inputs: dict, log, read_from: dict[Pa
         context_limit=config.context_limit,
         template_kwargs=data.chat_template_kwargs,
         require_top_k=offline_teacher(config),
+        corpus=config.corpus,
     )
     writer = PackedWriter(config.packed_dir)
     # 8-byte request_id hashes in a compact array: uniqueness without a set of a million strings.

@@ -61,6 +61,7 @@ class RowRules:
     context_limit: int
     template_kwargs: dict
     require_top_k: bool = False  # loss.objective kl or mix with an offline teacher: every row carries top_logprobs
+    corpus: object = None  # the config's corpus cut into slices (spds/data/corpus.py): a row's slice is checked
 
 
 class RowSchema:
@@ -230,6 +231,7 @@ def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
             f"the supervised run at {start}..{end - 1} ends with id {int(ids[end - 1])}, not an end token "
             f"{sorted(rules.end_ids)}",
         )
+    check_slice(row, rules.corpus)
     supervised = supervised_count(spans, len(ids), prefix)
     _check(
         "top_logprobs" in row or not rules.require_top_k,
@@ -264,6 +266,25 @@ def build_record(row: dict, tokenizer, rules: RowRules, source: str) -> Record:
 
 
 MAX_TOP_K = 64
+
+
+def check_slice(row: dict, corpus) -> None:
+    """A row spds generate wrote over a corpus past the window names the slice its teacher read
+    (self_study.slice, or slice for a question's): under a corpus, those documents must still
+    render to that text (its sha256): a document edited, cut otherwise or gone since is refused."""
+    study = row.get("self_study")
+    recorded = row.get("slice", study.get("slice") if isinstance(study, dict) else None)
+    if recorded is None or corpus is None:
+        return
+    documents = recorded.get("documents") if isinstance(recorded, dict) else None
+    text = corpus.recorded_text(documents) if isinstance(documents, list) else None
+    _check(
+        text is not None and hashlib.sha256(text.encode()).hexdigest() == recorded.get("sha256"),
+        "the corpus's slice",
+        f"the row's teacher read a slice of {documents}, and context.documents "
+        + ("holds other text there now" if text is not None else "no longer holds those documents or parts")
+        + " (changed since spds generate wrote the row): generate the rows again",
+    )
 
 
 def top_k_of(value: dict, supervised: int, rules: RowRules) -> tuple[np.ndarray, np.ndarray]:
