@@ -403,10 +403,13 @@ class Corpus:
         return self.text_of([self._parts[key] for key in keys])
 
     def summary(self) -> str:
+        """One line: the documents, the slices and their sizes, and what the window's view holds."""
         sizes = [s.tokens for s in self.slices]
+        held = sum(len(s.parts) for s in self.slices)
+        window = f"; the window's view holds {len(self.window.parts)} of its {held} parts" if self.truncates else ""
         return (
             f"corpus: {len(self.documents)} documents in {len(self.slices)} slices of {min(sizes)}-{max(sizes)} "
-            f"tokens (at most {self.budget})"
+            f"tokens (at most {self.budget}){window}"
         )
 
 
@@ -442,8 +445,3 @@ def _parts(index: int, document: Document, lines, tokenizer, cap: int | None) ->
     is_file = document.source.line is None
     parts.append(Part(index, (first, number), (start, end_byte) if is_file else None, tokens, not parts))
     return parts
-
-
-def document_ids(config) -> set[str]:
-    """The corpus's document ids, read without a tokenizer (eval.questions' doc is checked against them)."""
-    return {document.id for document, _ in read(config)}

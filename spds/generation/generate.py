@@ -129,6 +129,8 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
         splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
         if ranks.rank == 0:
             log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
+            if config.corpus is not None:
+                log(config.corpus.summary())
         began = time.perf_counter()
         mine = {number: left[number] for number in sorted(left)[ranks.rank :: ranks.world]}
         try:
