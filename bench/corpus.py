@@ -130,6 +130,23 @@ def evaluated(work: Path, name: str, variant: str, checkpoint: str | None = None
                   questions_gap=asked["gap_recovered"], nll=asked["nll"], corpus=report.get("corpus"))  # fmt: skip
 
 
+def carried(work: Path, model: Path) -> None:
+    """How many of the questions' facts the training rows state at all (an answer holding the
+    keyword and its town's name, or a recital of its line): a prompt carries no fact its rows
+    never state."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    answers = []
+    for half in ("a", "b"):
+        for line in open(work / f"rows-{half}.jsonl"):
+            row = json.loads(line)
+            answers.append(tokenizer.decode(row["labels"][row["prefix_tokens"] :], skip_special_tokens=True))
+    questions = [json.loads(line) for line in open(work / "questions.jsonl")]
+    stated = [q for q in questions if any(q["keyword"] in a and q["doc"].split("-")[1] in a.lower() for a in answers)]
+    common.record(figure="corpus rows", rows=len(answers), questions=len(questions), facts_stated_in_rows=len(stated))
+
+
 def trained(work: Path, name: str, form: str, length: int, rate: float, args, corpus: str = "all") -> str:
     """A prompt trained on the rows of both halves (corpus all) or of one, and its config."""
     file = config(work, name, corpus, form, length, rate, args, rows="ab" if corpus == "all" else corpus)
@@ -164,6 +181,7 @@ def main() -> None:
             renamed.write(
                 json.dumps(dict(row, request_id="b-" + row["request_id"], question_id="b-" + row["question_id"])) + "\n"
             )
+    carried(work, Path(args.model))
     trained(work, "whole-emb", "embeddings", 128, 0.01, args)
     evaluated(work, "whole-emb", "whole, embeddings 128")
     if args.steps in ("all", "halves"):
