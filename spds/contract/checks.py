@@ -282,8 +282,8 @@ def context_problems(config: Config) -> list[str]:
 
 
 def corpus_problems(config: Config) -> list[str]:
-    """One context; a description only for a corpus; what a corpus past the window cannot do (the
-    online teacher and a questions file read one context whole); eval questions' documents."""
+    """One context; a description only for a corpus; questions' documents; what a corpus past the
+    window cannot do (the online teacher reads one context whole)."""
     context = config.context
     given = [key for key in ("text", "file", "documents") if getattr(context, key)]
     problems = []
@@ -295,8 +295,8 @@ def corpus_problems(config: Config) -> list[str]:
         return problems
     try:
         corpus = config.corpus
-    except SpdsError:
-        return problems  # the teacher window's checks list the corpus's own problems
+    except (SpdsError, OSError, ValueError):
+        return problems  # the corpus's own problems, and a tokenizer that does not load: require_ready names them
     problems += document_problems(config, corpus.ids())
     if not corpus.truncates:
         return problems

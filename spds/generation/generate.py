@@ -112,12 +112,11 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
         for q in questions
         for s in range(settings.samples_per_question)
     ]
-    key = slice_key(config, study)
+    key = slice_key(config, study)  # a corpus past the window: the slice each request's teacher reads
+    if key and not study:  # a question's row records its slice, as a conversation's does (SelfStudy.asked)
+        requests = [dict(r, slice=config.corpus.record(key(r))) for r in requests]
     batches = batched(requests, settings.batch_size, key)
     context_of = (lambda batch: config.corpus.text(key(batch[0]))) if key else None
-    if key and not study:  # a question's row records the slice its teacher read, as a conversation's does
-        requests = [dict(r, slice=config.corpus.record(key(r))) for r in requests]
-        batches = batched(requests, settings.batch_size, key)
     ranks = Ranks.join(config.distributed.timeout_minutes)
     ids = [[r["request_id"] for r in batch] for batch in batches]
     with Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer)) as output:
