@@ -13,7 +13,8 @@ of a few sheets, `--conversations` in all), prepare, train, eval (soft / truncat
 48 questions). One set of rows serves every prompt: a half's prompt trains on its half's rows, the
 whole corpus's prompts on both (their teachers read the same slices: the comparison is of the
 prompts, not of two self-study runs). Steps:
-  whole   one embeddings prompt (128 positions) and one kv prompt (16) on the whole corpus;
+  whole   one embeddings prompt (128 positions) and one kv prompt (16) on the whole corpus (a
+          prompt already trained in --out is evaluated again, not trained again);
   halves  one embeddings prompt per half, each evaluated alone on all 48 questions, and the two
           composed (`spds export --compose`), against the whole one.
 Each figure is one JSON line (bench/common.py).
@@ -109,7 +110,9 @@ def config(work: Path, name: str, corpus: str, form: str, length: int, rate: flo
     base["optim"].update(learning_rate=rate, updates=args.updates, effective_batch=args.rows, micro_batch=args.rows)
     base["optim"]["warmup_updates"] = min(4, args.updates)
     base["output_dir"] = f"run-{name}"
-    base["eval"] = dict(base.get("eval", {}), questions="questions.jsonl" if corpus == "all" else None, samples=0)
+    questions = "questions.jsonl" if corpus == "all" else None
+    base["eval"] = dict(base.get("eval", {}), questions=questions, samples=0, max_new_tokens=args.eval_tokens,
+                        question_samples=args.question_samples, max_records=args.held_out)  # fmt: skip
     (work / f"{name}.json").write_text(json.dumps(base, indent=2))
     return f"{name}.json"
 
@@ -149,7 +152,9 @@ def carried(work: Path, model: Path) -> None:
 
 def trained(work: Path, name: str, form: str, length: int, rate: float, args, corpus: str = "all") -> str:
     """A prompt trained on the rows of both halves (corpus all) or of one, and its config."""
-    file = config(work, name, corpus, form, length, rate, args, rows="ab" if corpus == "all" else corpus)
+    updates = args.updates if corpus == "all" or args.half_updates is None else args.half_updates
+    file = config(work, name, corpus, form, length, rate, argparse.Namespace(**dict(vars(args), updates=updates)),
+                  rows="ab" if corpus == "all" else corpus)  # fmt: skip
     for verb in ("prepare", "train", "export"):
         spds(work, verb, file)
     return file
@@ -160,6 +165,10 @@ def main() -> None:
     parser.add_argument("model", help="examples/real/make_model.py's output")
     parser.add_argument("--steps", default="all", choices=("all", "whole", "halves"))
     parser.add_argument("--max-new-tokens", type=int, default=96, help="generate.max_new_tokens")
+    parser.add_argument("--eval-tokens", type=int, default=64, help="eval.max_new_tokens: the greedy answers' length")
+    parser.add_argument("--question-samples", type=int, default=4, help="eval.question_samples")
+    parser.add_argument("--held-out", type=int, default=None, help="eval.max_records")
+    parser.add_argument("--half-updates", type=int, default=None, help="a half's prompt's updates (default --updates)")
     parser.add_argument("--conversations", type=int, default=4096, help="self-study conversations on the whole corpus")
     parser.add_argument("--slice-tokens", type=int, default=640, help="generate.self_study.slice_tokens")
     parser.add_argument("--updates", type=int, default=256)
@@ -182,8 +191,14 @@ def main() -> None:
                 json.dumps(dict(row, request_id="b-" + row["request_id"], question_id="b-" + row["question_id"])) + "\n"
             )
     carried(work, Path(args.model))
-    trained(work, "whole-emb", "embeddings", 128, 0.01, args)
-    evaluated(work, "whole-emb", "whole, embeddings 128")
+    for name, form, length, rate in (("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)):
+        if args.steps not in ("all", "whole"):
+            break
+        if (work / f"run-{name}" / "export").is_dir():  # a rerun evaluates the prompt trained before
+            config(work, name, "all", form, length, rate, args, rows="ab")
+        else:
+            trained(work, name, form, length, rate, args)
+        evaluated(work, name, f"whole, {form} {length}")
     if args.steps in ("all", "halves"):
         for half in ("a", "b"):  # each half's prompt alone, read on every question of the corpus
             trained(work, f"half-{half}", "embeddings", 128, 0.01, args, corpus=half)
@@ -194,9 +209,6 @@ def main() -> None:
         spds(work, "export", "--compose", *parts, "composed")
         spds(work, "prepare", config(work, "composed", "all", "embeddings", 256, 0.01, args, rows="ab"))
         evaluated(work, "composed", "halves composed", "composed/soft_prompt.safetensors")
-    if args.steps in ("all", "whole"):
-        trained(work, "whole-kv", "kv", 16, 0.1, args)
-        evaluated(work, "whole-kv", "whole, kv 16")
     common.record(figure="corpus bench", seconds=round(time.time() - began))
 
 
