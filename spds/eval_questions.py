@@ -28,6 +28,7 @@ from pathlib import Path
 
 from spds.contract.config import Config
 from spds.contract.digests import sha256_path
+from spds.data.context import context_digest, share
 from spds.fsio import sha256_json
 
 
@@ -40,7 +41,7 @@ def teacher_config(config: Config, questions: Path) -> Config:
         questions=sha256_path(questions),
         samples=config.eval.question_samples,
         teacher=str(config.teacher_path),
-        context=config.context_digest(),
+        context=context_digest(config),
         **{k: generate[k] for k in ("temperature", "top_p", "max_new_tokens", "seed", "top_k_logprobs")},
     )
     directory = config.output_dir / "eval-questions" / sha256_json(decides)[:16]
@@ -61,8 +62,7 @@ def teacher_config(config: Config, questions: Path) -> Config:
     )
     raw["loss"] = dict(raw["loss"], objective="ce")
     derived = Config(path=config.path, raw=raw)
-    if config.context.documents:  # the run's slices (cut for its self-study), not cut again without it
-        derived.__dict__["corpus"] = config.corpus
+    share(derived, config)  # a corpus: the run's slices (cut for its self-study), not cut again without it
     return derived
 
 

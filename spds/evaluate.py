@@ -25,6 +25,7 @@ from spds import __version__
 from spds.contract.config import Config
 from spds.contract.schema import require_valid
 from spds.contract.settings import KLSettings
+from spds.data.context import context_text, corpus_of
 from spds.data.packed import PackedStore
 from spds.data.preflight import require_context_fits
 from spds.data.sources import read_eval_questions
@@ -59,7 +60,7 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     result = dict(checkpoint=directory, update=update)
     result.update(held_out_figures(config, scoring, store, held_out))
     result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
-    corpus = config.corpus
+    corpus = corpus_of(config)
     if corpus is not None:  # the context view is the corpus truncated to the window where it passes it
         whole = "truncated" if corpus.truncates else "whole"
         result["corpus"] = dict(
@@ -92,10 +93,10 @@ def held_out_records(config: Config, store: PackedStore) -> np.ndarray:
 def ceiling_fits(config: Config, scored: list[tuple[PackedStore, np.ndarray]]) -> None:
     """The ceiling reads the context in place of the prompt: refused, before the student loads,
     where the context and the longest record scored pass the student's window."""
-    if not config.context_text:
+    if not context_text(config):
         return
     longest = max((int(store.length[records].max()) for store, records in scored if len(records)), default=0)
-    context = len(load_tokenizer(config).encode(config.context_text, add_special_tokens=False))
+    context = len(load_tokenizer(config).encode(context_text(config), add_special_tokens=False))
     require_context_fits(config, context, longest, "eval's ceiling (the student with the context)")
 
 
@@ -113,7 +114,7 @@ def held_out_figures(config: Config, scoring: Scoring, store: PackedStore, held_
     context, no top-k): then eval reports no KL."""
     if not len(held_out):
         return dict(records=0, supervised_tokens=0, nll=None, gap_recovered=None, kl_to_teacher=None, teacher=None)
-    has_teacher = config.eval.kl and (store.top_k or config.context_text)
+    has_teacher = config.eval.kl and (store.top_k or context_text(config))
     teacher = build_teacher(config, scoring.model, store) if has_teacher else None
     figures = scoring.figures(store, held_out, teacher)
     figures["teacher"] = teacher_kind(config, store) if teacher is not None else None
@@ -223,9 +224,9 @@ class Scoring:
         hidden = student.get_input_embeddings().embedding_dim  # not the weight: ZeRO-3 partitions it
         blocks = {"floor": prompt.new_zeros((0, hidden)).to(device), "soft": None}  # soft: the prompt, either form
         cached = None
-        if config.context_text:
+        if context_text(config):
             ids = torch.tensor(
-                load_tokenizer(config).encode(config.context_text, add_special_tokens=False), device=device
+                load_tokenizer(config).encode(context_text(config), add_special_tokens=False), device=device
             )
             blocks["ceiling"] = student.get_input_embeddings()(ids)
             cached = None if model.layout.lockstep else ContextTeacher(model, ids, reuse_context=True)

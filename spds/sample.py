@@ -18,6 +18,7 @@ import torch
 
 from spds.contract.config import Config
 from spds.data.chat import encode_text, end_token_ids, render
+from spds.data.context import context_text, corpus_of
 from spds.data.packed import PackedStore
 from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
@@ -108,11 +109,11 @@ def answers(
     # each view: what goes where the prompt goes, and a kv prompt's keys and values (None: none)
     blocks = {"bare": (prompt.new_zeros(0, hidden), None)}
     blocks["soft"] = (stand_in(prompt, hidden), prompt) if form_of(prompt) == "kv" else (prompt, None)
-    if config.context_text:
-        ids = torch.tensor(encode_text(tokenizer, config.context_text), device=embed.weight.device)
+    if context_text(config):
+        ids = torch.tensor(encode_text(tokenizer, context_text(config)), device=embed.weight.device)
         blocks["context"] = (embed(ids), None)
     asked = list(prompts_to_answer(config, store, tokenizer, count, questions))
-    corpus = config.corpus
+    corpus = corpus_of(config)
     oracle = None
     if corpus is not None and not corpus.whole and any(doc for *_, doc in asked):
         slices = {doc: corpus.holding(doc) for *_, doc in asked if doc}

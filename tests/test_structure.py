@@ -96,6 +96,8 @@ VERBS = {"spds.cli", "spds.starter", "spds.evaluate", "spds.eval_questions", "sp
 LATER_ALLOWED = {
     # validate refuses an unknown self-study seed kind before any work; the built-in kinds are self-study's
     ("spds.contract.checks", "spds.generation.self_study"),
+    # a corpus's slices leave room for the longest answer a teacher writes: a recital's, up to a chunk
+    ("spds.data.context", "spds.generation.self_study"),
 }
 
 
@@ -141,7 +143,9 @@ def test_each_folder_lists_its_modules_in_its_init():
                 )
 
 
-BENCH_LINES = 3000  # bench/ is a handful of maintained tools and one table, not a lab notebook
+BENCH_LINES = (
+    3300  # bench/ is a handful of maintained tools (one per capability measured) and one table, not a lab notebook
+)
 
 
 def tracked(folder: str) -> list[str]:

@@ -6,6 +6,7 @@ settings    typed, frozen views of a validated config, one per section
 config      the validated config every command reads: sections, paths, identity
 checks      the rules beyond the schema (inputs exist, outputs never overlap them, ...)
 pins        the sha256 of every input a config names, checked before any work
+documents   the files a corpus context names, and its digest
 digests     those sha256s, each file's remembered
 versions    the dependency versions spds is tested with
 hub         Hugging Face model ids, resolved offline

@@ -9,10 +9,10 @@ import importlib.util
 from pathlib import Path
 
 from spds.contract.config import Config
+from spds.contract.documents import context_entries
 from spds.contract.model_config import model_window_problems
 from spds.contract.pins import pins_path
 from spds.contract.schema import describe_errors
-from spds.data.corpus import context_entries
 from spds.errors import SpdsError
 from spds.fsio import read_json
 from spds.generation.self_study import BUILT_IN_KINDS, RECITE, UNINSTRUCTED
@@ -282,8 +282,8 @@ def context_problems(config: Config) -> list[str]:
 
 
 def corpus_problems(config: Config) -> list[str]:
-    """One context; a description only for a corpus; questions' documents; what a corpus past the
-    window cannot do (the online teacher reads one context whole)."""
+    """One context; a description only for a corpus (what the corpus itself holds, and what it
+    cannot do past the window, spds/data/preflight.py checks with the tokenizer)."""
     context = config.context
     given = [key for key in ("text", "file", "documents") if getattr(context, key)]
     problems = []
@@ -291,54 +291,6 @@ def corpus_problems(config: Config) -> list[str]:
         problems.append(f"context: {' and '.join('context.' + k for k in given)} are set: the context is one of them")
     if context.description and not context.documents:
         problems.append("context.description: describes a corpus (context.documents), and none is set")
-    if not context.documents or len(given) > 1:
-        return problems
-    try:
-        corpus = config.corpus
-    except (SpdsError, OSError, ValueError):
-        return problems  # the corpus's own problems, and a tokenizer that does not load: require_ready names them
-    problems += document_problems(config, corpus.ids())
-    if not corpus.truncates:
-        return problems
-    past = "the corpus passes the teacher's window (context.documents)"
-    online = config.loss.teacher == "context" or (config.loss.teacher == "auto" and not config.generate.top_k_logprobs)
-    if config.loss.objective != "ce" and online:
-        problems.append(
-            f"loss.teacher: {config.loss.teacher}: the online teacher reads the context whole, and {past}: train "
-            "from the top-k generate writes with each slice (loss.teacher top_k, generate.top_k_logprobs > 0)"
-        )
-    return problems
-
-
-def document_problems(config: Config, ids: set[str]) -> list[str]:
-    """Questions naming a document (`doc`) the corpus lacks; generate.questions, where the corpus
-    passes the window, naming none (its teacher reads the slice holding the question's document)."""
-    from spds.data.sources import read_eval_questions, read_questions
-
-    problems, whole = [], config.corpus.whole
-    files = [("generate.questions", config.generate.questions, read_questions)]
-    files.append(("eval.questions", config.eval.questions, read_eval_questions))
-    for key, name, reader in files:
-        path = config.resolve(name) if name else None
-        if path is None or not path.is_file():
-            continue
-        try:
-            questions = reader(path)
-        except SpdsError:
-            continue  # the teacher window's checks name the line
-        for question in questions:
-            doc = question.get("doc")
-            if doc is not None and doc not in ids:
-                problems.append(
-                    f"{key}: {path}: question_id {question['question_id']!r}: doc {doc!r}: rule 'a document of the "
-                    "corpus': context.documents holds no document of that id"
-                )
-            elif doc is None and key == "generate.questions" and not whole:
-                problems.append(
-                    f"{key}: {path}: question_id {question['question_id']!r} names no doc, and the corpus passes the "
-                    "teacher's window: give each question the doc holding its answer (its teacher reads that "
-                    "document's slice), or let self-study ask (generate.self_study)"
-                )
     return problems
 
 

@@ -6,7 +6,6 @@ spds.contract.gate builds one, after the schema and the checks have passed."""
 from __future__ import annotations
 
 import copy
-import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -31,7 +30,7 @@ from spds.contract.settings import (
     build,
 )
 from spds.errors import SpdsError
-from spds.fsio import read_json, read_text, sha256_json
+from spds.fsio import read_json, sha256_json
 
 
 @dataclass
@@ -159,33 +158,6 @@ class Config:
     @property
     def has_context(self) -> bool:
         return bool(self.context.text or self.context.file or self.context.documents)
-
-    @cached_property
-    def context_text(self) -> str | None:  # read once: every user of it sees the same text
-        """The system prompt being distilled: context.text, context.file's text, or a corpus (the
-        whole corpus where it fits the teacher's window; otherwise the corpus truncated to it,
-        what a model reading the context in place of the prompt can read)."""
-        if self.context.documents:
-            return self.corpus.truncated
-        return read_text(self.resolve(self.context.file)) if self.context.file else self.context.text
-
-    def context_digest(self) -> str:
-        """The context's sha256: of its text, or a corpus's (its files and description, and the
-        budget its slices were cut to)."""
-        if self.corpus is None:
-            return hashlib.sha256((self.context_text or "").encode()).hexdigest()
-        from spds.data import corpus
-
-        return hashlib.sha256(f"{corpus.sha256(self)} {self.corpus.budget}".encode()).hexdigest()
-
-    @cached_property
-    def corpus(self):
-        """context.documents indexed and cut into slices (spds/data/corpus.py); None without one."""
-        if not self.context.documents:
-            return None
-        from spds.generation.teacher_window import load_corpus  # its slices are the teacher window's
-
-        return load_corpus(self)
 
     def identity(self) -> str:
         """Digest of everything that shapes the trained prompt (paths included, as written)."""

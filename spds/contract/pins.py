@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from spds.contract import documents
 from spds.contract.config import Config
 from spds.contract.digests import sha256_path
 from spds.fsio import read_json
@@ -82,9 +83,7 @@ def pinned_inputs(config: Config) -> list[tuple[str, Path, str | None]]:
 def digest(config: Config, key: str, path: Path) -> str:
     """The sha256 an input is pinned by."""
     if key == "context.sha256" and config.context.documents:
-        from spds.data import corpus  # reads the corpus's files as the corpus does
-
-        return corpus.sha256(config)
+        return documents.sha256(config)
     return sha256_path(path)
 
 

@@ -1,6 +1,8 @@
 """The rows a run trains on: from candidate files to the packed store of exact tokens.
 
 sources         candidate rows streamed from JSONL, parquet or a datasets directory
+corpus          a corpus as the context: documents read by rule, cut into slices of the window
+context         the context every verb reads: a text, a file, or a corpus (whole or truncated)
 rows            every row rule, each refusal naming the file, line and rule
 chat            where the soft prompt goes, from the tokenizer's own chat template
 packed          the packed store: every record's exact ids, an index and a manifest

@@ -515,3 +515,23 @@ def prompt_header(scaffold: Scaffold, placement: str, tokenizer, template_kwargs
     if at is None:
         raise SpdsError("the chat template renders no user turn header where the soft prompt goes (first_user)")
     return ids[: at + len(user)]
+
+
+def scaffold_for(config, tokenizer) -> Scaffold:
+    """Where the soft prompt goes for this config's placement and the student's chat template, or
+    an SpdsError naming what cannot work and the setting that does (spds/data/chat.py)."""
+    data, placement = config.data, config.soft_prompt.placement
+    model = config.student.tokenizer_path or config.student.model_path
+    if placement == "prefix":  # before the first token: no system message, no template needed
+        problem = tokenizer.chat_template and stability_problem(tokenizer, data.chat_template_kwargs, model)
+        if problem:
+            raise SpdsError(problem)
+        try:
+            return derive_scaffold(tokenizer, data.chat_template_kwargs, data.missing_system, model)
+        except SpdsError:
+            return Scaffold(lead=[], system_header=[], system_close=[], user_header=[], system_role="none")
+    scaffold = derive_scaffold(tokenizer, data.chat_template_kwargs, data.missing_system, model)
+    problem = scaffold.system_problem(placement, model)
+    if problem:
+        raise SpdsError(problem)
+    return scaffold

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from spds.contract.config import Config
 from spds.contract.model_config import POSITION_KEYS
-from spds.data.chat import encode_text, end_token_ids, render, with_context
-from spds.data.prepare import model_vocabulary_rows, scaffold_for
+from spds.data.chat import encode_text, end_token_ids, scaffold_for
+from spds.data.context import context_prompt_tokens, context_text, corpus_of
+from spds.data.prepare import model_vocabulary_rows
+from spds.data.sources import read_eval_questions, read_questions
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
 
@@ -52,7 +54,7 @@ def preflight_problems(config: Config, tokenizer=None) -> tuple[list[str], objec
                 f"data.context_limit: {limit} positions cannot hold the soft prompt "
                 f"({config.soft_prompt.length}) and the template's own {fixed} tokens with any answer"
             )
-        problems += window_problems(config, tokenizer, scaffold)
+        problems += window_problems(config, tokenizer, scaffold) + corpus_problems(config)
     return problems, scaffold
 
 
@@ -75,7 +77,7 @@ def window_problems(config: Config, tokenizer, scaffold) -> list[str]:
             f"data.context_limit: {limit} positions is past the student's window of {window.positions} "
             f"({window.source}): lower it, or leave it null for the window"
         ]
-    text = config.context_text
+    text = context_text(config)
     online = config.loss.objective != "ce" and config.loss.teacher == "context"
     if not text or not (online or config.eval.questions):
         return []
@@ -93,17 +95,8 @@ def window_problems(config: Config, tokenizer, scaffold) -> list[str]:
 
 def context_source(config: Config) -> str:
     if config.context.documents:
-        return "context.documents (truncated to the window)" if config.corpus.truncates else "context.documents"
+        return "context.documents (truncated to the window)" if corpus_of(config).truncates else "context.documents"
     return "context.file" if config.context.file else "context.text"
-
-
-def context_prompt_tokens(config: Config, tokenizer, scaffold, text: str | None = None) -> int:
-    """The tokens of the chat template holding the context (or `text`) where the prompt goes and
-    an empty user turn: what a model reads with the context before any question's own tokens."""
-    in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
-    context = config.context_text if text is None else text
-    asked = with_context([{"role": "user", "content": ""}], context, in_user_turn)
-    return len(render(tokenizer, asked, True, config.data.chat_template_kwargs))
 
 
 def require_context_fits(config: Config, context_tokens: int, record_tokens: int, reader: str) -> None:
@@ -126,3 +119,60 @@ def require_preflight(config: Config, tokenizer=None):
     if problems:
         raise SpdsError(f"{config.path}: prepare would refuse this config", problems)
     return scaffold
+
+
+def corpus_problems(config: Config) -> list[str]:
+    """A corpus's questions naming documents it lacks, and what a corpus past the window cannot
+    do (the online teacher reads one context whole). The corpus's own problems (a document that
+    breaks a rule, a slice past the window) are the teacher window's (spds/generation/teacher_window.py)."""
+    context = config.context
+    given = [key for key in ("text", "file", "documents") if getattr(context, key)]
+    problems = []
+    if not context.documents or len(given) > 1:
+        return problems
+    try:
+        corpus = corpus_of(config)
+    except (SpdsError, OSError, ValueError):
+        return problems  # the corpus's own problems, and a tokenizer that does not load: require_ready names them
+    problems += document_problems(config, corpus.ids())
+    if not corpus.truncates:
+        return problems
+    past = "the corpus passes the teacher's window (context.documents)"
+    online = config.loss.teacher == "context" or (config.loss.teacher == "auto" and not config.generate.top_k_logprobs)
+    if config.loss.objective != "ce" and online:
+        problems.append(
+            f"loss.teacher: {config.loss.teacher}: the online teacher reads the context whole, and {past}: train "
+            "from the top-k generate writes with each slice (loss.teacher top_k, generate.top_k_logprobs > 0)"
+        )
+    return problems
+
+
+def document_problems(config: Config, ids: set[str]) -> list[str]:
+    """Questions naming a document (`doc`) the corpus lacks; generate.questions, where the corpus
+    passes the window, naming none (its teacher reads the slice holding the question's document)."""
+
+    problems, whole = [], corpus_of(config).whole
+    files = [("generate.questions", config.generate.questions, read_questions)]
+    files.append(("eval.questions", config.eval.questions, read_eval_questions))
+    for key, name, reader in files:
+        path = config.resolve(name) if name else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            questions = reader(path)
+        except SpdsError:
+            continue  # the teacher window's checks name the line
+        for question in questions:
+            doc = question.get("doc")
+            if doc is not None and doc not in ids:
+                problems.append(
+                    f"{key}: {path}: question_id {question['question_id']!r}: doc {doc!r}: rule 'a document of the "
+                    "corpus': context.documents holds no document of that id"
+                )
+            elif doc is None and key == "generate.questions" and not whole:
+                problems.append(
+                    f"{key}: {path}: question_id {question['question_id']!r} names no doc, and the corpus passes the "
+                    "teacher's window: give each question the doc holding its answer (its teacher reads that "
+                    "document's slice), or let self-study ask (generate.self_study)"
+                )
+    return problems

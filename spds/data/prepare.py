@@ -20,32 +20,13 @@ from spds.contract.config import Config
 from spds.contract.digests import sha256_path
 from spds.contract.model_config import model_config
 from spds.contract.schema import require_valid
-from spds.data.chat import Scaffold, derive_scaffold, end_token_ids, stability_problem, tokenizer_identity
+from spds.data.chat import end_token_ids, scaffold_for, tokenizer_identity
+from spds.data.context import corpus_of
 from spds.data.packed import FORMAT, INDEX, MANIFEST, PackedWriter, verify_store
 from spds.data.rows import RowRules, read_records
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.fsio import exclusive_lock, verified_copy
-
-
-def scaffold_for(config: Config, tokenizer) -> Scaffold:
-    """Where the soft prompt goes for this config's placement and the student's chat template, or
-    an SpdsError naming what cannot work and the setting that does (spds/data/chat.py)."""
-    data, placement = config.data, config.soft_prompt.placement
-    model = config.student.tokenizer_path or config.student.model_path
-    if placement == "prefix":  # before the first token: no system message, no template needed
-        problem = tokenizer.chat_template and stability_problem(tokenizer, data.chat_template_kwargs, model)
-        if problem:
-            raise SpdsError(problem)
-        try:
-            return derive_scaffold(tokenizer, data.chat_template_kwargs, data.missing_system, model)
-        except SpdsError:
-            return Scaffold(lead=[], system_header=[], system_close=[], user_header=[], system_role="none")
-    scaffold = derive_scaffold(tokenizer, data.chat_template_kwargs, data.missing_system, model)
-    problem = scaffold.system_problem(placement, model)
-    if problem:
-        raise SpdsError(problem)
-    return scaffold
 
 
 def split_of(question_id: str, eval_fraction: float) -> str:
@@ -129,7 +110,7 @@ def reuse_existing(target: Path, inputs: dict, log) -> dict:
 
 def offline_teacher(config: Config) -> bool:
     """Will training read the teacher from the rows (so every row must carry top_logprobs)?"""
-    return config.loss.objective != "ce" and config.loss.teacher_before_packing(bool(config.context_text)) == "top_k"
+    return config.loss.objective != "ce" and config.loss.teacher_before_packing(config.has_context) == "top_k"
 
 
 def file_state(path: Path) -> tuple | None:
@@ -153,7 +134,7 @@ def write_store(config: Config, tokenizer, inputs: dict, log, read_from: dict[Pa
         context_limit=config.context_limit,
         template_kwargs=data.chat_template_kwargs,
         require_top_k=offline_teacher(config),
-        corpus=config.corpus,
+        corpus=corpus_of(config),
     )
     writer = PackedWriter(config.packed_dir)
     # 8-byte request_id hashes in a compact array: uniqueness without a set of a million strings.

@@ -34,6 +34,7 @@ import torch
 from spds.contract.config import Config
 from spds.contract.settings import GenerateSettings, SelfStudySettings
 from spds.data.chat import encode_text, end_token_ids, render, render_chat_row, tokenizer_identity, with_context
+from spds.data.context import context_digest, context_text, corpus_of
 from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
@@ -99,7 +100,7 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     settings = config.generate
     if not settings.questions and not settings.self_study:
         raise SpdsError("generate.questions is not set: name a questions file, or set generate.self_study")
-    context = config.context_text
+    context = context_text(config)
     if not context or not context.strip():
         raise SpdsError("context.text or context.file must hold the system prompt to distill (it is empty)")
     tokenizer = load_tokenizer(config)
@@ -114,9 +115,9 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     ]
     key = slice_key(config, study)  # a corpus past the window: the slice each request's teacher reads
     if key and not study:  # a question's row records its slice, as a conversation's does (SelfStudy.asked)
-        requests = [dict(r, slice=config.corpus.record(key(r))) for r in requests]
+        requests = [dict(r, slice=corpus_of(config).record(key(r))) for r in requests]
     batches = batched(requests, settings.batch_size, key)
-    context_of = (lambda batch: config.corpus.text(key(batch[0]))) if key else None
+    context_of = (lambda batch: corpus_of(config).text(key(batch[0]))) if key else None
     ranks = Ranks.join(config.distributed.timeout_minutes)
     ids = [[r["request_id"] for r in batch] for batch in batches]
     with Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer)) as output:
@@ -128,8 +129,8 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
         splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
         if ranks.rank == 0:
             log("start-up " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in splits))
-            if config.corpus is not None:
-                log(config.corpus.summary())
+            if corpus_of(config) is not None:
+                log(corpus_of(config).summary())
         began = time.perf_counter()
         mine = {number: left[number] for number in sorted(left)[ranks.rank :: ranks.world]}
         try:
@@ -152,7 +153,7 @@ def slice_key(config: Config, study):
     """Which of a corpus's slices a request's teacher reads, where the corpus is past the window:
     a self-study conversation's chunk's, or the slice holding a question's `doc` (the first slice,
     the corpus truncated to the window, for a question that names none). None: one context."""
-    corpus = config.corpus
+    corpus = corpus_of(config)
     if corpus is None or corpus.whole:
         return None
     if study:
@@ -192,7 +193,7 @@ def output_provenance(config: Config, tokenizer) -> dict:
     teacher = config.teacher_path
     return {
         **{f"generate.{key}": value for key, value in settings.items()},
-        "context_sha256": config.context_digest(),
+        "context_sha256": context_digest(config),
         "questions_sha256": sha256_file(questions) if questions else None,
         "teacher": str(teacher),
         "teacher_config_sha256": sha256_file(teacher / "config.json") if (teacher / "config.json").is_file() else None,
@@ -284,7 +285,7 @@ def load_asking(config: Config, tokenizer, scaffold, end_ids: list[int], device:
     )
     in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
     return Asking(
-        decoder, tokenizer, config.context_text, in_user_turn, config.generate, config.data.chat_template_kwargs
+        decoder, tokenizer, context_text(config), in_user_turn, config.generate, config.data.chat_template_kwargs
     )
 
 
@@ -512,11 +513,11 @@ class SelfStudy:
 
     @classmethod
     def of(cls, settings: GenerateSettings, tokenizer, config: Config) -> SelfStudy:
-        study, corpus = settings.self_study, config.corpus
+        study, corpus = settings.self_study, corpus_of(config)
         if corpus is not None and not corpus.whole:
             slices = Slices(tokenizer, corpus.text, len(corpus.slices), study.chunk_tokens)
         else:
-            corpus, context = None, config.context_text
+            corpus, context = None, context_text(config)
             slices = Slices(tokenizer, lambda _: context, 1, study.chunk_tokens)
         drawn = plan(study.conversations, slices.chunks, study.kinds, settings.seed)
         planned = sorted(drawn, key=lambda pair: slices.holding(pair[0])[0])  # stable: the plan's order within a slice

@@ -10,44 +10,16 @@ eval.questions, which the teacher answers) run `require_ready`: everything prepa
 from __future__ import annotations
 
 from spds.contract.config import Config
-from spds.data.chat import encode_text, render
-from spds.data.preflight import context_prompt_tokens, context_source, preflight_problems
-from spds.data.sources import read_eval_questions, read_questions
+from spds.contract.documents import CorpusError
+from spds.data.chat import encode_text
+from spds.data.context import context_prompt_tokens, context_text, corpus_of, longest_question
+from spds.data.preflight import context_source, preflight_problems
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
-from spds.generation.self_study import RECITE
-
-
-def load_corpus(config: Config, tokenizer=None):
-    """context.documents indexed and sliced for the teacher's window (spds/data/corpus.py)."""
-    from spds.data.corpus import Corpus
-    from spds.data.prepare import scaffold_for
-
-    tokenizer = tokenizer or load_tokenizer(config)
-    scaffold = scaffold_for(config, tokenizer)
-    window = slice_budget(config, tokenizer, scaffold, chosen=False)
-    return Corpus.build(config, tokenizer, slice_budget(config, tokenizer, scaffold), window)
-
-
-def slice_budget(config: Config, tokenizer, scaffold, chosen: bool = True) -> int | None:
-    """The most tokens of a corpus one teacher reads: generate.self_study.slice_tokens (`chosen`),
-    else what the teacher's window leaves after the chat template, the longest question and the
-    longest answer (None where no window is declared: the corpus is read whole, and validate
-    names the missing window)."""
-    study = config.generate.self_study
-    if chosen and study is not None and study.slice_tokens is not None:
-        return study.slice_tokens
-    window, asked = config.teacher_window, longest_question(config, tokenizer)
-    if window is None:
-        return None
-    question, answer, _ = asked or (0, config.generate.max_new_tokens, "")
-    return window.positions - context_prompt_tokens(config, tokenizer, scaffold, text="") - question - answer
 
 
 def slice_problems(config: Config, tokenizer, scaffold) -> list[str]:
     """A slice setting past the window; a corpus that does not read (each of its problems)."""
-    from spds.data.corpus import CorpusError
-
     study, window = config.generate.self_study, config.teacher_window
     try:
         asked = longest_question(config, tokenizer)
@@ -64,7 +36,7 @@ def slice_problems(config: Config, tokenizer, scaffold) -> list[str]:
                 "null for what the window leaves"
             ]
     try:
-        corpus = config.corpus
+        corpus = corpus_of(config)
     except CorpusError as error:
         return error.problems or [str(error)]
     if corpus.budget is not None and corpus.budget < 16:
@@ -80,7 +52,7 @@ def teacher_window_problems(config: Config, tokenizer, scaffold) -> list[str]:
     self-study chunk longer than the context. A corpus: its slices are cut to fit (`slice_problems`)."""
     if config.context.documents:
         return slice_problems(config, tokenizer, scaffold)
-    text = config.context_text
+    text = context_text(config)
     if not text or not (config.generate.questions or config.generate.self_study or config.eval.questions):
         return []
     problems = []
@@ -107,32 +79,6 @@ def teacher_window_problems(config: Config, tokenizer, scaffold) -> list[str]:
             "the answers, or use a teacher with a longer window (generate.teacher_path)"
         )
     return problems
-
-
-def longest_question(config: Config, tokenizer) -> tuple[int, int, str] | None:
-    """The teacher's longest question (its tokens past an empty user turn's), the longest answer
-    it may write and the setting that bounds it; None where it answers nothing. A questions file
-    that does not read raises the SpdsError generate and eval would, naming the line."""
-    settings, kwargs = config.generate, config.data.chat_template_kwargs
-    empty = len(render(tokenizer, [{"role": "user", "content": ""}], True, kwargs))
-    answer, bound = settings.max_new_tokens, "generate.max_new_tokens"
-    lengths = []
-    study = settings.self_study
-    if study is not None:
-        lengths.append(study.question_max_tokens)
-        if RECITE in study.kinds and study.chunk_tokens + 1 > answer:  # a recital: up to a chunk, then its end
-            answer, bound = study.chunk_tokens + 1, "generate.self_study.chunk_tokens and its end token"
-    if settings.questions is not None:
-        questions = read_questions(config.resolve(settings.questions))
-        lengths += [len(render(tokenizer, q["messages"], True, kwargs)) - empty for q in questions]
-        turns = max((sum(m["role"] == "user" for m in q["messages"]) for q in questions), default=1)
-        if turns > 1:  # every earlier answer stands in the conversation of the last turn
-            answer, bound = answer * turns, f"{turns} user turns x {bound}"
-    if config.eval.questions is not None:
-        asked = read_eval_questions(config.resolve(config.eval.questions))
-        user = [[{"role": "user", "content": q["question"]}] for q in asked]
-        lengths += [len(render(tokenizer, messages, True, kwargs)) - empty for messages in user]
-    return (max(lengths), answer, bound) if lengths else None
 
 
 def require_ready(config: Config, tokenizer=None):

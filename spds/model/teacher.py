@@ -46,6 +46,7 @@ import torch
 
 from spds.contract.config import Config
 from spds.data.chat import encode_text
+from spds.data.context import context_text
 from spds.data.packed import PackedStore
 from spds.data.preflight import require_context_fits
 from spds.data.student_files import load_tokenizer
@@ -258,7 +259,7 @@ def build_teacher(config: Config, model: SoftPromptModel, store: PackedStore, me
     kind = teacher_kind(config, store)
     if kind == "top_k":
         return TopKTeacher()
-    text = config.context_text
+    text = context_text(config)
     if not text:
         raise SpdsError(
             "loss.teacher 'context' needs the context: set context.text or context.file "
