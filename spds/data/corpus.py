@@ -15,13 +15,14 @@ an optional context.description, one paragraph a teacher reads first.
     that text: spds reads it as it reads context.file, so a corpus that fits behaves as one file.
   * A corpus past the window is cut into **slices**: the description, then whole documents in
     order, as many as fit `budget` tokens (generate.self_study.slice_tokens, by default what the
-    teacher's window leaves after the longest question and answer: spds/generation/
-    teacher_window.py). A document larger than a slice is cut into parts of whole lines; a single
-    line larger than a slice is refused. Each slice's token count is then measured exactly on its
-    rendered text (a part that tipped it over moves to the next slice), so no slice passes the
-    budget by a token. Self-study asks each conversation with the slice that holds its chunk, and
-    eval's views read a slice: the first (the corpus truncated to the window) or the one holding a
-    question's document (the oracle).
+    teacher's window leaves after the longest question and answer: spds/data/context.py). A
+    document larger than a slice is cut into parts of whole lines; a single line larger than a
+    slice is refused. Each slice's token count is then measured exactly on its rendered text (a
+    part that tipped it over moves to the next slice), so no slice passes the budget by a token.
+    Self-study asks each conversation with the slice that holds its chunk, and eval's oracle view
+    reads the slice holding a question's document.
+  * The corpus truncated to the window (`truncated`): the description and the documents from the
+    first, as many as the window holds; what reads the context whole reads this.
 Slices are a fixed partition, not a window re-centred on each chunk: every conversation of a slice
 then shares the slice's keys and values in decoding, computed once (spds/generation/decode.py),
 where per-chunk windows would prefill a window's positions for every row.
