@@ -160,6 +160,15 @@ def trained(work: Path, name: str, form: str, length: int, rate: float, args, co
     return file
 
 
+def whole_prompt(work: Path, name: str, form: str, length: int, rate: float, args) -> None:
+    """A prompt on the whole corpus (trained unless --out holds it already) and eval's figures."""
+    if (work / f"run-{name}" / "export").is_dir():  # a rerun evaluates the prompt trained before
+        config(work, name, "all", form, length, rate, args, rows="ab")
+    else:
+        trained(work, name, form, length, rate, args)
+    evaluated(work, name, f"whole, {form} {length}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="examples/real/make_model.py's output")
@@ -191,24 +200,23 @@ def main() -> None:
                 json.dumps(dict(row, request_id="b-" + row["request_id"], question_id="b-" + row["question_id"])) + "\n"
             )
     carried(work, Path(args.model))
-    for name, form, length, rate in (("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)):
-        if args.steps not in ("all", "whole"):
-            break
-        if (work / f"run-{name}" / "export").is_dir():  # a rerun evaluates the prompt trained before
-            config(work, name, "all", form, length, rate, args, rows="ab")
-        else:
-            trained(work, name, form, length, rate, args)
-        evaluated(work, name, f"whole, {form} {length}")
-    if args.steps in ("all", "halves"):
-        for half in ("a", "b"):  # each half's prompt alone, read on every question of the corpus
+    whole = [("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)]
+    if args.steps in ("all", "whole"):
+        whole_prompt(work, *whole[0], args)
+    if args.steps in ("all", "halves"):  # the halves composed first, then each alone
+        for half in ("a", "b"):
             trained(work, f"half-{half}", "embeddings", 128, 0.01, args, corpus=half)
-            file = config(work, f"alone-{half}", "all", "embeddings", 128, 0.01, args, rows="ab")
-            spds(work, "prepare", file)
-            evaluated(work, f"alone-{half}", f"half {half} alone", f"run-half-{half}/export/soft_prompt.safetensors")
         parts = [f"run-half-{h}/export/soft_prompt.safetensors" for h in ("a", "b")]
         spds(work, "export", "--compose", *parts, "composed")
         spds(work, "prepare", config(work, "composed", "all", "embeddings", 256, 0.01, args, rows="ab"))
         evaluated(work, "composed", "halves composed", "composed/soft_prompt.safetensors")
+    if args.steps in ("all", "whole"):
+        whole_prompt(work, *whole[1], args)
+    if args.steps in ("all", "halves"):
+        for half in ("a", "b"):  # each half's prompt alone, read on every question of the corpus
+            file = config(work, f"alone-{half}", "all", "embeddings", 128, 0.01, args, rows="ab")
+            spds(work, "prepare", file)
+            evaluated(work, f"alone-{half}", f"half {half} alone", f"run-half-{half}/export/soft_prompt.safetensors")
     common.record(figure="corpus bench", seconds=round(time.time() - began))
 
 
