@@ -123,9 +123,9 @@ def answers(
                 f"{questions}: doc {missing[0]!r}: rule 'a document of the corpus': context.documents holds none"
             )
 
-        def oracle(doc: str) -> tuple[int, torch.Tensor]:  # the slice holding the document, in place of the prompt
-            ids = encode_text(tokenizer, corpus.text(slices[doc]))
-            return slices[doc], lambda: embed(torch.tensor(ids, device=embed.weight.device))
+        def oracle(doc: str):  # the slice holding the document, and its block where the prompt goes, made on call
+            ids = lambda: encode_text(tokenizer, corpus.text(slices[doc]))  # noqa: E731 (read once per group)
+            return slices[doc], lambda: embed(torch.tensor(ids(), device=embed.weight.device))
 
     views = Views(student, blocks, tokenizer, config.data.end_tokens, oracle)
     rank, world = ranks

@@ -125,10 +125,8 @@ def corpus_problems(config: Config) -> list[str]:
     """A corpus's questions naming documents it lacks, and what a corpus past the window cannot
     do (the online teacher reads one context whole). The corpus's own problems (a document that
     breaks a rule, a slice past the window) are the teacher window's (spds/generation/teacher_window.py)."""
-    context = config.context
-    given = [key for key in ("text", "file", "documents") if getattr(context, key)]
-    problems = []
-    if not context.documents or len(given) > 1:
+    context, problems = config.context, []
+    if not context.documents or context.text or context.file:  # two contexts: the contract names them
         return problems
     try:
         corpus = corpus_of(config)
