@@ -30,6 +30,7 @@ from spds.contract.config import Config
 from spds.contract.digests import sha256_path
 from spds.data.context import context_digest, share
 from spds.fsio import sha256_json
+from spds.generation.generate import BATCHING
 
 
 def teacher_config(config: Config, questions: Path) -> Config:
@@ -43,6 +44,7 @@ def teacher_config(config: Config, questions: Path) -> Config:
         teacher=str(config.teacher_path),
         context=context_digest(config),
         **{k: generate[k] for k in ("temperature", "top_p", "max_new_tokens", "seed", "top_k_logprobs")},
+        batches=BATCHING,  # how the teacher's batches are cut decides their samples
     )
     directory = config.output_dir / "eval-questions" / sha256_json(decides)[:16]
     raw = copy.deepcopy(config.raw)

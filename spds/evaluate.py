@@ -12,6 +12,7 @@ good as the context itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -34,10 +35,13 @@ from spds.errors import SpdsError
 from spds.eval_questions import answer_scores, teacher_config
 from spds.export import prompt_to_read
 from spds.fsio import atomic_path, atomic_write_json
+from spds.generation.decode import free_bytes
 from spds.model.build import build_soft_prompt_model
 from spds.model.loss import final_logit_softcap, make_loss
+from spds.model.recompute import ACTIVATION_BYTES_PER_HIDDEN
 from spds.model.soft_prompt import load_segments
 from spds.model.teacher import ContextTeacher, build_teacher, teacher_kind
+from spds.progress import Progress
 from spds.training.engine import init_distributed, shard_student
 from spds.training.records import read_metrics
 from spds.training.schedule import lockstep_passes
@@ -49,16 +53,23 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     store = PackedStore.open(config.packed_dir)
     held_out = held_out_records(config, store)
     rank, world, device = eval_ranks(config)
+    phases = Phases()
     questions = None
     if config.eval.questions:  # the teacher's answers to them, packed, before the student takes the memory
-        questions = QuestionStore.made(config, rank, world, log)
+        with phases("teacher answers eval.questions"):
+            questions = QuestionStore.made(config, rank, world, log)
     ceiling_fits(config, [(store, held_out)] + ([(questions.store, questions.records)] if questions else []))
     model = build_soft_prompt_model(config, device, prompt=prompt, training=False, prompt_source=directory)
+    # records packed end to end on a GPU (varlen kernels, no padding); right-padded rows of similar
+    # length on the CPU, whose packed attention computes every pair of positions of the batch
+    model.packed = device.type == "cuda" and model.kernel_choice is not None
     if config.shards_student:
         shard_student(config, model, world)
     scoring = Scoring.of(config, model, prompt, device, rank, world)
+    require_batch_fits(model, scoring.batch_tokens, device)
     result = dict(checkpoint=directory, update=update)
-    result.update(held_out_figures(config, scoring, store, held_out))
+    with phases("scoring held-out records"):
+        result.update(held_out_figures(config, scoring, store, held_out))
     result.update(context_tokens=scoring.context_tokens, world_size=world, spds_version=__version__, plot=None)
     corpus = corpus_of(config)
     if corpus is not None:  # the context view is the corpus truncated to the window where it passes it
@@ -67,15 +78,33 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
             documents=len(corpus.documents), slices=len(corpus.slices), slice_tokens=corpus.budget, context=whole
         )
     if questions is not None:
-        result["questions"] = scoring.figures(questions.store, questions.records, None)
-    answered = answer_views(config, result, directory, model.student, questions, (rank, world))
+        with phases("scoring eval.questions"):
+            result["questions"] = scoring.figures(questions.store, questions.records, None, "scoring eval.questions")
+    with phases("greedy answers"):
+        answered = answer_views(config, result, directory, model.student, questions, (rank, world))
     if "samples" in answered:
         result["samples"] = answered["samples"]
     if "questions" in answered:
         result["questions"].update(answered["questions"])
+    result["phases"] = phases.seconds
     if rank == 0:
         write_report(config, result)
     return result
+
+
+class Phases:
+    """Each phase's seconds on this rank (eval.json's `phases`): `with phases(name): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.monotonic() - began, 3)
 
 
 def held_out_records(config: Config, store: PackedStore) -> np.ndarray:
@@ -116,7 +145,7 @@ def held_out_figures(config: Config, scoring: Scoring, store: PackedStore, held_
         return dict(records=0, supervised_tokens=0, nll=None, gap_recovered=None, kl_to_teacher=None, teacher=None)
     has_teacher = config.eval.kl and (store.top_k or context_text(config))
     teacher = build_teacher(config, scoring.model, store) if has_teacher else None
-    figures = scoring.figures(store, held_out, teacher)
+    figures = scoring.figures(store, held_out, teacher, "scoring held-out records")
     figures["teacher"] = teacher_kind(config, store) if teacher is not None else None
     return figures
 
@@ -207,6 +236,8 @@ class Scoring:
     rank: int
     world: int
     device: torch.device
+    batch_tokens: int  # eval.batch_tokens, resolved for the device
+    show: bool  # progress on rank 0's standard error
     # the ceiling's rows computed after the context's cached keys and values (the online teacher's
     # way, spds/model/teacher.py): a record's forward over its own tokens, not over the context too
     # (at 32k tokens of context and records of hundreds, a hundredth of the positions); None: a
@@ -214,7 +245,9 @@ class Scoring:
     cached_context: object | None = None
 
     @classmethod
-    def of(cls, config: Config, model, prompt: torch.Tensor, device: torch.device, rank: int, world: int) -> Scoring:
+    def of(
+        cls, config: Config, model, prompt: torch.Tensor, device: torch.device, rank: int, world: int, show: bool = True
+    ) -> Scoring:
         student = model.student
         cap = final_logit_softcap(student)
         nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"), cap)
@@ -230,59 +263,67 @@ class Scoring:
             )
             blocks["ceiling"] = student.get_input_embeddings()(ids)
             cached = None if model.layout.lockstep else ContextTeacher(model, ids, reuse_context=True)
-        return cls(model, blocks, nll_fn, kl_fn, rank, world, device, cached)
+        return cls(model, blocks, nll_fn, kl_fn, rank, world, device, batch_tokens(config, device), show, cached)
 
     @property
     def context_tokens(self) -> int:
         return len(self.blocks["ceiling"]) if "ceiling" in self.blocks else 0
 
-    def figures(self, store: PackedStore, records: np.ndarray, teacher) -> dict:
+    def figures(self, store: PackedStore, records: np.ndarray, teacher, phase: str = "scoring") -> dict:
         """NLL per response token of `records` under each condition, gap recovered, and with a
-        teacher the soft prompt's KL to it. Each rank takes every world-th record. A sharded student
-        gathers weights collectively in every forward: there every rank makes as many passes as the
-        busiest, a rank out of records repeating one without counting it (the training step's
-        lockstep rule)."""
+        teacher the soft prompt's KL to it, over batches of records (`scoring_batches`: fixed by
+        the records alone), every condition over the same batches. Rank r scores every world-th
+        batch. A sharded student gathers weights collectively in every forward: there every rank
+        makes as many passes as the busiest, a rank out of batches repeating one without counting
+        it (the training step's lockstep rule)."""
         model, world, names = self.model, self.world, list(self.blocks)
-        # each record's NLL per condition, then its KL, on the rank that scored it (zeros elsewhere):
-        # summed over the ranks (x + 0 is x) and then over the records in their order, the figures
-        # are the same bits on any number of ranks
-        per_record = torch.zeros(len(records), len(names) + 1, dtype=torch.float64, device=self.device)
-        row_of = {int(record): row for row, record in enumerate(records)}
+        batches = self.batches(store, records)
+        # each batch's summed NLL per condition, then its KL, on the rank that scored it (zeros
+        # elsewhere): summed over the ranks (x + 0 is x) and then over the batches in their order,
+        # the figures are the same bits on any number of ranks (a batch's records are the data's)
+        per_batch = torch.zeros(len(batches), len(names) + 1, dtype=torch.float64, device=self.device)
         kl = teacher is not None
-        every = [[[int(i)] for i in records[r::world]] for r in range(world)]
+        every = [[[b] for b in range(r, len(batches), world)] for r in range(world)]
         passes = [(group, None, True) for group in every[self.rank]]
-        if model.layout.lockstep:
-            passes = lockstep_passes(every, self.rank, footprint=len, filler=[int(records[0])])
-        started, positions = time.monotonic(), 0  # positions forwarded on this rank, every condition
-        for (i,), _, counted in passes:
-            segment = load_segments(store, [i], self.device)[i]
-            targets = teacher.targets([segment]) if kl else None
+        if model.layout.lockstep and batches:
+            passes = lockstep_passes(every, self.rank, footprint=len, filler=[0])
+        weight = model.student.get_output_embeddings().weight
+        lengths = store.length[records]
+        progress = Progress(phase, len(records), int(lengths.sum()), show=self.rank == 0 and self.show)
+        positions = 0  # positions forwarded on this rank, every condition
+        for (b,), _, counted in passes:
+            loaded = load_segments(store, batches[b], self.device)
+            segments = [loaded[i] for i in batches[b]]
+            own = sum(len(segment.ids) for segment in segments)
+            before = positions
+            targets = teacher.targets(segments) if kl else None
             for k, name in enumerate(names):
                 if name == "ceiling" and self.cached_context is not None:
                     # the online KL teacher's rows are the ceiling's rows: read, not run again
                     online = kl and targets.hidden is not None
-                    rows = targets.hidden if online else self.cached_context.targets([segment]).hidden
-                    weight = model.student.get_output_embeddings().weight
-                    values = [self.nll_fn(rows, weight, segment.supervised_ids(), None)]
-                    positions += 0 if online else len(segment.ids) + 1
+                    rows = targets.hidden if online else self.cached_context.targets(segments).hidden
+                    supervised = torch.cat([segment.supervised_ids() for segment in segments])
+                    values = [self.nll_fn(rows, weight, supervised, None)]
+                    positions += 0 if online else own + len(segments)
                 else:
                     # the soft prompt's one forward gives the KL too (the student's rows are the same)
                     fns = [self.nll_fn, self.kl_fn] if kl and name == "soft" else [self.nll_fn]
-                    values = model.losses([segment], fns, targets, inserted=self.blocks[name])
-                    block = self.blocks[name]
-                    positions += len(segment.ids) + (len(block) if block is not None else model.prompt_length)
+                    values = model.losses(segments, fns, targets, inserted=self.blocks[name])
+                    positions += own + len(segments) * self.block_length(name)
                 if counted:
-                    per_record[row_of[i], k] = values[0].double()
+                    per_batch[b, k] = values[0].double()
                     if len(values) > 1:
-                        per_record[row_of[i], -1] = values[1].double()
+                        per_batch[b, -1] = values[1].double()
             if kl:
-                positions += len(segment.ids)  # the teacher's record
+                positions += own  # the teacher's records
+            if counted:
+                progress.advance(len(segments), positions - before, own)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.monotonic() - started
+        seconds = progress.close()
         if world > 1:
-            torch.distributed.all_reduce(per_record)
-        sums = per_record.sum(dim=0)
+            torch.distributed.all_reduce(per_batch)
+        sums = per_batch.sum(dim=0)
         tokens = int(store.supervised_tokens[records].sum())
         nll = {name: float(sums[k]) / tokens for k, name in enumerate(names)}
         nll.setdefault("ceiling", None)
@@ -297,6 +338,73 @@ class Scoring:
             kl_to_teacher=float(sums[-1]) / tokens if kl else None,
             seconds=seconds,
             tokens_per_second=positions * world / seconds if seconds else None,
+            batches=len(batches),
+        )
+
+    def block_length(self, name: str) -> int:
+        """Positions what condition `name` puts where the prompt goes takes in each record (the
+        ceiling's context where it is not read after its cached keys)."""
+        block = self.blocks[name]
+        return len(block) if block is not None else self.model.prompt_length
+
+    def batches(self, store: PackedStore, records: np.ndarray) -> list[list[int]]:
+        """`records` in the batches every condition is scored over: the widest condition's
+        positions per record (read after the cached context, the ceiling adds none), within
+        eval.batch_tokens, padding counted where the rows are padded."""
+        widest = max(
+            (self.block_length(name) for name in self.blocks if name != "ceiling" or self.cached_context is None),
+            default=0,
+        )
+        return scoring_batches(store.length + widest, records, self.batch_tokens, padded=not self.model.packed)
+
+
+def scoring_batches(positions: np.ndarray, records: np.ndarray, budget: int, padded: bool) -> list[list[int]]:
+    """`records` (store indices), longest first, in consecutive batches of at most `budget` of
+    `positions` (per record; `padded`: every record of a batch counted at the first's, the
+    longest), a record longer than the budget alone. A function of the records alone: the same
+    batches on any number of ranks."""
+    batches: list[list[int]] = []
+    used = 0
+    for record in sorted((int(r) for r in records), key=lambda r: (-int(positions[r]), r)):
+        size = int(positions[batches[-1][0]]) if padded and batches else int(positions[record])
+        if batches and used + size <= budget:
+            batches[-1].append(record)
+            used += size
+        else:
+            batches.append([record])
+            used = int(positions[record])
+    return batches
+
+
+def batch_tokens(config: Config, device: torch.device) -> int:
+    """eval.batch_tokens, or its default for `device` (the schema says why they differ)."""
+    if config.eval.batch_tokens is not None:
+        return config.eval.batch_tokens
+    return 16384 if device.type == "cuda" else 2048
+
+
+def require_batch_fits(model, budget: int, device: torch.device) -> None:
+    """Refuse, before any record is scored, an eval.batch_tokens whose forward would not fit the
+    device's free memory: one layer's activations over the batch's positions (the stored-activation
+    bytes per hidden unit of training's recompute policy, more than a forward alone holds) and its
+    attention kernel's transient memory. Off CUDA nothing is budgeted (free_bytes: None), but where
+    SPDS_TEST_FREE_BYTES stands in for it."""
+    free = free_bytes(device)
+    if free is None:
+        return
+    hidden = model.student.config.hidden_size
+    per_position = hidden * ACTIVATION_BYTES_PER_HIDDEN["own"]
+
+    def need(positions: int) -> float:
+        return positions * per_position + model.attention.memory(positions, positions, model.packed)[1]
+
+    if need(budget) > 0.9 * free:
+        fits = budget
+        while fits > 1 and need(fits) > 0.9 * free:
+            fits //= 2
+        raise SpdsError(
+            f"eval.batch_tokens: a forward over {budget} positions needs about {need(budget) / 2**30:.1f} GiB, and "
+            f"the {device.type.upper()} has {free / 2**30:.1f} GiB free: set eval.batch_tokens to at most {fits}"
         )
 
 

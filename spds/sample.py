@@ -164,47 +164,48 @@ class Views:
     def answer(self, batch: list[tuple[str, list[int], int, str | None]], max_new_tokens: int) -> list[dict]:
         """For each (question, prompt ids, where the prompt goes, its corpus document): each view's
         answer text (None: a view the config cannot give, the context without one, the oracle for
-        a question naming no document)."""
-        embed = self.student.get_input_embeddings()
+        a question naming no document). Every view of every question in one decoder batch, each
+        row after its own prefix (the ids before the prompt, then the view's block), each prefix
+        computed once: the oracle's slices too."""
         answered = [{view: None for view in VIEWS} for _ in batch]
-        groups: dict[tuple, list[int]] = {}  # by the ids before the prompt (a question may bring its own system turn)
-        for number, (_, ids, at, _) in enumerate(batch):
-            groups.setdefault(tuple(ids[:at]), []).append(number)
-        views = [(view, numbers, block) for view, block in self.blocks.items() for numbers in groups.values()]
-        if self.oracle is not None:  # each question with its own document's slice, a slice's questions together
-            by_slice: dict[tuple, list[int]] = {}
-            for number, (_, ids, at, doc) in enumerate(batch):
-                if doc:
-                    by_slice.setdefault((tuple(ids[:at]), self.oracle(doc)[0]), []).append(number)
-            views += [("oracle", numbers, None) for numbers in by_slice.values()]
+        prefixes, kvs, index = [], [], {}
+
+        def prefix_of(key: tuple, blocked) -> int:  # the prefix's index, made on first use
+            if key not in index:
+                header = key[0]
+                block, kv = blocked() if callable(blocked) else blocked
+                embed = self.student.get_input_embeddings()
+                head = embed(torch.tensor(header, dtype=torch.long, device=embed.weight.device))
+                index[key] = len(prefixes)
+                prefixes.append(torch.cat([head, block.to(device=head.device, dtype=head.dtype)]))
+                kvs.append((len(header), kv.to(head.device)) if kv is not None else None)
+            return index[key]
+
+        rows, of, where = [], [], []
+        for number, (_, ids, at, doc) in enumerate(batch):
+            header = tuple(ids[:at])  # a question may bring its own system turn
+            views = [(view, (header, view), blocked) for view, blocked in self.blocks.items()]
+            if self.oracle is not None and doc:  # each question with its own document's slice
+                views.append(
+                    ("oracle", (header, "oracle", self.oracle(doc)[0]), lambda d=doc: (self.oracle(d)[1](), None))
+                )
+            for view, key, blocked in views:
+                rows.append(ids[at:])
+                of.append(prefix_of(key, blocked))
+                where.append((number, view))
         own, decoding = self.implementations
         self.student.config._attn_implementation = decoding
         try:
-            for view, numbers, blocked in views:
-                block, kv = blocked or (self.oracle(batch[numbers[0]][3])[1](), None)
-                header = batch[numbers[0]][1][: batch[numbers[0]][2]]
-                head = embed(torch.tensor(header, dtype=torch.long, device=embed.weight.device))
-                prefix = torch.cat([head, block.to(device=head.device, dtype=head.dtype)])
-                asked = [batch[n][1][batch[n][2] :] for n in numbers]
-                kv_at = (len(header), kv.to(head.device)) if kv is not None else None
-                texts = self.greedy(asked, prefix, max_new_tokens, kv_at)
-                for number, text in zip(numbers, texts):
-                    answered[number][view] = text
+            ids = self.decoder.answer_with_top_k(
+                rows, max_new_tokens, 0.0, 1.0, 0, 0, prefix_embeds=prefixes, prefix_kv=kvs, prefix_of=of
+            )[0]
         finally:
             self.student.config._attn_implementation = own
-        return answered
-
-    def greedy(self, asked: list[list[int]], prefix: torch.Tensor, max_new_tokens: int, kv=None) -> list[str]:
-        if not len(prefix):  # nothing before the questions (prefix placement, bare): their ids alone
-            ids = self.decoder.answer(asked, max_new_tokens, 0.0, 1.0, seed=0)
-        else:
-            ids = self.decoder.answer_with_top_k(
-                asked, max_new_tokens, 0.0, 1.0, 0, 0, prefix_embeds=prefix, prefix_kv=kv
-            )[0]
         ends = set(self.end_ids)
-        return [
-            self.tokenizer.decode([t for t in row if t not in ends], skip_special_tokens=True).strip() for row in ids
-        ]
+        for (number, view), row in zip(where, ids):
+            text = self.tokenizer.decode([t for t in row if t not in ends], skip_special_tokens=True).strip()
+            answered[number][view] = text
+        return answered
 
 
 def write(out: Path, rows: list[dict]) -> tuple[Path, Path]:

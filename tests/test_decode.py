@@ -366,3 +366,40 @@ def test_the_shared_keys_in_runs_give_one_passes_attention(splits):
     output, lse = attend_split(query, key, value, 0.25, splits)
     expected, expected_lse = attend(query, key, value, scale=0.25)
     assert (output - expected).abs().max() < 1e-5 and (lse - expected_lse).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_batch_of_several_prefixes_answers_each_row_as_among_its_prefixs_rows_alone(saved, family):
+    """Eval's views, the eval questions' slices and self-study over small slices fill one batch
+    with rows of several prefixes (Decoder.answer_with_top_k's `shared_within` list and
+    `prefix_of`): each row reads its own prefix's keys and values. fp32 on the CPU: the greedy
+    answers of every row are the ids it gets decoded among its own prefix's rows alone and
+    transformers' own generate's, and the top-k log-probabilities agree to fp32 rounding (the
+    batch's shapes change the order of a few sums). The windowed families (the Gemmas) decode
+    each prefix alone inside the call: the same promise."""
+    model = load_teacher(saved[family], "float32", torch.device("cpu"))
+    plain = load_teacher(saved[family], "float32", torch.device("cpu"))
+    generator = torch.Generator().manual_seed(11)
+    # three prefixes of different lengths (a corpus's slices), their questions interleaved
+    opened = [prompts(generator, context=n) for n in (30, 40, 52)]
+    batch = [opened[p][q] for q in range(4) for p in range(3)]
+    within = [30, 40, 52] * 4
+    decoder = Decoder(model, [END], pad_id=0)
+    answers, tops = decoder.answer_with_top_k(batch, 10, 0.0, 1.0, 0, 4, shared_within=within)
+    assert decoder.prefix_forwards == 3  # each prefix once
+    for p, n in enumerate((30, 40, 52)):
+        alone, alone_tops = Decoder(model, [END], pad_id=0).answer_with_top_k(opened[p], 10, 0.0, 1.0, 0, 4, None, n)
+        assert answers[p::3] == alone == [reference_greedy(plain, q, 10) for q in opened[p]], (family, p)
+        for mine, own in zip(tops[p::3], alone_tops):
+            assert mine["ids"] == own["ids"]
+            torch.testing.assert_close(torch.tensor(mine["logprobs"]), torch.tensor(own["logprobs"]))
+    # prefixes given as input embeddings (eval's views: the header and what goes where the prompt goes)
+    embed = model.get_input_embeddings()
+    heads = [embed(torch.tensor(opened[p][0][:n])) for p, n in enumerate((30, 40, 52))]
+    asked = [q[n:] for q, n in zip(batch, within)]
+    together = Decoder(model, [END], pad_id=0).answer_with_top_k(
+        asked, 10, 0.0, 1.0, 0, 0, prefix_embeds=heads, prefix_of=[0, 1, 2] * 4
+    )[0]
+    for p in range(3):
+        alone = Decoder(model, [END], pad_id=0).answer_with_top_k(asked[p::3], 10, 0.0, 1.0, 0, 0, heads[p])[0]
+        assert together[p::3] == alone == answers[p::3], (family, p)

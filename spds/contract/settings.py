@@ -196,6 +196,7 @@ class EvalSettings:
     max_new_tokens: int
     questions: str | None
     question_samples: int
+    batch_tokens: int | None
 
 
 # The config's sections, by key, in schema order.

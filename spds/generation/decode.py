@@ -42,6 +42,7 @@ graph, and the attention they need are one mechanism, each part shaped by the ot
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import sys
@@ -76,6 +77,24 @@ def common_prefix(prompts: list[list[int]]) -> int:
     return length
 
 
+@dataclasses.dataclass
+class Prefixed:
+    """One prefix of a batch: its rows, its length in positions, its keys and values per layer
+    ([1, kv heads, length, head dim] each; empty for no prefix), and how many of each of its
+    prompts' ids it is (0: it came as embeddings, before the ids)."""
+
+    rows: list[int]
+    length: int
+    states: list
+    covers: int = 0
+
+
+def regrouped(groups: list[Prefixed], order: list[int]) -> list[Prefixed]:
+    """`groups` for the rows in `order` (each row's new index its place there)."""
+    at = {row: i for i, row in enumerate(order)}
+    return [dataclasses.replace(group, rows=[at[row] for row in group.rows]) for group in groups]
+
+
 class BatchCache:
     """The keys and values of one batch. The shared prefix's (`shared`, per layer [1, kv heads,
     prefix, head dim]) are computed once for every batch that shares them and read in place, never
@@ -84,13 +103,17 @@ class BatchCache:
     writes where the replay says). Offers what transformers' decoder layers call on a cache
     (`update`, `get_seq_length`)."""
 
-    def __init__(self, layers: int, rows: int, capacity: int, device: torch.device, shared=None):
+    def __init__(self, layers: int, rows: int, capacity: int, device: torch.device, shared=None, groups=None):
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.rows = rows
         self.capacity = -(-capacity // 16) * 16  # the efficient kernel's alignment for the mask's rows
         self.index = torch.zeros(1, dtype=torch.long, device=device)
         self.shared: list[tuple[torch.Tensor, torch.Tensor]] = shared or []
+        # the rows [first, end) that read each prefix's states: one prefix for every row, or several
+        # (Decoder.answer_with_top_k's `prefix_of`), their rows consecutive; a row of an empty
+        # prefix reads nothing shared
+        self.groups: list[tuple[int, int, list]] = groups if groups is not None else [(0, rows, self.shared)]
         # a row's own keys start after its holes (own_from, the number of holes), and the decode
         # step reads the `written` (int32 [rows]) it has
         self.skip_holes([0] * rows)
@@ -187,9 +210,11 @@ class Decoder:
         top_p: float,
         seed: int,
         k: int,
-        prefix_embeds: torch.Tensor | None = None,
-        shared_within: int | None = None,
-        prefix_kv: tuple[int, torch.Tensor] | None = None,
+        prefix_embeds: torch.Tensor | list[torch.Tensor] | None = None,
+        shared_within: int | list[int] | None = None,
+        prefix_kv: tuple[int, torch.Tensor] | list | None = None,
+        prefix_of: list[int] | None = None,
+        groups: list[Prefixed] | None = None,
     ) -> tuple[list[list[int]], list[dict] | None]:
         """`answer`'s ids and, with k > 0, each answer's top-k: at every answer token, the k most
         likely next tokens of the logits it was picked from and their log-probabilities at
@@ -201,13 +226,37 @@ class Decoder:
         (the chat template's header and a soft prompt, loss.on_policy), before every prompt's ids.
         `shared_within`: the most tokens of the prompts' common prefix to share (`prefill`).
         `prefix_kv` (start, a kv soft prompt [layers, 2, kv heads, p, D], spds/model/kv_prompt.py):
-        its keys and values in place of the prefix's at positions start .. start+p-1."""
+        its keys and values in place of the prefix's at positions start .. start+p-1.
+
+        Several prefixes in one batch: `prefix_embeds` a list of them (and `prefix_kv` one entry
+        per prefix, None where it has none), `prefix_of` each prompt's index into it; or
+        `shared_within` a list, one bound per prompt: each prompt shares its own first
+        shared_within[i] ids with the prompts that open the same way (a corpus's slices). Each
+        row then attends to its own prefix's keys and values (computed once per prefix) and to its
+        own; its numbers are those of the same row among its own prefix's rows alone, to the
+        rounding of the batch's other shapes (tests/test_decode.py)."""
+        groups = groups or self.prefix_groups(prompts, prefix_embeds, shared_within, prefix_kv, prefix_of)
+        if len(groups) > 1 and any(self.windowed):  # the windowed keys' plan is one prefix's: each alone
+            return self.each_alone(groups, prompts, max_new_tokens, temperature, top_p, seed, k)
+        order = [row for group in groups for row in group.rows]  # the rows of a prefix consecutive
+        if order != list(range(len(prompts))):
+            answers, tops = self.answer_with_top_k(
+                [prompts[row] for row in order],
+                max_new_tokens,
+                temperature if isinstance(temperature, (int, float)) else [temperature[row] for row in order],
+                top_p,
+                seed,
+                k,
+                groups=regrouped(groups, order),
+            )
+            back = {row: i for i, row in enumerate(order)}
+            return [answers[back[row]] for row in range(len(prompts))], (
+                [tops[back[row]] for row in range(len(prompts))] if tops else None
+            )
         began = time.perf_counter()
         device = self.model.device
         kept = TopK.bytes_per_row(max_new_tokens + 1, k)
-        cache, positions, longest, logits = self.prefill(
-            prompts, max_new_tokens, kept, prefix_embeds, shared_within=shared_within, prefix_kv=prefix_kv
-        )
+        cache, positions, longest, logits = self.prefill(prompts, max_new_tokens, kept, groups=groups)
         logits, rows = logits[:, -1], len(prompts)
         generator = torch.Generator(device=device).manual_seed(seed)
         step = Step(self, cache, positions, next_position=positions[:, longest - 1] + 1, write_at=longest)
@@ -255,34 +304,87 @@ class Decoder:
         keep: int = 1,
         shared_within: int | None = None,
         prefix_kv: tuple[int, torch.Tensor] | None = None,
+        groups: list | None = None,
     ) -> tuple[BatchCache, torch.Tensor, int, torch.Tensor]:
         """The prompts run into a new batch cache with `room` positions after the longest: their
         common prefix (or `prefix_embeds`) from the kept shared states, each prompt's own ids
         right-aligned after it. Returns the cache, each row's logical position at each of its cache
         indices (-1: a hole, or not written yet), the longest prompt's own length (the index the
         next token goes in at) and the fp32 logits of every row's last `keep` positions, which must
-        lie past the shared prefix: `shared_within` bounds its length."""
+        lie past the shared prefix: `shared_within` bounds its length. `groups` (prefix_groups',
+        their rows consecutive): the prefixes already resolved."""
         device = self.model.device
-        if prefix_embeds is None:
-            prefix = min(common_prefix(prompts), shared_within if shared_within is not None else len(prompts[0]))
-            shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
-            prompts = [p[prefix:] for p in prompts]
-        else:
-            prefix, shared = len(prefix_embeds), self.embedded_states(prefix_embeds, prefix_kv)
+        if groups is None:
+            groups = self.prefix_groups(prompts, prefix_embeds, shared_within, prefix_kv, None)
+        group_of = {row: group for group in groups for row in group.rows}
+        prompts = [p[group_of[row].covers :] for row, p in enumerate(prompts)]  # each prompt's own ids
         rows, longest = len(prompts), max(len(p) for p in prompts)
         self.check_fits(rows, longest + room, kept_per_row, prefilled=longest)
-        cache = BatchCache(self.layers, rows, longest + room, device, shared)
+        spans = [(group.rows[0], group.rows[-1] + 1, group.states) for group in groups]
+        cache = BatchCache(self.layers, rows, longest + room, device, groups[0].states, spans)
         cache.skip_holes([longest - len(p) for p in prompts])
-        self.plan_window(cache, prefix, prefix + longest + room - 1)
+        if len(groups) == 1:
+            self.plan_window(cache, groups[0].length, groups[0].length + longest + room - 1)
         # the questions right-aligned: every row's last prompt token at one index. Built on the
         # host and copied once.
         positions = torch.full((rows, cache.capacity), -1, dtype=torch.long)
         ids = torch.full((rows, longest), self.pad_id, dtype=torch.long)
-        for row, own in enumerate(prompts):  # each prompt's own ids, after the shared prefix
+        for row, own in enumerate(prompts):  # each prompt's own ids, after its shared prefix
+            prefix = group_of[row].length
             ids[row, longest - len(own) :] = torch.tensor(own)
             positions[row, longest - len(own) : longest] = torch.arange(prefix, prefix + len(own))
         positions, ids = positions.to(device), ids.to(device)
         return cache, positions, longest, self.forward(ids, positions, cache, start=0, keep=keep)
+
+    def prefix_groups(self, prompts, prefix_embeds, shared_within, prefix_kv, prefix_of) -> list[Prefixed]:
+        """The batch's prefixes and the rows of each, in first-seen order. Given as embeddings, a
+        prefix comes before the whole of each of its prompts' ids; otherwise a prompt's prefix is
+        its first ids: the prompts' common prefix (within `shared_within`), or with
+        `shared_within` a list, each prompt's own first shared_within[i] ids, shared with the
+        prompts that open with the same ones."""
+        device = self.model.device
+        if prefix_embeds is not None:
+            embeds = prefix_embeds if isinstance(prefix_embeds, list) else [prefix_embeds]
+            kvs = prefix_kv if isinstance(prefix_kv, list) else [prefix_kv] * len(embeds)
+            rows_of: dict = {}
+            for row, index in enumerate(prefix_of if prefix_of is not None else [0] * len(prompts)):
+                rows_of.setdefault(index, []).append(row)
+            return [
+                Prefixed(rows, len(embeds[i]), self.embedded_states(embeds[i], kvs[i]) if len(embeds[i]) else [])
+                for i, rows in rows_of.items()
+            ]
+        if not isinstance(shared_within, list):
+            prefix = min(common_prefix(prompts), shared_within if shared_within is not None else len(prompts[0]))
+            shared = self.shared_states(prompts[0][:prefix], device) if prefix else []
+            return [Prefixed(list(range(len(prompts))), prefix, shared, covers=prefix)]
+        rows_of = {}
+        for row, (prompt, within) in enumerate(zip(prompts, shared_within)):
+            rows_of.setdefault(tuple(prompt[: min(within, len(prompt) - 1)]), []).append(row)
+        keep = max(self.KEPT_PREFIXES, len(rows_of))  # every prefix of the batch stays while it runs
+        return [
+            Prefixed(rows, len(key), self.shared_states(list(key), device, keep) if key else [], covers=len(key))
+            for key, rows in rows_of.items()
+        ]
+
+    def each_alone(self, groups, prompts, max_new_tokens, temperature, top_p, seed, k):
+        """A batch of several prefixes on a model with windowed layers: each prefix's rows decoded
+        alone (the shared keys' window plan is one prefix's)."""
+        answers, tops = [None] * len(prompts), [None] * len(prompts)
+        for group in groups:
+            rows = group.rows
+            temperatures = temperature if isinstance(temperature, (int, float)) else [temperature[r] for r in rows]
+            mine, mine_tops = self.answer_with_top_k(
+                [prompts[r] for r in rows],
+                max_new_tokens,
+                temperatures,
+                top_p,
+                seed,
+                k,
+                groups=[dataclasses.replace(group, rows=list(range(len(rows))))],
+            )
+            for i, row in enumerate(rows):
+                answers[row], tops[row] = mine[i], mine_tops[i] if mine_tops else None
+        return answers, (tops if k else None)
 
     @torch.no_grad()
     def score(
@@ -359,15 +461,17 @@ class Decoder:
                 f"GPU has {free / 2**30:.1f} GiB free: shorten the context, or use a GPU with more memory"
             )
 
-    def shared_states(self, ids: list[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def shared_states(
+        self, ids: list[int], device: torch.device, keep: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The keys and values of the prefix `ids`, per layer [1, kv heads, len(ids), head dim]:
-        computed once per distinct prefix (the last KEPT_PREFIXES kept), by a forward over exactly
-        these ids."""
+        computed once per distinct prefix (the last `keep` kept, KEPT_PREFIXES by default: a batch
+        of several prefixes keeps all of its own), by a forward over exactly these ids."""
         key = tuple(ids)
         if key in self.kept:
             self.kept[key] = self.kept.pop(key)  # the newest now
             return self.kept[key]
-        while len(self.kept) >= self.KEPT_PREFIXES:
+        while len(self.kept) >= (keep or self.KEPT_PREFIXES):
             del self.kept[next(iter(self.kept))]  # the oldest goes before the new one is made
         self.check_prefix_fits(len(ids))
         single = BatchCache(self.layers, 1, len(ids), device)
@@ -650,27 +754,44 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     else:
         mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * count, -1)
         output, lse = attend(own, key, value, mask, scale, softcap)
-    if cache is not None and cache.shared:
-        keys, values = cache.shared[layer]
-        shared_mask = None
-        if decoder.windowed[layer]:
-            keys, values = keys[:, :, cache.window_from :], values[:, :, cache.window_from :]
-            if cache.shared_mask is not None:  # [B, Lq, keys] -> the folded rows' [1, 1, B x G x Lq, keys]
-                shared_mask = cache.shared_mask[:, None].expand(-1, groups, -1, -1).reshape(1, 1, -1, keys.shape[2])
-        if count == 1 and decoder.fa4 and shared_mask is None and flash_fits(query, softcap):
-            shared, shared_lse = fa4_shared_step(query, keys, values, scale)
-        else:
-            folded = own.transpose(0, 1).reshape(1, kv, batch * groups * count, dim)  # rows in (b, g, q) order
-            splits = key_splits(folded, keys) if shared_mask is None and softcap is None else 1
-            if splits > 1:
-                shared, shared_lse = attend_split(folded, keys, values, scale, splits)
-            else:
-                shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
-            shared = shared[0].reshape(kv, batch, groups * count, dim).transpose(0, 1)  # views, merged where they lie
-            shared_lse = shared_lse[0].reshape(kv, batch, groups * count).transpose(0, 1)
+    if cache is not None and any(states for _, _, states in cache.groups):
+        parts = [
+            shared_part(decoder, cache, layer, query[first:end], own[first:end], states, softcap, scale, (first, end))
+            for first, end, states in cache.groups
+        ]
+        shared = torch.cat([part for part, _ in parts]) if len(parts) > 1 else parts[0][0]
+        shared_lse = torch.cat([lse for _, lse in parts]) if len(parts) > 1 else parts[0][1]
         output = merge_parts(output, lse, shared, shared_lse, query.dtype)
     output = output.reshape(batch, heads, count, dim)
     return output.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def shared_part(decoder, cache, layer: int, query, own, states, softcap, scale, rows: tuple[int, int]):
+    """The rows [first, end)'s attention to their prefix's keys ([B, Hkv, G x Lq, D] and its
+    log-sum-exps): every row's queries folded into one batch, so the prefix's keys are read once
+    per step, not once per row. A row of no prefix (`states` empty) reads nothing: weight 0."""
+    batch, heads, count, dim = query.shape
+    kv, groups = own.shape[1], own.shape[2] // count
+    if not states:
+        empty = own.new_zeros(own.shape, dtype=torch.float32)
+        return empty, torch.full(own.shape[:3], float("-inf"), device=own.device)
+    keys, values = states[layer]
+    shared_mask = None
+    if decoder.windowed[layer]:
+        keys, values = keys[:, :, cache.window_from :], values[:, :, cache.window_from :]
+        if cache.shared_mask is not None:  # [B, Lq, keys] -> the folded rows' [1, 1, B x G x Lq, keys]
+            mask = cache.shared_mask[rows[0] : rows[1]]
+            shared_mask = mask[:, None].expand(-1, groups, -1, -1).reshape(1, 1, -1, keys.shape[2])
+    if count == 1 and decoder.fa4 and shared_mask is None and flash_fits(query, softcap):
+        return fa4_shared_step(query, keys, values, scale)
+    folded = own.transpose(0, 1).reshape(1, kv, batch * groups * count, dim)  # rows in (b, g, q) order
+    splits = key_splits(folded, keys) if shared_mask is None and softcap is None else 1
+    if splits > 1:
+        shared, shared_lse = attend_split(folded, keys, values, scale, splits)
+    else:
+        shared, shared_lse = attend(folded, keys, values, shared_mask, scale, softcap)
+    shared = shared[0].reshape(kv, batch, groups * count, dim).transpose(0, 1)  # views, merged where they lie
+    return shared, shared_lse[0].reshape(kv, batch, groups * count).transpose(0, 1)
 
 
 def causal_attention(query, key, value, scale: float, softcap: float | None) -> torch.Tensor:

@@ -18,8 +18,8 @@ only what is missing, with the same result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-import itertools
 import json
 import os
 import pickle
@@ -116,8 +116,9 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     key = slice_key(config, study)  # a corpus past the window: the slice each request's teacher reads
     if key and not study:  # a question's row records its slice, as a conversation's does (SelfStudy.asked)
         requests = [dict(r, slice=corpus_of(config).record(key(r))) for r in requests]
-    batches = batched(requests, settings.batch_size, key)
-    context_of = (lambda batch: corpus_of(config).text(key(batch[0]))) if key else None
+    batches = batched(requests, settings.batch_size)
+    texts = functools.lru_cache(maxsize=64)(lambda index: corpus_of(config).text(index))  # read once a slice
+    context_of = (lambda request: texts(key(request))) if key else None
     ranks = Ranks.join(config.distributed.timeout_minutes)
     ids = [[r["request_id"] for r in batch] for batch in batches]
     with Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer)) as output:
@@ -173,11 +174,12 @@ def slice_key(config: Config, study):
     return holding
 
 
-def batched(requests: list[dict], size: int, slice_of=None) -> list[list[dict]]:
-    """The requests in batches of `size`, in order; with `slice_of`, a batch never spans two of a
-    corpus's slices (each slice's last batch may be short): its rows then share one context."""
-    groups = [list(group) for _, group in itertools.groupby(requests, slice_of)] if slice_of else [requests]
-    return [group[i : i + size] for group in groups for i in range(0, len(group), size)]
+def batched(requests: list[dict], size: int) -> list[list[dict]]:
+    """The requests in batches of `size`, in order. Over a corpus's slices the requests come slice
+    by slice, and a batch may hold rows of several: each row reads its own slice's keys and values,
+    computed once per slice (Decoder.answer_with_top_k's prefixes), so a slice with fewer
+    requests than a batch leaves no batch short."""
+    return [requests[i : i + size] for i in range(0, len(requests), size)]
 
 
 def output_provenance(config: Config, tokenizer) -> dict:
@@ -203,7 +205,12 @@ def output_provenance(config: Config, tokenizer) -> dict:
         "student.dtype": config.student.dtype,
         "student.liger_kernels": config.student.liger_kernels,
         "cpu_threads": torch.get_num_threads(),  # recorded, not compared (batches.py's NOT_COMPARED)
+        # batch k's rows (and so their samples) since a batch may hold several of a corpus's slices
+        "batches": BATCHING,
     }
+
+
+BATCHING = "batch_size rows in order, a corpus's slices shared within a batch"
 
 
 def answer_batches(
@@ -219,20 +226,20 @@ def answer_batches(
     """This rank's batches (number -> its rows already in the output), each answered and written
     whole (`Output.write`); batch k samples with seed + k whatever was done before, so a resumed
     or shared run writes what a straight one would. Stops after the batch in flight when asked
-    (spds stop, a signal: spds/stop.py). `context_of`: a batch's slice of a corpus past the
+    (spds stop, a signal: spds/stop.py). `context_of`: a request's slice of a corpus past the
     window, which its teacher reads in place of the context. Returns the batches answered."""
     from tqdm import tqdm
 
     stop = StopRequest.current()
     stop.requests = stop_requests  # where spds stop and the launch scripts ask; a stale request is ignored
     settings, tokenizer, answered = asking.settings, asking.tokenizer, 0
+    asking.context_of = context_of
     for number in tqdm(mine, desc="generate", disable=output.ranks.rank != 0 or not os.isatty(2)):
         pace_point()
         batch = batches[number]
-        reading = asking.reading(context_of(batch)) if context_of else asking
         if study:  # the teacher writes the batch's user messages first
             batch = study.asked(batch, asking, end_ids)
-        turns = reading.answer_turns(batch, seed=settings.seed + number)
+        turns = asking.answer_turns(batch, seed=settings.seed + number)
         output.write(
             number,
             [
@@ -336,6 +343,9 @@ class Asking:
     context_in_user_turn: bool
     settings: GenerateSettings
     template_kwargs: dict
+    # a request -> the context its teacher reads (a corpus's slice), None: the one context
+    context_of: Any = None
+    readings: dict = dataclasses.field(default_factory=dict, repr=False)  # context -> its Asking
 
     def __post_init__(self):
         # The tokens every asked prompt opens with, through the context: where two questions'
@@ -347,8 +357,16 @@ class Asking:
 
     def reading(self, context: str) -> Asking:
         """Asked with another context (a corpus's slice): the same decoder, its shared prefix kept
-        per context (Decoder.shared_states)."""
-        return self if context == self.context else dataclasses.replace(self, context=context)
+        per context (Decoder.shared_states), its bound computed once per context."""
+        if context == self.context:
+            return self
+        if context not in self.readings:
+            self.readings[context] = dataclasses.replace(self, context=context, context_of=None, readings={})
+        return self.readings[context]
+
+    def of(self, request: dict) -> Asking:
+        """How `request` is asked: with its own slice where the context is a corpus's."""
+        return self.reading(self.context_of(request)) if self.context_of else self
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """The ids the teacher reads to answer `messages`: the context placed, the template rendered."""
@@ -359,7 +377,8 @@ class Asking:
         """The teacher's answer to each request, at the request's own `temperature` where it has
         one (a self-study kind's), else generate.temperature; a response ends at the first end
         token, which is kept (spds/generation/decode.py)."""
-        prompts = [self.prompt(r["messages"]) for r in batch]
+        asked = [self.of(r) for r in batch]  # rows of several slices: each shares its own slice's prefix
+        prompts = [a.prompt(r["messages"]) for a, r in zip(asked, batch)]
         sampling = self.settings
         temperatures = [r.get("temperature", sampling.temperature) for r in batch]
         answers, tops = self.decoder.answer_with_top_k(
@@ -369,7 +388,7 @@ class Asking:
             sampling.top_p,
             seed,
             sampling.top_k_logprobs,
-            shared_within=self.context_end,
+            shared_within=[a.context_end for a in asked] if self.context_of else self.context_end,
         )
         return [Turn(answer, tops[i] if tops else None) for i, answer in enumerate(answers)]
 
@@ -392,9 +411,16 @@ class Asking:
         k = self.settings.top_k_logprobs
         if not k or not batch:
             return [Turn(response) for response in responses]
-        prompts = [self.prompt(r["messages"]) for r in batch]
-        tops = self.decoder.score(prompts, responses, k, shared_within=self.context_end)
-        return [Turn(response, top) for response, top in zip(responses, tops)]
+        turns = {}
+        by_context: dict[int, list[int]] = {}  # a slice's recitals scored together, after its prefix
+        for i, request in enumerate(batch):
+            by_context.setdefault(id(self.of(request)), []).append(i)
+        for rows in by_context.values():
+            asking = self.of(batch[rows[0]])
+            prompts = [asking.prompt(batch[i]["messages"]) for i in rows]
+            tops = self.decoder.score(prompts, [responses[i] for i in rows], k, shared_within=asking.context_end)
+            turns.update({i: Turn(responses[i], top) for i, top in zip(rows, tops)})
+        return [turns[i] for i in range(len(batch))]
 
     def answer_turns(self, batch: list[dict], seed: int) -> list[list[Turn]]:
         """For each request, the teacher's answer to each of its user turns, in order: a question
