@@ -11,13 +11,15 @@ Self-study (the default kinds, every kind) unless --questions is given; the GPU 
 (mix to the top-20, 128-row updates, lr 0.1, bf16, Liger); eval asks --eval-questions questions
 training never asked. Each verb runs as a user runs it (`python -m spds.cli VERB config.json`), its
 log under --out; prints one JSON line per verb (bench/common.py's record) and one for generation's
-rows per second. Random weights rarely sample the end token, so every answer runs to max_new_tokens.
+rows per second, and after eval one for eval's scoring against the training step (positions/s, the
+same student and rows). Random weights rarely sample the end token: every answer runs to max_new_tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import threading
 import time
@@ -77,10 +79,10 @@ def write_inputs(directory: Path, args) -> None:
         train={"require_smoke": "smoke" in args.verbs},
         eval={
             "questions": "eval-questions.jsonl",
-            "question_samples": 1,
             "max_new_tokens": 32,
             "samples": 0,
-            "max_records": 16,
+            "max_records": args.held_out or None,
+            "question_samples": args.question_samples,
         },
     )
 
@@ -111,6 +113,23 @@ class PeakMemory:
         self.thread.join()
 
 
+def eval_against_step(run: Path, args) -> None:
+    """eval's scoring positions/s beside the training step's tok/s on the same student and rows
+    (the step's median over the updates after the first, which compiles), and eval's phases."""
+    steps = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    rates = sorted([m["tokens_per_second"] for m in steps if "tokens_per_second" in m][1:]) or [0]
+    step = rates[len(rates) // 2]
+    report = json.loads((run / "eval.json").read_text())
+    scoring = {
+        "held_out": report.get("tokens_per_second"),
+        "questions": report.get("questions", {}).get("tokens_per_second"),
+    }
+    common.record(figure="eval against the step", model=args.model, context=args.context, step_tok_s=round(step),
+                  scoring_positions_s={k: v and round(v) for k, v in scoring.items()},
+                  ratio={k: v and round(v / step, 2) for k, v in scoring.items()}, records=report["records"],
+                  questions=report.get("questions", {}).get("records"), phases=report.get("phases"))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="1.7b", choices=sorted(common.SHAPES), help="a Qwen3 shape")
@@ -122,6 +141,8 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=256, help="generate.max_new_tokens (default 256)")
     parser.add_argument("--updates", type=int, default=8, help="training updates of 128 rows (default 8)")
     parser.add_argument("--eval-questions", type=int, default=200, help="eval questions (default 200)")
+    parser.add_argument("--held-out", type=int, default=16, help="eval.max_records (0: every held-out record)")
+    parser.add_argument("--question-samples", type=int, default=1, help="eval.question_samples")
     parser.add_argument("--verbs", default="generate", help="comma list of generate,prepare,smoke,train,eval")
     parser.add_argument("--out", help="raw output directory (default: outside the checkout, bench/common.py)")
     args = parser.parse_args()
@@ -131,6 +152,8 @@ def main() -> None:
     write_inputs(directory, args)
     for made in ("rows.jsonl", "rows.jsonl.provenance.json"):  # each run generates afresh
         (directory / made).unlink(missing_ok=True)
+    if "train" in args.verbs:  # and trains afresh (a checkpoint of other settings is not resumed)
+        shutil.rmtree(directory / "run", ignore_errors=True)
     for verb in args.verbs:
         with PeakMemory() as memory:
             command = [sys.executable, "-m", "spds.cli", verb, str(directory / "config.json")]
@@ -148,6 +171,8 @@ def main() -> None:
                 rows_per_second=round(len(rows) / seconds, 2),
                 new_tokens_per_second=round(new / seconds),
             )
+        if verb == "eval" and status == 0 and (directory / "run" / "metrics.jsonl").exists():
+            eval_against_step(directory / "run", args)
         if status != 0:
             print((directory / f"{verb}.log").read_text()[-3000:], file=sys.stderr)
             sys.exit(status)

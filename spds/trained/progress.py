@@ -42,6 +42,10 @@ class Progress:
 
     def close(self) -> float:
         """The phase's seconds."""
+        seconds = time.monotonic() - self.began
         if self.bar is not None:
             self.bar.close()
-        return time.monotonic() - self.began
+        elif self.show:
+            rate = self.positions / max(seconds, 1e-9)
+            print(f"{self.phase}: {self.done_rows} rows in {seconds:.1f} s, {rate:,.0f} positions/s", file=sys.stderr)
+        return seconds
