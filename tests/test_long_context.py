@@ -14,9 +14,9 @@ import torch
 from conftest import make_tiny
 
 from spds.contract.gate import load_config
+from spds.contract.kinds import BUILT_IN_KINDS as KINDS
 from spds.data.prepare import prepare
 from spds.generation.generate import generate
-from spds.generation.self_study import BUILT_IN_KINDS as KINDS
 
 pytestmark = pytest.mark.slow  # a 64k-token prefix through a causal forward on two CPU cores
 PUBLISHED_ROWS = 151_936  # Qwen2.5's and Qwen3's output layer

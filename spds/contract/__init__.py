@@ -11,4 +11,5 @@ digests     those sha256s, each file's remembered
 versions    the dependency versions spds is tested with
 hub         Hugging Face model ids, resolved offline
 model_config  a model's config.json read without the model: its text part, its position window
+kinds       self-study's seed kinds: the built-in ones, their instructions and openings
 """

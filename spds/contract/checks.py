@@ -10,12 +10,12 @@ from pathlib import Path
 
 from spds.contract.config import Config
 from spds.contract.documents import context_entries
+from spds.contract.kinds import BUILT_IN_KINDS, RECITE, UNINSTRUCTED
 from spds.contract.model_config import model_window_problems
 from spds.contract.pins import pins_path
 from spds.contract.schema import describe_errors
 from spds.errors import SpdsError
 from spds.fsio import read_json
-from spds.generation.self_study import BUILT_IN_KINDS, RECITE, UNINSTRUCTED
 
 
 def model_directory_problems(key: str, path: Path, needs: tuple[str, ...]) -> list[str]:

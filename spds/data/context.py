@@ -13,12 +13,12 @@ import hashlib
 
 from spds.contract import documents
 from spds.contract.config import Config
+from spds.contract.kinds import RECITE  # a recital's answer: up to a chunk (the longest answer)
 from spds.data.chat import render, scaffold_for, with_context
 from spds.data.corpus import Corpus
 from spds.data.sources import read_eval_questions, read_questions
 from spds.data.student_files import load_tokenizer
 from spds.fsio import read_text
-from spds.generation.self_study import RECITE  # a recital's answer: up to a chunk (the longest answer)
 
 CACHED = "_spds_corpus"  # where a config keeps its corpus once read: every user of it reads the same slices
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from spds.contract.config import Config
+from spds.contract.kinds import FACT, RECITE
 from spds.contract.settings import GenerateSettings, SelfStudySettings
 from spds.data.chat import encode_text, end_token_ids, render, render_chat_row, tokenizer_identity, with_context
 from spds.data.context import context_digest, context_text, corpus_of
@@ -43,8 +44,6 @@ from spds.generation.batches import Output, Ranks
 from spds.generation.decode import Decoder, common_prefix
 from spds.generation.self_study import (
     EXCERPT,
-    FACT,
-    RECITE,
     Chunk,
     FactLine,
     Lines,
@@ -524,7 +523,7 @@ class SelfStudy:
     and the user messages the teacher wrote, written in fixed batches of conversations on first
     need, each with its own seed, so a resumed run writes the same ones. With a corpus past the
     window the conversations are numbered slice by slice (a stable order of the plan), so that a
-    batch's rows share one slice, read by the teacher once for all of them."""
+    slice's rows come together and its keys and values are computed once for them."""
 
     settings: SelfStudySettings
     batch_size: int
