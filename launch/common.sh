@@ -1,7 +1,7 @@
 # Shared by the launch scripts (sourced, not run).
 #
 # Verbs: train and smoke, and generate and eval (every rank takes a share of the batches or
-# records; spds/generation/batches.py, spds/evaluate.py).
+# records; spds/generation/batches.py, spds/trained/evaluate.py).
 #
 # Stopping. A launch script runs the launcher as a child, in a process group of its own, and
 # turns SIGTERM or SIGINT to itself (a container runtime's stop, `kill PID`, Ctrl-C, SLURM's

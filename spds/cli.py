@@ -103,8 +103,8 @@ def cmd_eval(args) -> int:
     import os
 
     from spds.contract.gate import load_config  # per verb
-    from spds.evaluate import evaluate  # per verb
     from spds.generation.teacher_window import require_ready  # per verb
+    from spds.trained.evaluate import evaluate  # per verb
 
     config = load_config(args.config)
     require_ready(config)  # the windows: eval.questions' teacher and the views read the context
@@ -120,11 +120,11 @@ def cmd_eval(args) -> int:
     if result["kl_to_teacher"] is not None:
         print(f"KL(teacher || soft) per token {result['kl_to_teacher']:.4f} (teacher: {result['teacher']})")
     if result.get("samples"):
-        from spds.sample import show  # per verb
+        from spds.trained.sample import show  # per verb
 
         print(show(result["samples"]))
     if result.get("questions"):
-        from spds.sample import show  # per verb
+        from spds.trained.sample import show  # per verb
 
         asked = result["questions"]
         print(
@@ -163,7 +163,7 @@ def cmd_sample(args) -> int:
     from pathlib import Path
 
     from spds.contract.gate import load_config  # per verb
-    from spds.sample import answers, show, write  # per verb
+    from spds.trained.sample import answers, show, write  # per verb
 
     config = load_config(args.config)
     rows = answers(
@@ -179,10 +179,10 @@ def cmd_export(args) -> int:
     from pathlib import Path
 
     from spds.contract.gate import load_config  # per verb
-    from spds.export import export  # per verb
+    from spds.trained.export import export  # per verb
 
     if args.compose:
-        from spds.export import compose  # per verb
+        from spds.trained.export import compose  # per verb
 
         if args.config or args.checkpoint or args.out or len(args.compose) < 3:
             raise SpdsError("spds export --compose A.safetensors B.safetensors [...] OUT: two prompts or more, then "

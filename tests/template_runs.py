@@ -5,7 +5,7 @@
 For each case: a tiny random student of the template's decoder family (or FAMILY;
 tests/fixtures/models) with a tokenizer holding the template and its tokens (tests/fixtures/templates),
 teacher rows in both forms (token rows as a teacher writes them, chat rows spds renders), then
-prepare -> smoke -> train -> eval -> export -> an answer through spds.export.generate and
+prepare -> smoke -> train -> eval -> export -> an answer through spds.trained.export.generate and
 spds sample's three views of two held-out questions, through
 spds's library functions (the CLI's own verbs are tested elsewhere; one process keeps dozens of
 runs to seconds each). Writes OUT/results.json: per case, what each step reported.
@@ -69,10 +69,10 @@ def run_case(out: Path, name: str, placement: str, family: str) -> dict:
     from spds.contract.gate import load_config
     from spds.data.packed import PackedStore
     from spds.data.prepare import prepare
-    from spds.evaluate import evaluate
-    from spds.export import export, generate, load_soft_prompt
     from spds.model.student import load_student
-    from spds.sample import answers
+    from spds.trained.evaluate import evaluate
+    from spds.trained.export import export, generate, load_soft_prompt
+    from spds.trained.sample import answers
     from spds.training.train import run
 
     directory = out / f"{name}-{placement}-{family}"

@@ -56,7 +56,7 @@ def rope_turn(keys: torch.Tensor, shift: int, theta: float) -> torch.Tensor:
 def test_kv_prompts_compose_into_the_cache_a_plain_reference_builds(tiny):
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-    from spds.export import load_soft_prompt, past_key_values
+    from spds.trained.export import load_soft_prompt, past_key_values
 
     path_a, a, metadata = exported(tiny, "kv", 4)
     path_b, b = another(path_a, a, metadata, scale=float(a.std()), length=3)
@@ -95,7 +95,7 @@ def test_kv_prompts_compose_into_the_cache_a_plain_reference_builds(tiny):
 
 
 def test_embeddings_compose_by_concatenation_and_other_forms_or_students_are_refused(tiny):
-    from spds.export import load_soft_prompt
+    from spds.trained.export import load_soft_prompt
 
     path_a, a, metadata = exported(tiny, "embeddings", 4)
     path_b, b = another(path_a, a, metadata, scale=0.3)
@@ -121,7 +121,7 @@ def test_embeddings_compose_by_concatenation_and_other_forms_or_students_are_ref
     assert refused.returncode == 1 and "student_identity differs" in refused.stderr, refused.stderr
     assert "rule 'composable prompts'" in refused.stderr and not (tiny / "no").exists()
     with pytest.raises(SpdsError, match="form differs"):
-        from spds.export import compose
+        from spds.trained.export import compose
 
         kv = path_a.with_name("kv.safetensors")
         save_file(

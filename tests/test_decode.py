@@ -261,12 +261,23 @@ def test_logits_that_are_not_finite_stop_the_batch_with_a_message(saved, tempera
 
 
 @pytest.mark.numeric  # rerun under ATEN_CPU_CAPABILITY avx2 and default (make test): other CPUs' kernels
-def test_the_demos_bf16_teacher_decodes_on_any_cpu(tiny_assets):
+@pytest.mark.parametrize("flash", ["as this CPU runs it", "refused"])
+def test_the_demos_bf16_teacher_decodes_on_any_cpu(tiny_assets, flash, monkeypatch, capsys):
     """The demo's teacher (bf16, head dimension 16, a context of hundreds of tokens): PyTorch's CPU
-    flash kernel for such a bf16 attention stops on a CPU without AVX-512 ("pack_vnni2 is only
-    supported when avx512 is supported"); the decoder's attention never calls it (on the CPU its
-    sums are plain PyTorch). Its greedy answers start as transformers' generate of the same
-    weights starts them."""
+    flash kernel for such a bf16 attention stops on some CPUs ("pack_vnni2 is only supported when
+    avx512 is supported": an Intel Xeon with AMX under ATEN_CPU_CAPABILITY=avx2). The decoder's
+    prefill calls it where it runs, and where it refuses (here: the kernel raising that error, as
+    PyTorch raises it) runs plain sums instead and says so once. Either way its greedy answers
+    start as transformers' generate of the same weights starts them."""
+    import spds.kernels.shared_keys as shared_keys
+
+    monkeypatch.setattr(shared_keys, "CPU_FLASH_REFUSED", set())
+    if flash == "refused":
+
+        def refusing(*args, **kwargs):
+            raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+
+        monkeypatch.setattr(shared_keys, "cpu_flash_kernel", refusing)
     model = load_teacher(tiny_assets / "student", "bfloat16", torch.device("cpu"))
     # the reference in transformers' eager attention: no spds code between it and the weights
     student = tiny_assets / "student"
@@ -277,6 +288,9 @@ def test_the_demos_bf16_teacher_decodes_on_any_cpu(tiny_assets):
     # bf16 rounds the logits to 8 bits, so another summation order may flip a later near-tie: the
     # first answer token, after identical prompts, is compared; the rest need only be well formed
     assert [a[0] for a in answers] == [reference_greedy(plain, p, 8)[0] for p in batch]
+    said = capsys.readouterr().err
+    assert ("refuses bfloat16 on this CPU (pack_vnni2" in said) == (flash == "refused")
+    assert said.count("refuses bfloat16") <= 1  # probed once, said once
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,7 @@ def test_a_kv_prompt_started_from_the_context_is_the_context_where_the_prompt_go
 def test_a_kv_prompt_trains_evaluates_samples_and_exports_a_peft_cartridge_with_the_same_logits(tiny):
     """The whole loop with form kv (prefix placement, started from the context, its first position
     frozen): eval reports the three views; spds sample's soft answer is transformers' own greedy
-    decode with the prompt as past_key_values (spds.export.generate); and spds export writes a
+    decode with the prompt as past_key_values (spds.trained.export.generate); and spds export writes a
     CARTRIDGE adapter by PEFT itself, which PeftModel.from_pretrained loads to the same logits as
     that cache."""
     import json
@@ -127,7 +127,7 @@ def test_a_kv_prompt_trains_evaluates_samples_and_exports_a_peft_cartridge_with_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from spds.export import generate, insertion_point, load_soft_prompt, past_key_values
+    from spds.trained.export import generate, insertion_point, load_soft_prompt, past_key_values
 
     kv = {"length": 4, "placement": "prefix", "form": "kv", "init": {"method": "context"}, "frozen_positions": 1}
     edit_config(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -14,9 +15,9 @@ from helpers import FAST, ROUNDING, assert_rounding_close, check, final_state, r
 
 from spds.contract.gate import load_config, section
 from spds.data.packed import PackedStore
-from spds.export import insertion_point, load_soft_prompt, splice
 from spds.model.student import load_student
-from spds.sample import VIEWS
+from spds.trained.export import insertion_point, load_soft_prompt, splice
+from spds.trained.sample import VIEWS
 
 
 @pytest.fixture
@@ -169,6 +170,28 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     assert report["kl_to_teacher"] > 0
     assert report["teacher"] == "context"
     assert report["tokens_per_second"] > 0 and report["seconds"] > 0
+    # Scored in batches (eval.batch_tokens, records of like length together): the same figures to
+    # rounding as one record a batch, each phase timed and shown as it goes (stderr is no terminal here)
+    assert report["batches"] < report["records"]
+    assert set(report["phases"]) == {"scoring held-out records", "greedy answers"}
+    assert f"scoring held-out records: {len(held_out)} rows in" in result.stderr
+    edit_config(tiny, eval={"kl": True, "batch_tokens": 1})
+    check(spds(["eval", "config.json"], tiny))
+    alone = read_json(tiny / "run" / "eval.json")
+    assert alone["batches"] == alone["records"] == report["records"]
+    for name in blocks:
+        assert alone["nll"][name] == pytest.approx(report["nll"][name], rel=ROUNDING), name
+    assert alone["kl_to_teacher"] == pytest.approx(report["kl_to_teacher"], rel=ROUNDING)
+    # a budget whose forward would not fit the device is refused before any record is scored,
+    # naming the budget that fits (SPDS_TEST_FREE_BYTES stands in for a GPU's free memory)
+    edit_config(tiny, eval={"kl": True, "batch_tokens": 1 << 20})
+    (tiny / "run" / "eval.json").unlink()
+    refused = spds(["eval", "config.json"], tiny, SPDS_TEST_FREE_BYTES=str(1 << 30))
+    assert refused.returncode != 0 and "eval.batch_tokens: a forward over 1048576 positions" in refused.stderr
+    assert (
+        re.search(r"set eval.batch_tokens to at most \d+", refused.stderr) and not (tiny / "run" / "eval.json").exists()
+    )
+    edit_config(tiny, eval={"kl": True, "batch_tokens": None})
     # On two ranks with the student sharded as in training, over an odd number of records (one rank
     # runs a filler pass to keep the collective gathers in step): the hand-computed numbers.
     # (Unsharded ranks sharing eval: tests/test_multinode.py, under SLURM, to the one-rank figures.)
@@ -217,7 +240,7 @@ def test_export_round_trip_and_generation_splices_as_training(tiny):
         training_logits = hidden[-1] @ student.get_output_embeddings().weight.t()
     assert_rounding_close(generation_logits, training_logits, what="logits")
     # What a server takes (vLLM's prompt_embeds, SGLang's input_embeds): training's embeddings, bit for bit.
-    from spds.export import generate, prompt_embeds
+    from spds.trained.export import generate, prompt_embeds
 
     served = prompt_embeds(student, tokenizer, prompt, metadata, messages)
     assert served.dtype == student.dtype and served.shape == (len(ids) + len(prompt), student.config.hidden_size)

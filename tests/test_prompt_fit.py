@@ -1,5 +1,5 @@
 """A prompt is checked against its student before use, everywhere one is read: eval, sample and
-export on a checkpoint, spds.export's public functions, and the file spds export wrote. Another
+export on a checkpoint, spds.trained.export's public functions, and the file spds export wrote. Another
 student's shape, another form, a value that is not finite: refused naming the file (or the
 argument), the expected and found shapes and the rule, with no traceback and nothing written."""
 
@@ -45,7 +45,7 @@ def test_eval_sample_and_export_refuse_a_checkpoint_of_another_student(trained, 
 def test_the_public_loaders_check_the_file_and_the_student(trained, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from spds.export import load_soft_prompt, prompt_embeds
+    from spds.trained.export import load_soft_prompt, prompt_embeds
 
     check(spds(["export", "config.json"], trained))
     exported = next((trained / "run").rglob("soft_prompt.safetensors"))

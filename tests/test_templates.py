@@ -309,7 +309,7 @@ def test_the_sample_question_line_shows_the_users_words_not_the_default_system_t
     """spds sample / eval print a held-out record's question: from the packed prompt, the text of
     the last user turn alone, whatever default system text or header the published template
     renders before it."""
-    from spds.sample import asked_text
+    from spds.trained.sample import asked_text
 
     tokenizer = fixture_tokenizer(name)
     kwargs = {"date_string": "26 Jul 2024"} if name.startswith("llama") else {}

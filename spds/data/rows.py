@@ -147,7 +147,7 @@ def shifted(spans: tuple | None, by: int) -> tuple | None:
 def place(ids: np.ndarray, prefix: int, rules: RowRules) -> tuple[np.ndarray, int, int, bool]:
     """Where the soft prompt goes in a row: (ids, prefix, insert_at, whether a system message was
     added). The rule for each placement and template kind is spds/data/chat.py's; the same function
-    places the prompt at inference (spds.export.insertion_point)."""
+    places the prompt at inference (spds.trained.export.insertion_point)."""
     if rules.placement == "prefix":
         return ids, prefix, 0, False
     s = rules.scaffold

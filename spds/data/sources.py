@@ -133,7 +133,7 @@ EVAL_OPTIONAL = ("keyword", "answer", "doc")
 
 
 def read_eval_questions(path: Path) -> list[dict]:
-    """The questions of an eval.questions file (spds/eval_questions.py), each checked; an SpdsError
+    """The questions of an eval.questions file (spds/trained/questions.py), each checked; an SpdsError
     names the line and rule."""
     questions, seen, first_with = [], {}, {}
     for number, line in document_lines(path):

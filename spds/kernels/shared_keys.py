@@ -22,6 +22,7 @@ to 64-128 (bench/RESULTS.md measures both).
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -158,9 +159,9 @@ def attend(query, key, value, mask=None, scale: float | None = None, softcap: fl
     if not query.is_cuda and mask is None and softcap is None and query.dtype in CPU_FLASH_DTYPES:
         # PyTorch's fused CPU kernel (flash attention's loop: no [m, n] scores in memory): a 32k-token
         # prefix in under a second on two cores, where the scores' passes took tens of seconds
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, attn_mask=None, scale=scale
-        )[:2]
+        fused = cpu_flash(query, key, value, causal, scale)
+        if fused is not None:
+            return fused
     if not query.is_cuda or softcap is not None:  # scores soft-capped before the softmax: no fused kernel
         return math_attention(query, key, value, mask, scale, softcap, causal)
     bias = None
@@ -175,6 +176,31 @@ def attend(query, key, value, mask=None, scale: float | None = None, softcap: fl
     if mask is not None:  # a row that sees no key (a window past the shared keys): the kernel's lse is not -inf
         lse = lse.masked_fill(~mask.any(dim=-1), float("-inf"))
     return output, lse
+
+
+CPU_FLASH_REFUSED: set = set()  # the dtypes PyTorch's CPU flash kernel refused in this process
+cpu_flash_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def cpu_flash(query, key, value, causal: bool, scale: float):
+    """PyTorch's fused CPU attention, or None where it refuses the dtype on this CPU: its bf16 and
+    fp16 kernels pack their operands with AVX-512 instructions and stop ("pack_vnni2 is only
+    supported when avx512 is supported") where the CPU, or ATEN_CPU_CAPABILITY, offers less while
+    the hardware check that picks the packed path says otherwise (seen on an Intel Xeon with AMX
+    under ATEN_CPU_CAPABILITY=avx2). Its first refusal is the probe: the dtype then runs as plain
+    sums for the rest of the process (the same function, fp32 accumulation), said once."""
+    if query.dtype in CPU_FLASH_REFUSED or not torch.backends.cuda.flash_sdp_enabled():  # (the switch: student.py)
+        return None
+    try:
+        return cpu_flash_kernel(query, key, value, 0.0, causal, attn_mask=None, scale=scale)[:2]
+    except RuntimeError as error:
+        CPU_FLASH_REFUSED.add(query.dtype)
+        print(
+            f"spds: PyTorch's CPU flash attention refuses {str(query.dtype).removeprefix('torch.')} on this CPU "
+            f"({str(error).splitlines()[0][:120]}); its attention runs as plain sums instead (slower, the same sums)",
+            file=sys.stderr,
+        )
+        return None
 
 
 def math_attention(query, key, value, mask, scale: float, softcap: float | None, causal: bool = False):

@@ -16,7 +16,7 @@ a copy of each layer's keys and values.
 RoPE. The keys are stored after rotation, at the positions the prompt takes (a .. a+p-1 for
 insertion offset a): what a transformers KV cache holds for those positions, so a prompt is used
 exactly as trained wherever it goes at the same offset, and the prefix placement's (a = 0) is a
-PEFT CARTRIDGE adapter's `past_key_values` as they are (spds/export.py). The offset is the chat
+PEFT CARTRIDGE adapter's `past_key_values` as they are (spds/trained/export.py). The offset is the chat
 template's header length, the same for every record of a run; export records it.
 
 Starting value: random (init.std), or the keys and values the student itself computes for tokens

@@ -32,8 +32,6 @@ from spds.data.preflight import require_context_fits
 from spds.data.sources import read_eval_questions
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
-from spds.eval_questions import answer_scores, teacher_config
-from spds.export import prompt_to_read
 from spds.fsio import atomic_path, atomic_write_json
 from spds.generation.decode import free_bytes
 from spds.model.build import build_soft_prompt_model
@@ -41,7 +39,10 @@ from spds.model.loss import final_logit_softcap, make_loss
 from spds.model.recompute import ACTIVATION_BYTES_PER_HIDDEN
 from spds.model.soft_prompt import load_segments
 from spds.model.teacher import ContextTeacher, build_teacher, teacher_kind
-from spds.progress import Progress
+from spds.trained.export import prompt_to_read
+from spds.trained.progress import Progress
+from spds.trained.questions import answer_scores, teacher_config
+from spds.trained.sample import answers, write
 from spds.training.engine import init_distributed, shard_student
 from spds.training.records import read_metrics
 from spds.training.schedule import lockstep_passes
@@ -152,10 +153,8 @@ def held_out_figures(config: Config, scoring: Scoring, store: PackedStore, held_
 
 def answer_views(config: Config, result: dict, directory: str, student, questions, ranks: tuple[int, int]) -> dict:
     """Greedy answers bare / with the context / with the soft prompt, every rank answering its
-    share (spds/sample.py): a few held-out records' (eval.samples) and every eval.questions
+    share (spds/trained/sample.py): a few held-out records' (eval.samples) and every eval.questions
     question's; none for a student sharded over the ranks (its forward is collective)."""
-    from spds.sample import answers  # spds.sample imports this module's neighbours, not its callers
-
     answered, settings = {}, dict(checkpoint=str(directory), max_new_tokens=config.eval.max_new_tokens, student=student)
     if config.shards_student:
         return answered
@@ -171,8 +170,6 @@ def answer_views(config: Config, result: dict, directory: str, student, question
 def write_report(config: Config, result: dict) -> None:
     """Rank 0: the questions' answers side by side (samples.md), the plot, then eval.json,
     validated first."""
-    from spds.sample import write  # spds.sample imports this module's neighbours, not its callers
-
     out = config.output_dir
     if result.get("questions", {}).get("answers"):
         write(out, result["questions"]["answers"])
@@ -184,7 +181,7 @@ def write_report(config: Config, result: dict) -> None:
 @dataclass
 class QuestionStore:
     """eval.questions' teacher answers as a packed store of held-out records
-    (spds/eval_questions.py), and the questions themselves."""
+    (spds/trained/questions.py), and the questions themselves."""
 
     path: Path
     questions: list[dict]
@@ -216,7 +213,7 @@ class QuestionStore:
         return cls(path, questions, PackedStore.open(derived.packed_dir))
 
     def answered(self, config: Config, rows: list[dict]) -> dict:
-        """The greedy answers (spds.sample's rows, in the questions' order), with their scores."""
+        """The greedy answers (spds.trained.sample's rows, in the questions' order), with their scores."""
         for question, row in zip(self.questions, rows):
             row.update(question_id=question["question_id"], keyword=question.get("keyword"), doc=question.get("doc"))
         return dict(answer_scores(self.questions, rows), answers=rows)

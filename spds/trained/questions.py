@@ -69,7 +69,7 @@ def teacher_config(config: Config, questions: Path) -> Config:
 
 
 def answer_scores(questions: list[dict], rows: list[dict]) -> dict:
-    """Of the greedy answers (spds.sample's rows, in the questions' order): the share holding the
+    """Of the greedy answers (spds.trained.sample's rows, in the questions' order): the share holding the
     keyword per view, and ROUGE-L F1 of soft against context and of each view against the answer."""
     from rouge_score import rouge_scorer  # per use: only eval with eval.questions reads it
 

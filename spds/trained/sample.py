@@ -3,7 +3,7 @@
 Answers by the student three ways, side by side: bare (nothing where the prompt goes, eval's
 floor), with the context's tokens there (eval's ceiling, what the teacher saw), and with the
 trained soft prompt, for held-out records (their prompts as packed) or the questions of a file
-(rendered by the chat template and placed by training's rule, spds.export.insertion_point).
+(rendered by the chat template and placed by training's rule, spds.trained.export.insertion_point).
 Greedy decoding, so a rerun gives the same answers. Written to OUTPUT_DIR/samples.jsonl and
 samples.md beside eval.json, and printed; `spds eval` includes a few (eval.samples).
 """
@@ -23,10 +23,10 @@ from spds.data.packed import PackedStore
 from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
-from spds.export import insertion_point, prompt_to_read
 from spds.fsio import atomic_writer
 from spds.model.kv_prompt import form_of, require_fits, stand_in
 from spds.model.student import load_student
+from spds.trained.export import insertion_point, prompt_to_read
 
 VIEWS = ("bare", "context", "soft", "oracle")
 TITLES = {
