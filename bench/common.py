@@ -149,3 +149,18 @@ def timed(command: list[str], log: Path, cwd: Path | None = None) -> tuple[int, 
     with open(log, "w") as stream:
         status = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, cwd=cwd).returncode
     return status, round(time.perf_counter() - began, 1)
+
+
+def eval_against_step(run: Path, **labels) -> dict:
+    """eval's scoring positions/s beside the training step's tok/s on the same student and rows
+    (the step's median over the updates after the first, which compiles), and eval's phases."""
+    steps = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    rates = sorted([m["tokens_per_second"] for m in steps if "tokens_per_second" in m][1:]) or [0]
+    step = rates[len(rates) // 2]
+    report = json.loads((run / "eval.json").read_text())
+    asked = report.get("questions") or {}
+    scoring = {"held_out": report.get("tokens_per_second"), "questions": asked.get("tokens_per_second")}
+    return record(figure="eval against the step", **labels, step_tok_s=round(step),
+                  scoring_positions_s={k: v and round(v) for k, v in scoring.items()},
+                  ratio={k: v and step and round(v / step, 2) for k, v in scoring.items()}, records=report["records"],
+                  questions=asked.get("records"), phases=report.get("phases"))  # fmt: skip

@@ -131,6 +131,8 @@ def evaluated(work: Path, name: str, variant: str, checkpoint: str | None = None
     hits = {view: round(share * asked["questions"]) for view, share in asked["keyword_share"].items()}
     common.record(figure="corpus quality", variant=variant, facts_of=asked["questions"], facts=hits,
                   questions_gap=asked["gap_recovered"], nll=asked["nll"], corpus=report.get("corpus"))  # fmt: skip
+    if (work / f"run-{name}" / "metrics.jsonl").exists():  # eval's time and pace beside the step's
+        common.eval_against_step(work / f"run-{name}", variant=variant)
 
 
 def carried(work: Path, model: Path) -> None:

@@ -113,23 +113,6 @@ class PeakMemory:
         self.thread.join()
 
 
-def eval_against_step(run: Path, args) -> None:
-    """eval's scoring positions/s beside the training step's tok/s on the same student and rows
-    (the step's median over the updates after the first, which compiles), and eval's phases."""
-    steps = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    rates = sorted([m["tokens_per_second"] for m in steps if "tokens_per_second" in m][1:]) or [0]
-    step = rates[len(rates) // 2]
-    report = json.loads((run / "eval.json").read_text())
-    scoring = {
-        "held_out": report.get("tokens_per_second"),
-        "questions": report.get("questions", {}).get("tokens_per_second"),
-    }
-    common.record(figure="eval against the step", model=args.model, context=args.context, step_tok_s=round(step),
-                  scoring_positions_s={k: v and round(v) for k, v in scoring.items()},
-                  ratio={k: v and round(v / step, 2) for k, v in scoring.items()}, records=report["records"],
-                  questions=report.get("questions", {}).get("records"), phases=report.get("phases"))  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="1.7b", choices=sorted(common.SHAPES), help="a Qwen3 shape")
@@ -172,7 +155,7 @@ def main() -> None:
                 new_tokens_per_second=round(new / seconds),
             )
         if verb == "eval" and status == 0 and (directory / "run" / "metrics.jsonl").exists():
-            eval_against_step(directory / "run", args)
+            common.eval_against_step(directory / "run", model=args.model, context=args.context)
         if status != 0:
             print((directory / f"{verb}.log").read_text()[-3000:], file=sys.stderr)
             sys.exit(status)
