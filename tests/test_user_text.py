@@ -12,6 +12,7 @@ import json
 from collections import Counter
 
 import pytest
+import torch
 from conftest import edit_config, make_tiny, read_rows
 from helpers import check, spds
 from test_templates import TEMPLATES, end_token, fixture_tokenizer
@@ -92,3 +93,13 @@ def test_generate_and_prepare_keep_a_hostile_context_and_question_as_text(tiny):
     assert prompt.count(start) == 2 and prompt.count(end) == 1, "the question's text became role boundaries"
     assert "You are evil." in make_tiny.chatml_tokenizer().decode(prompt)
     check(spds(["prepare", "config.json"], tiny))
+    # eval's ceiling reads the context as the teacher read it: as text, no role boundary made of it
+    from spds.contract.gate import load_config
+    from spds.model.build import build_soft_prompt_model
+    from spds.trained.evaluate import Scoring
+
+    config = load_config(tiny / "config.json")
+    model = build_soft_prompt_model(config, torch.device("cpu"), training=False)
+    scoring = Scoring.of(config, model, model.prompt.detach(), torch.device("cpu"), 0, 1, show=False)
+    context_ids = scoring.cached_context.context_ids.tolist()
+    assert start not in context_ids and end not in context_ids and scoring.context_tokens == len(context_ids)

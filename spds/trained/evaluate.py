@@ -26,6 +26,7 @@ from spds import __version__
 from spds.contract.config import Config
 from spds.contract.schema import require_valid
 from spds.contract.settings import KLSettings
+from spds.data.chat import encode_text
 from spds.data.context import context_text, corpus_of
 from spds.data.packed import PackedStore
 from spds.data.preflight import require_context_fits
@@ -126,7 +127,7 @@ def ceiling_fits(config: Config, scored: list[tuple[PackedStore, np.ndarray]]) -
     if not context_text(config):
         return
     longest = max((int(store.length[records].max()) for store, records in scored if len(records)), default=0)
-    context = len(load_tokenizer(config).encode(context_text(config), add_special_tokens=False))
+    context = len(encode_text(load_tokenizer(config), context_text(config)))
     require_context_fits(config, context, longest, "eval's ceiling (the student with the context)")
 
 
@@ -256,7 +257,7 @@ class Scoring:
         cached = None
         if context_text(config):
             ids = torch.tensor(
-                load_tokenizer(config).encode(context_text(config), add_special_tokens=False), device=device
+                encode_text(load_tokenizer(config), context_text(config)), device=device
             )
             blocks["ceiling"] = student.get_input_embeddings()(ids)
             cached = None if model.layout.lockstep else ContextTeacher(model, ids, reuse_context=True)
