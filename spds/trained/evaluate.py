@@ -289,6 +289,8 @@ class Scoring:
         lengths = store.length[records]
         progress = Progress(phase, len(records), int(lengths.sum()), show=self.rank == 0 and self.show)
         positions = 0  # positions forwarded on this rank, every condition
+        cached = self.cached_context
+        prefixes = cached.prefix_forwards if cached is not None else 0
         for (b,), _, counted in passes:
             loaded = load_segments(store, batches[b], self.device)
             segments = [loaded[i] for i in batches[b]]
@@ -316,6 +318,8 @@ class Scoring:
                 positions += own  # the teacher's records
             if counted:
                 progress.advance(len(segments), positions - before, own)
+        if cached is not None:  # the ceiling's context, forwarded once (its header's few tokens aside)
+            positions += (cached.prefix_forwards - prefixes) * len(cached.context_ids)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = progress.close()
