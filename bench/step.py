@@ -8,10 +8,10 @@ disk, Plan/deal, SoftPromptModel, the DeepSpeed engine and train_step (exact SUM
 HF+PEFT runs get_peft_model(PromptTuningConfig) with gradient checkpointing, one record per
 optimizer step, the loss from the model's own forward (materialised logits), as a user would.
 
---second-visit times a second update over the same records after the first; --trace-visits says,
-per update, what the first visit paid that the second did not (VisitTrace: JIT compiles, the
-allocator, the micro-steps that ran slow); --profile first profiles the first visit instead of the
-timed one (host time too).
+--second-visit times a second update over the same records after the first (what a first visit
+paid that a second did not was traced by --trace-visits up to commit 64eeae1, whose findings are
+in bench/RESULTS.md's history); --profile first profiles the first visit instead of the timed one
+(host time too).
 
 Useful FLOPs per position = 4 x matmul parameters (lm_head included) + 6 x layers x seq x
 heads x head_dim (forward and input-gradient backward, causal attention, no recompute); MFU is
@@ -379,18 +379,16 @@ def time_spds(
         device = torch.device(DEVICE)
         stop = StopRequest()  # not installed: nothing asks this benchmark to stop
         warm = np.arange(len(warm_lengths))
-        trace = VisitTrace(model) if TRACE else None
-        with phase(trace, f"{variant} warm-up"):
-            step = plan.step_of(1, warm)
-            samples = sampler.for_step(store, step, device) if sampler else None
-            train_step(engine, teacher, store, plan, step, 0, device, stop, None, samples)  # kernels, JIT
+        step = plan.step_of(1, warm)  # the warm-up: kernels, JIT
+        samples = sampler.for_step(store, step, device) if sampler else None
+        train_step(engine, teacher, store, plan, step, 0, device, stop, None, samples)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         batch = np.arange(len(warm_lengths), len(warm_lengths) + len(lengths))
         extra = {}
         if second_visit or variant in REVISIT:  # the first visit of the timed records, then the timed second one
             started = time.perf_counter()
-            with profiled(PROFILE == "first"), phase(trace, f"{variant} first visit"):
+            with profiled(PROFILE == "first"):
                 step = plan.step_of(2, batch)
                 samples = sampler.for_step(store, step, device) if sampler else None
                 train_step(engine, teacher, store, plan, step, 0, device, stop, None, samples)
@@ -402,7 +400,7 @@ def time_spds(
             extra["teacher_prefix_forwards"] = teacher.prefix_forwards
         recomputed.clear()
         started = time.perf_counter()
-        with profiled(PROFILE == "timed"), phase(trace, f"{variant} {'second visit' if extra else 'timed'}"):
+        with profiled(PROFILE == "timed"):
             step = plan.step_of(3, batch)
             samples = sampler.for_step(store, step, device) if sampler else None
             metric, _ = train_step(engine, teacher, store, plan, step, 0, device, stop, None, samples)
@@ -429,82 +427,6 @@ def time_spds(
 
 
 # ---------------------------------------------------------------- where the time goes
-
-TRACE = False  # --trace-visits
-
-
-class VisitTrace:
-    """--trace-visits: what an update pays that a later update over the same records does not.
-    Per phase (the warm-up, the first visit, the second visit): seconds, the micro-steps that took
-    longest for their size (forward to next forward, timed with a device sync at each forward),
-    the kernels JIT-compiled (Triton, counted in a fresh TRITON_CACHE_DIR; FlashAttention-4's
-    CuTe DSL, counted in its in-memory compile caches: compiled, or loaded from its disk cache)
-    and the caching allocator's device allocations (cudaMalloc calls)."""
-
-    def __init__(self, model):
-        self.steps: list[tuple[int, float]] = []  # (positions, seconds) per micro-step
-        self.previous: list[tuple[int, float]] = []  # the phase before's
-        self.last = None
-        forward = model.forward
-
-        def timed(segments, *args, **kwargs):
-            self.tick(sum(len(s.ids) for s in segments))
-            return forward(segments, *args, **kwargs)
-
-        model.forward = timed
-
-    def tick(self, positions: int | None) -> None:
-        torch.cuda.synchronize()
-        now = time.perf_counter()
-        if self.last is not None:
-            self.steps.append((self.last[0], now - self.last[1]))
-        self.last = (positions, now) if positions is not None else None
-
-    @staticmethod
-    def counters() -> dict:
-        cache = Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))
-        counts = dict(
-            triton=sum(1 for _ in cache.glob("*/*.json")) if cache.is_dir() else 0,
-            fa4=0,
-            cuda_malloc=torch.cuda.memory_stats().get("num_device_alloc", 0) if DEVICE == "cuda" else 0,
-        )
-        interface = sys.modules.get("flash_attn.cute.interface")
-        for value in vars(interface).values() if interface else ():
-            cache_of = getattr(getattr(value, "compile_cache", None), "cache", None)
-            counts["fa4"] += len(cache_of) if isinstance(cache_of, dict) else 0
-        return counts
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        before, started = self.counters(), time.perf_counter()
-        self.steps, self.last = [], None
-        yield
-        self.tick(None)  # closes the last micro-step (its backward is done: train_step synchronized)
-        seconds, after = time.perf_counter() - started, self.counters()
-        grown = ", ".join(f"{k} +{after[k] - before[k]}" for k in after)
-        rate = float(np.median([t / n for n, t in self.steps])) if self.steps else 0.0
-        slowest = sorted(self.steps, key=lambda nt: nt[1] - rate * nt[0], reverse=True)[:4]
-        excess = sum(max(0.0, t - rate * n) for n, t in self.steps)
-        in_steps = sum(t for _, t in self.steps)
-        print(
-            f"trace {name}: {seconds:.2f} s, {len(self.steps)} micro-steps {in_steps:.2f} s (median "
-            f"{rate * 1e6:.1f} us/position), {excess:.2f} s above the median "
-            f"s/position; slowest for their size " + ", ".join(f"{n} pos {t:.2f} s" for n, t in slowest) + f"; {grown}",
-            flush=True,
-        )
-        if [n for n, _ in self.previous] == [n for n, _ in self.steps]:  # the same micro-batches again
-            ratios = np.array([t0 / t for (_, t0), (_, t) in zip(self.previous, self.steps)])
-            print(
-                f"trace {name}: the phase before took {np.percentile(ratios, 10):.2f}x / {np.median(ratios):.2f}x / "
-                f"{np.percentile(ratios, 90):.2f}x this one's time per micro-step (10th percentile / median / 90th)",
-                flush=True,
-            )
-        self.previous = self.steps
-
-
-def phase(trace, name: str):
-    return trace.phase(name) if trace else contextlib.nullcontext()
-
 
 PROFILE = None  # --profile: "timed" (the timed update) or "first" (its first visit)
 KERNEL_KINDS = (  # GPU kernel name pattern -> what it is (first match)
@@ -665,17 +587,9 @@ def main() -> None:
         help="time a second update over the same records (both systems), after a timed first one: "
         "the steady state of a long run, where every shape's kernels and plans exist",
     )
-    parser.add_argument(
-        "--trace-visits",
-        action="store_true",
-        help="per update of each spds variant: seconds, the slowest micro-steps for their size, "
-        "JIT compiles and cudaMalloc calls (VisitTrace); its device syncs cost a little",
-    )
     args = parser.parse_args()
-    global PROFILE, TRACE
-    PROFILE, TRACE = args.profile, args.trace_visits
-    if TRACE:  # before Triton first reads it: every compile of this process lands in an empty directory
-        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="spds-triton-")
+    global PROFILE
+    PROFILE = args.profile
     liger = [v for v in args.variants.split(",") if VARIANTS[v][0].get("liger_kernels")]
     if liger and len(liger) < len(args.variants.split(",")):
         parser.error(f"{liger} patch the student in place: run them in an invocation of their own")

@@ -75,11 +75,12 @@ def prepared(tiny) -> Path:
 
 
 # The suite's time budget, kept test by test (docs/testing.md): a test of `make test` that takes
-# longer than TEST_BUDGET_SECONDS (setup, call and teardown, on this project's 2-core CI machine)
-# fails the run unless it is marked `extended` (make test-all runs it) or `over_budget("why it
-# must run on every CI run at this cost")`. 20 s: the measured tail of the suite, where the
-# multi-rank references and the launchers sit, all marked; an unmarked test past it is new cost.
-TEST_BUDGET_SECONDS = float(os.environ.get("SPDS_TEST_BUDGET_SECONDS", 20))
+# longer than TEST_BUDGET_SECONDS (setup, call and teardown) fails the run unless it is marked
+# `extended` (make test-all runs it) or `over_budget("why every CI run needs it at this cost")`.
+# 30 s: on this project's 2-core machine the unmarked tests end under 16 s (docs/testing.md has
+# the measured tail), and the slower x86 CPU the suite was also timed on takes 1.4x as long; an
+# unmarked test past 30 s is new cost, to be marked or made cheaper.
+TEST_BUDGET_SECONDS = float(os.environ.get("SPDS_TEST_BUDGET_SECONDS", 30))
 _seconds: dict[str, float] = {}
 _marked: set[str] = set()
 
@@ -97,9 +98,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    over = sorted(
-        ((s, n) for n, s in _seconds.items() if s > TEST_BUDGET_SECONDS and n not in _marked), reverse=True
-    )
+    over = sorted(((s, n) for n, s in _seconds.items() if s > TEST_BUDGET_SECONDS and n not in _marked), reverse=True)
     if over and TEST_BUDGET_SECONDS > 0:
         terminalreporter.section(f"tests over the {TEST_BUDGET_SECONDS:.0f} s budget, not marked")
         for seconds, name in over:

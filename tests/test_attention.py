@@ -94,7 +94,7 @@ def test_each_kernel_gives_the_plain_forwards_loss_and_gradient(tiny_assets, ker
     if "flex" in attention.kernels_in(kernel):  # torch has no flex backward on the CPU: the loss only
         with torch.no_grad():
             assert_rounding_close(model([segment]), expected, what="loss")
-        return  # the gradient: bench/checks/check_determinism.py on CUDA, against fp32 math
+        return  # the gradient: bench/check.py determinism on CUDA, against fp32 math
     loss = model([segment])
     loss.backward()
     expected.backward()

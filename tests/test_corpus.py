@@ -238,6 +238,7 @@ def test_a_question_naming_its_document_is_answered_with_that_documents_slice(co
 
 
 @pytest.mark.slow
+@pytest.mark.over_budget("a corpus directory through every verb, and two ranks writing the one-rank bytes")
 def test_spds_init_on_a_directory_runs_every_verb_and_two_ranks_write_the_one_rank_bytes(corpus):
     """The corpus through `spds init --context DIR` and every verb; generate on two ranks writes
     the one-rank bytes, and train on two ranks the one-rank prompt; eval reports the soft prompt

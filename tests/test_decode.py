@@ -395,15 +395,15 @@ def test_a_batch_of_several_prefixes_answers_each_row_as_among_its_prefixs_rows_
     plain = load_teacher(saved[family], "float32", torch.device("cpu"))
     generator = torch.Generator().manual_seed(11)
     # three prefixes of different lengths (a corpus's slices), their questions interleaved
-    opened = [prompts(generator, context=n) for n in (30, 40, 52)]
-    batch = [opened[p][q] for q in range(4) for p in range(3)]
-    within = [30, 40, 52] * 4
+    opened = [prompts(generator, context=n)[1:3] for n in (30, 40, 52)]  # questions of 1 and 9 tokens
+    batch = [opened[p][q] for q in range(2) for p in range(3)]
+    within = [30, 40, 52] * 2
     decoder = Decoder(model, [END], pad_id=0)
-    answers, tops = decoder.answer_with_top_k(batch, 10, 0.0, 1.0, 0, 4, shared_within=within)
+    answers, tops = decoder.answer_with_top_k(batch, 8, 0.0, 1.0, 0, 4, shared_within=within)
     assert decoder.prefix_forwards == 3  # each prefix once
     for p, n in enumerate((30, 40, 52)):
-        alone, alone_tops = Decoder(model, [END], pad_id=0).answer_with_top_k(opened[p], 10, 0.0, 1.0, 0, 4, None, n)
-        assert answers[p::3] == alone == [reference_greedy(plain, q, 10) for q in opened[p]], (family, p)
+        alone, alone_tops = Decoder(model, [END], pad_id=0).answer_with_top_k(opened[p], 8, 0.0, 1.0, 0, 4, None, n)
+        assert answers[p::3] == alone == [reference_greedy(plain, q, 8) for q in opened[p]], (family, p)
         for mine, own in zip(tops[p::3], alone_tops):
             assert mine["ids"] == own["ids"]
             torch.testing.assert_close(torch.tensor(mine["logprobs"]), torch.tensor(own["logprobs"]))
@@ -412,8 +412,8 @@ def test_a_batch_of_several_prefixes_answers_each_row_as_among_its_prefixs_rows_
     heads = [embed(torch.tensor(opened[p][0][:n])) for p, n in enumerate((30, 40, 52))]
     asked = [q[n:] for q, n in zip(batch, within)]
     together = Decoder(model, [END], pad_id=0).answer_with_top_k(
-        asked, 10, 0.0, 1.0, 0, 0, prefix_embeds=heads, prefix_of=[0, 1, 2] * 4
+        asked, 8, 0.0, 1.0, 0, 0, prefix_embeds=heads, prefix_of=[0, 1, 2] * 2
     )[0]
     for p in range(3):
-        alone = Decoder(model, [END], pad_id=0).answer_with_top_k(asked[p::3], 10, 0.0, 1.0, 0, 0, heads[p])[0]
+        alone = Decoder(model, [END], pad_id=0).answer_with_top_k(asked[p::3], 8, 0.0, 1.0, 0, 0, heads[p])[0]
         assert together[p::3] == alone == answers[p::3], (family, p)

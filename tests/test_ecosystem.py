@@ -144,6 +144,9 @@ def test_parquet_and_a_saved_dataset_pack_exactly_as_the_jsonl_of_the_same_rows(
 
 
 @pytest.mark.slow
+@pytest.mark.over_budget(
+    "a hub model id through HF_HUB_CACHE (read at import: a process of its own) and parquet rows, end to end"
+)
 def test_a_model_id_and_a_parquet_of_rows_are_enough_to_train(tiny, tiny_assets, tmp_path):
     """Issue 17's user: only a model id in the HF cache and a parquet file of teacher rows.
     init -> pin -> prepare -> smoke -> train, no path edited (only the sizes, for a CPU test)."""

@@ -65,6 +65,7 @@ def test_self_study_on_two_ranks_writes_the_one_rank_bytes(tiny):
     assert (tiny / "teacher.jsonl").read_bytes() == one
 
 
+@pytest.mark.over_budget("a rank killed mid-generate loses no row and the rerun completes the same bytes")
 def test_a_killed_rank_leaves_whole_batches_and_the_rerun_completes_the_same_bytes(asked):
     """SIGKILL to rank 1 right after it wrote batch 3 (the OOM killer, a node lost): torchrun ends
     the other rank; what is on disk is whole batches, in files or appended in order; a rerun on
@@ -89,6 +90,7 @@ def test_a_killed_rank_leaves_whole_batches_and_the_rerun_completes_the_same_byt
     assert not (directory / ".teacher.jsonl.batches").exists()  # every batch appended, its file gone
 
 
+@pytest.mark.over_budget("a SIGTERM to the launch script stops generate at a batch boundary")
 def test_sigterm_to_the_launch_script_stops_at_a_batch_and_the_rerun_completes_the_same_bytes(asked):
     directory, one = asked
     command = ["bash", str(REPO / "launch" / "single_node.sh"), "config.json", "--gpus", "2", "--verb", "generate"]

@@ -350,6 +350,7 @@ def test_a_stop_request_with_a_malformed_body_written_mid_run_is_honoured_as_a_s
 
 
 @pytest.mark.slow
+@pytest.mark.over_budget("a rank killed mid-run: the survivor's one line and a truthful terminal.json")
 def test_a_rank_killed_mid_run_leaves_the_survivor_one_line_and_a_truthful_terminal_json(prepared):
     """SIGKILL to rank 1 of a two-process torchrun job (as the OOM killer sends it): rank 0 says in
     one line of spds's own that another rank's process ended, keeps gloo's traceback in a file

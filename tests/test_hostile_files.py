@@ -581,6 +581,7 @@ def test_init_refuses_chat_rows_for_a_tokenizer_without_a_chat_template(tiny, ti
 
 
 @pytest.mark.slow
+@pytest.mark.over_budget("a model directory's own code never runs: a process of its own per attempt")
 def test_code_a_model_directory_brings_never_runs_not_even_on_a_yes(tiny, tiny_assets):
     """A student directory whose config.json maps AutoModelForCausalLM (and AutoConfig) to its own
     modeling file, as a hub repository with custom code does: every command refuses it by name

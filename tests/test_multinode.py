@@ -23,7 +23,11 @@ from conftest import REPO, edit_config
 from helpers import FAST, check, environment, final_state, metrics, read_json, spds, wait_for_lines
 from test_reference import assert_same_state, reference_run
 
-pytestmark = pytest.mark.slow  # in a process of its own, beside the other tests (tools/run-tests.sh)
+pytestmark = [
+    pytest.mark.slow,  # in a process of its own, beside the other tests (tools/run-tests.sh)
+    # a real two-host cluster (sshd, pdsh, SLURM) waits on SLURM's clock and paced updates, beside the rest
+    pytest.mark.over_budget("the launchers and the scheduler in their real form, on two hosts"),
+]
 LAUNCH = REPO / "launch"
 UPDATES = 30
 LONG = dict(

@@ -149,6 +149,7 @@ def build_wheel(directory: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.over_budget("the built wheel in a fresh venv: what a user installs runs the loop")
 def test_the_wheel_runs_the_whole_loop_outside_the_checkout(tmp_path):
     """The wheel, installed into a fresh virtual environment in a temporary directory, from a
     working directory outside the checkout: the schemas and DeepSpeed configs it validates with

@@ -219,6 +219,9 @@ def train_each(prepared, runs: dict, settings: dict) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 @pytest.mark.numeric
+@pytest.mark.over_budget(
+    "the update against plain PyTorch on every backend and world size: the product's first promise"
+)
 def test_update_equals_plain_pytorch_for_every_backend_and_world_size(prepared):
     states, lines = train_each(prepared, RUNS, CLIPPED)
     for name, (world, _, _) in RUNS.items():
@@ -273,6 +276,7 @@ KL_RUNS = {  # name: (world, launcher, loss section, reference's loss)
 
 @pytest.mark.slow
 @pytest.mark.numeric
+@pytest.mark.over_budget("the online teacher's update against plain PyTorch on 1, 2 and 3 ranks")
 def test_kl_update_equals_plain_pytorch_online_teacher_on_1_2_and_3_ranks(prepared):
     from conftest import make_tiny
 
@@ -347,6 +351,7 @@ def test_on_policy_update_equals_plain_pytorch_on_1_2_and_3_ranks(prepared):
 
 @pytest.mark.slow
 @pytest.mark.numeric
+@pytest.mark.over_budget("the offline teacher's KL against plain PyTorch: no other test computes it independently")
 def test_kl_over_an_offline_teachers_top_k_equals_plain_pytorch_on_that_support(prepared):
     """Rows carrying top-k log-probabilities (random here: the arithmetic is the point) are packed
     beside the tokens and trained on; the reference reads the packed files with numpy."""
@@ -400,6 +405,7 @@ KV_RUNS["kv-packed-3"] = (3, "torchrun", RUNS["packed-2"][2])
 
 @pytest.mark.slow
 @pytest.mark.numeric
+@pytest.mark.over_budget("the kv prompt's update against a plain past_key_values forward on 1, 2 and 3 ranks")
 def test_kv_update_equals_plain_pytorch_past_key_values_on_1_2_and_3_ranks(prepared):
     """The kv prompt's update, padded on one rank, sharded on two (FSDP2, ZeRO-3) and packed on
     three, against the reference holding the prompt as a DynamicCache; its first position frozen."""

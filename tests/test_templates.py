@@ -183,6 +183,7 @@ LOOP_CASES = [f"{name}:{placement}" for name, placement in CASES] + ["chatml:pre
 
 @pytest.mark.slow
 @pytest.mark.parametrize("half", [0, 1])
+@pytest.mark.over_budget("every published chat template through the whole loop")
 def test_the_whole_loop_runs_for_every_template_and_placement(tmp_path, half):
     """prepare -> smoke -> train -> eval -> export -> an answer -> sample, on a tiny student with
     each family's tokenizer; the prompt in the packed rows sits where the expectations above say."""

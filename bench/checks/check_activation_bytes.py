@@ -3,22 +3,17 @@ RecomputePolicy plans with (ACTIVATION_BYTES_PER_HIDDEN). Measured through spds'
 (SoftPromptModel.hidden_states, no layer recomputed) as the memory still allocated after the
 forward, over positions x layers x hidden, with the student's own kernels and with Liger's.
 
-    python bench/checks/check_activation_bytes.py --model 1.7b --positions 8192
+    python bench/check.py activation_bytes --model 1.7b --positions 8192
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import step  # noqa: E402
+import torch
 
 
 def measure(student, name: str, variant: str, positions: int) -> dict:
@@ -59,15 +54,12 @@ def measure(student, name: str, variant: str, positions: int) -> dict:
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def options(parser) -> None:
     parser.add_argument("--model", default="1.7b", choices=sorted(step.SHAPES))
     parser.add_argument("--positions", type=int, default=8192)
-    args = parser.parse_args()
+
+
+def main(args) -> None:
     student = step.build_student(args.model)
     for variant in ("packed", "liger"):  # Liger patches in place: the student's own kernels first
         print(json.dumps(measure(student, args.model, variant, args.positions)), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """The online teacher's attention against a cached context (loss.reuse_context_kv), CUDA.
 
-    python bench/checks/check_cached_attention.py
+    python bench/check.py cached_attention
 
 A record's L queries attend to C cached context keys plus its own L keys, causal from the lower
 right, grouped-query heads (Qwen3 1.7B: 16 query, 8 key heads; 8B: 32, 8). Four ways, forward
@@ -14,20 +14,17 @@ kernels the bias path launched are listed. Then a pass of short records packed e
 the context (spds.kernels.shared_keys.packed_after_cached, and fa4_after_cached where flash-attn-4 imports),
 against each record alone and the reference; and one 32k record packed alone.
 
-    python bench/checks/check_cached_attention.py [--packed-only]
+    python bench/check.py cached_attention [--packed-only]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from spds.kernels.shared_keys import fa4_after_cached, lower_right_causal, packed_after_cached  # noqa: E402
 
 CONTEXT, HEAD_DIM = 4096, 128
@@ -76,7 +73,7 @@ def timed(fn, *args, repeats: int = 5) -> float:
 
 
 @torch.no_grad()
-def main() -> None:
+def main(args) -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
     if "--packed-only" in sys.argv:
         packed_records()
@@ -167,10 +164,3 @@ def packed_records(lengths=(512, 1024, 3000, 700, 2048, 900, 1500, 4000)) -> Non
             f"packed {packed_ms:.2f} ms, each alone {alone_ms:.2f} ms{fa4}",
             flush=True,
         )
-
-
-if __name__ == "__main__":
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_known_args()
-    main()

@@ -6,14 +6,12 @@ for each decoder family of tests/fixtures/models/families.json (tiny shapes; Gem
 8 end inside the shared prefix). The CPU suite runs the same comparison (tests/test_decode.py)
 on PyTorch's math.
 
-    python3 bench/checks/check_decode_cuda.py        (exits 1 when a family's logits stray)
+    python bench/check.py decode_cuda        (exits 1 when a family's logits stray)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -122,7 +120,7 @@ def fa4_imports() -> bool:
     return True
 
 
-def main() -> int:
+def main(args) -> int:
     generator = torch.Generator().manual_seed(4)
     shared = torch.randint(2, VOCAB, (40,), generator=generator).tolist()
     batch = [shared + torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in (5, 1, 9, 3)]
@@ -184,10 +182,3 @@ def main() -> int:
                     failed.append((family, dtype, fa4))
     print("FAILED" if failed else "ALL WITHIN BOUNDS", failed)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_known_args()
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Which attention kernels give a bit-identical backward run to run, how close to fp32, at what
 time and memory (CUDA)?
 
-    python bench/checks/check_determinism.py [--model 1.7b] [--lengths 8192,32768]
+    python bench/check.py determinism [--model 1.7b] [--lengths 8192,32768]
 
 1. Kernel level, the student's attention shape (grouped-query heads, bf16, causal), through
    spds's own attention paths (spds/kernels/attention.py): SDPA flash, memory-efficient, cuDNN and math
@@ -16,16 +16,13 @@ time and memory (CUDA)?
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from step import HEAD_DIM, SHAPES, build_student  # noqa: E402
 
 
@@ -140,12 +137,13 @@ def model_level(model: str, length: int) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def options(parser) -> None:
     parser.add_argument("--model", default="1.7b", choices=sorted(SHAPES))
     parser.add_argument("--lengths", default="8192,32768")
     parser.add_argument("--skip-kernels", action="store_true")
-    args = parser.parse_args()
+
+
+def main(args) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     print(
         f"{torch.cuda.get_device_name()} | torch {torch.__version__} | cuDNN {torch.backends.cudnn.version()}",
@@ -154,7 +152,3 @@ def main() -> None:
     if not args.skip_kernels:
         kernel_level(args.model, lengths)
     model_level(args.model, max(lengths))
-
-
-if __name__ == "__main__":
-    main()

@@ -11,23 +11,18 @@ and packed records): the summed loss and the prompt gradient of a few records ag
 transformers and PyTorch (each record alone, nothing from spds), and whether FA4's deterministic
 backward (train.deterministic) repeats bit for bit where its default one does not have to.
 
-    python bench/checks/check_fa4.py --lengths 4096,8192,32768
-    python bench/checks/check_fa4.py --spds
+    python bench/check.py fa4 --lengths 4096,8192,32768
+    python bench/check.py fa4 --spds
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from step import HEAD_DIM, SHAPES, build_student  # noqa: E402  (it puts the repository on sys.path)
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _, _, HEADS, KV_HEADS, _, _ = SHAPES["1.7b"]
 
@@ -127,11 +122,12 @@ def check_spds(lengths=(700, 3000, 9000), layers: int = 4) -> None:
         print(f"FA4 varlen, {mode} backward, run twice: prompt gradients {same}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def options(parser) -> None:
     parser.add_argument("--lengths", default="4096,8192,32768")
     parser.add_argument("--spds", action="store_true", help="through spds's model instead (see above)")
-    args = parser.parse_args()
+
+
+def main(args) -> None:
     if args.spds:
         return check_spds()
     from flash_attn.cute import flash_attn_func
@@ -193,7 +189,3 @@ def main() -> None:
                 f"| {length} | {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {reference_ms / ms:.2f}x | {diff:.1e} |",
                 flush=True,
             )
-
-
-if __name__ == "__main__":
-    main()

@@ -12,12 +12,11 @@ rows and packed records):
 
 and compares the outputs and gradients of the three bit for bit.
 
-    python3 bench/checks/check_fa4_cache.py
+    python bench/check.py fa4_cache
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -28,8 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from check_fa4 import HEAD_DIM, HEADS, KV_HEADS  # noqa: E402  (Qwen3-1.7B's attention shape, as check_fa4 times)
 
 LENGTHS = [700, 2300]  # the packed case's records; the padded case is one row of their sum
@@ -78,7 +75,13 @@ def compute(out: Path) -> None:
     )
 
 
-def main() -> int:
+def options(parser) -> None:
+    parser.add_argument("--compute", type=Path, help="(the fresh process of one run) where its outputs go")
+
+
+def main(args) -> int:
+    if args.compute:
+        return compute(args.compute)
     work = Path(tempfile.mkdtemp())
     runs = {"compile": "1", "load": "1", "off": "0"}
     for name, enabled in runs.items():
@@ -87,7 +90,14 @@ def main() -> int:
             FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=enabled,
             FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(work / "cache"),
         )
-        subprocess.run([sys.executable, __file__, str(work / f"{name}.pt")], env=env, check=True)
+        one = [
+            sys.executable,
+            str(Path(__file__).parents[1] / "check.py"),
+            "fa4_cache",
+            "--compute",
+            str(work / f"{name}.pt"),
+        ]
+        subprocess.run(one, env=env, check=True)
         print(f"after {name}: {sum(1 for _ in (work / 'cache').rglob('*.o'))} kernels in the disk cache", flush=True)
     outputs = {name: torch.load(work / f"{name}.pt") for name in runs}
     equal = True
@@ -97,13 +107,3 @@ def main() -> int:
         print(f"{key:15s} loaded == compiled: {same['load']}, no cache == compiled: {same['off']}", flush=True)
     print("bit-identical" if equal else "DIFFERENT", flush=True)
     return 0 if equal else 1
-
-
-if __name__ == "__main__":
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_known_args()
-    if len(sys.argv) > 1:
-        compute(Path(sys.argv[1]))
-    else:
-        sys.exit(main())

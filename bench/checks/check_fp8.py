@@ -1,6 +1,6 @@
 """student.fp8_linear's products against bf16, CUDA (Hopper or later).
 
-    python bench/checks/check_fp8.py
+    python bench/check.py fp8
 
 1. spds.kernels.fp8.quantize_rows's Triton kernel against its PyTorch arithmetic: the same bits.
 2. Each linear layer of a Qwen3-8B (and 1.7B) layer at 16,384 tokens: the bf16 product x @ W^T
@@ -10,14 +10,10 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from spds.kernels import fp8  # noqa: E402
 
 TOKENS = 16384
@@ -62,7 +58,7 @@ def relative_error(got, want) -> float:
 
 
 @torch.no_grad()
-def main() -> None:
+def main(args) -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows, columns in ((TOKENS, 4096), (TOKENS, 12288), (1000, 2048)):
@@ -120,10 +116,3 @@ def _backward(layer, dy):
     ctx = _Ctx()
     ctx.layer = layer
     return fp8.FP8Product.backward(ctx, dy)[0]
-
-
-if __name__ == "__main__":
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_known_args()
-    main()

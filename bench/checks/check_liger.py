@@ -1,8 +1,6 @@
 """On CUDA: Liger's fused linear CE and spds's chunked implementation agree (value and gradient),
 and both agree with the plain definition computed in fp32. Prints relative errors."""
 
-import argparse
-
 import torch
 
 from spds.contract.gate import section
@@ -13,7 +11,7 @@ def relative(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def main() -> None:
+def main(args) -> None:
     torch.manual_seed(0)
     for rows, hidden_size, vocab in [(4096, 2048, 151936), (1000, 4096, 151936)]:
         hidden = (torch.randn(rows, hidden_size, device="cuda") * 0.5).to(torch.bfloat16)
@@ -38,8 +36,3 @@ def main() -> None:
                 f"grad rel err {relative(grad, ref_grad):.2e}  loss dtype {loss.dtype}"
             )
         assert relative(results["liger"][0], ref_loss) < 1e-3 and relative(results["liger"][1], ref_grad) < 2e-2
-
-
-if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__).parse_args()
-    main()

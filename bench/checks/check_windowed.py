@@ -1,6 +1,6 @@
 """spds's attention for sliding-window and soft-capped layers on CUDA, against transformers' eager.
 
-    python bench/checks/check_windowed.py
+    python bench/check.py windowed
 
 Tiny random Gemma 2 (window and soft cap) and Gemma 3 (window) students from
 tests/fixtures/models/families.json, with a window of 128 (so flex skips whole key blocks) and
@@ -13,16 +13,12 @@ packed rows: bf16 (~1e-2). Prints one line per case.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 from helpers import spliced_reference_loss as plain_loss  # noqa: E402  (the tests' plain-transformers reference)
 
@@ -56,7 +52,7 @@ def student_pair(family: str, dtype):
     return spds_student.requires_grad_(False), plain.requires_grad_(False)
 
 
-def main() -> None:
+def main(args) -> None:
     generator = torch.Generator().manual_seed(1)
     for family in ("gemma2", "gemma3"):
         for dtype, packed, kernel in (
@@ -85,10 +81,3 @@ def main() -> None:
                 f"prompt gradient max error / max {grad_error:.1e}",
                 flush=True,
             )
-
-
-if __name__ == "__main__":
-    argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ).parse_known_args()
-    main()

@@ -61,7 +61,7 @@ def packed_after_cached(query, key, value, scaling, starts, longest: int):
     one call for all the records: the shared keys are read once per block of queries rather than
     once per record), and each record causally against its own keys. On CUDA in half precision
     the shared part and a lone long record's own part run on cuDNN, 1.6-1.7x faster than on
-    FlashAttention-2 on H200 (bench/checks/check_cached_attention.py), and several
+    FlashAttention-2 on H200 (bench/check.py cached_attention), and several
     records' own parts on FlashAttention-2's variable-length kernel; elsewhere plain PyTorch
     under a block-diagonal mask."""
     cached, positions = key.shape[2] - query.shape[2], query.shape[2]

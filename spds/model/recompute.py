@@ -15,7 +15,7 @@ from spds.model.student import decoder_layers
 
 # Stored activations of a bf16 decoder layer, in bytes per position per hidden unit, without
 # recomputation, by the kernels the layer runs: the model's own, or Liger's RMSNorm, SwiGLU and
-# RoPE, which keep less (measured by bench/checks/check_activation_bytes.py, bench/RESULTS.md, and
+# RoPE, which keep less (measured by bench/check.py activation_bytes, bench/RESULTS.md, and
 # rounded up). A recomputed layer keeps only its bf16 input (2 bytes) and, while it is
 # recomputed in backward, one layer's full activations.
 ACTIVATION_BYTES_PER_HIDDEN = {"own": 40, "liger": 26}
