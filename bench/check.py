@@ -2,8 +2,7 @@
 windowed attention, Liger): one tool, a named case each (bench/checks/check_CASE.py holds it).
 
     python bench/check.py CASE [options]      python bench/check.py CASE --help
-
-Each case prints what it compared and how far apart; its figures are in bench/RESULTS.md.
+(each prints what it compared and how far apart; the figures are in bench/RESULTS.md)
 """
 
 from __future__ import annotations
@@ -18,15 +17,13 @@ BENCH = Path(__file__).resolve().parent
 CASES = {path.stem.removeprefix("check_"): path for path in sorted((BENCH / "checks").glob("check_*.py"))}
 
 
-def summary(path: Path) -> str:
-    return (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()[0]
-
-
 def main() -> int:
+    first = {
+        name: (ast.get_docstring(ast.parse(path.read_text())) or "\n").splitlines()[0] for name, path in CASES.items()
+    }
+    epilog = "cases:\n" + "\n".join(f"  {name:18s} {line}" for name, line in first.items())
     parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="cases:\n" + "\n".join(f"  {name:18s} {summary(path)}" for name, path in CASES.items()),
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog
     )
     parser.add_argument("case", choices=sorted(CASES))
     chosen, rest = parser.parse_args(sys.argv[1:2]), sys.argv[2:]  # the case's --help is the case's

@@ -16,8 +16,7 @@ prompts, not of two self-study runs). Steps:
   whole   one embeddings prompt (128 positions) and one kv prompt (16) on the whole corpus (a
           prompt already trained in --out is evaluated again, not trained again);
   halves  one embeddings prompt per half, each evaluated alone on all 48 questions, and the two
-          composed (`spds export --compose`), against the whole one.
-Each figure is one JSON line (bench/common.py).
+          composed (`spds export --compose`), against the whole one. A JSON line per figure.
 """
 
 from __future__ import annotations

@@ -26,12 +26,6 @@ For each question of a questions file (question_id, question, keyword), on the s
   * greedy answers by the same three, and the share of them holding the keyword (case-insensitive).
 This is the layout spds trains with placement "system" and data.missing_system "template" (the
 prompt inside the system message, before the default text), written out here by its tokens.
-With --recite, also whether each view holds a fact at all, asked the way the recite kind asks:
-for each question, the context's line holding its keyword is quoted from its first four words,
-and the greedy recitation counts when it holds the keyword (a line whose first four words hold
-it already is left out). A prompt that recites a fact it does not answer holds the fact and not
-the way to it.
-
 """
 
 from __future__ import annotations
@@ -119,27 +113,6 @@ def answers(
     return result
 
 
-RECITAL_ASK = 'Quote the document word for word from "{start}" on.'  # spds's first recite phrasing
-
-
-def recitals(model, tokenizer, context: str, questions: list[dict], views: dict, at: int, max_new_tokens: int) -> dict:
-    """Per view, of the questions whose keyword's line does not hold it in its first four words:
-    how many greedy recitations from those words hold the keyword, and how many were asked."""
-    asked = []
-    for question in questions:
-        keyword = question.get("keyword", "").lower()
-        line = next((line for line in context.splitlines() if keyword and keyword in line.lower()), None)
-        start = " ".join(line.split()[:4]) if line else ""
-        if line and keyword not in start.lower():
-            asked.append((keyword, question_ids(tokenizer, RECITAL_ASK.format(start=start))))
-    counts = {}
-    for view, block in views.items():
-        said = answers(model, tokenizer, [embeds(model, ids, at, block) for _, ids in asked], max_new_tokens, False, 0)
-        texts = [tokenizer.decode(ids, skip_special_tokens=True).lower() for ids in said]
-        counts[view] = sum(keyword in text for (keyword, _), text in zip(asked, texts))
-    return dict(counts, asked=len(asked))
-
-
 def recompute(args) -> None:
     began = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -180,7 +153,6 @@ def recompute(args) -> None:
             row[view] = tokenizer.decode(greedy[view][number], skip_special_tokens=True).strip()
             hits[view] += question.get("keyword", "\0").lower() in row[view].lower()
         rows.append(row)
-    recited = recitals(model, tokenizer, context, questions, views, at, args.max_new_tokens) if args.recite else None
     figures = {name: total / tokens for name, total in sums.items()}
     gap = (figures["floor"] - figures["soft"]) / (figures["floor"] - figures["ceiling"]) if "soft" in figures else None
     result = dict(
@@ -189,7 +161,6 @@ def recompute(args) -> None:
         keyword_hits=hits,
         questions=len(questions),
         answer_tokens=tokens,
-        **({"recited": recited} if recited else {}),
         seconds=time.time() - began,
     )
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -264,7 +235,6 @@ def main() -> None:
     plain.add_argument("--max-new-tokens", type=int, default=48)
     plain.add_argument("--dtype", default="float32")
     plain.add_argument("--json", help="write the figures and answers here")
-    plain.add_argument("--recite", action="store_true", help="also count the facts each view recites")
     plain.set_defaults(run=recompute)
     args = parser.parse_args()
     args.run(args)

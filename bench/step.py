@@ -194,7 +194,7 @@ VARIANTS["liger-packed-32k"] = (
     VARIANTS["liger"][0],
     {**VARIANTS["liger-packed"][1], "micro_batch": 64, "micro_batch_tokens": 32768},
 )
-# FlashAttention-4 at every length (flash-attn-4; bench/checks/check_fa4.py), padded rows and packed
+# FlashAttention-4 at every length (flash-attn-4; bench/check.py fa4), padded rows and packed
 VARIANTS["liger-fa4"] = ({"attention_kernel": "fa4", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-packed-fa4"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed"][1])
 VARIANTS["liger-packed-fa4-det"] = VARIANTS["liger-packed-fa4"]  # its deterministic backward (train.deterministic)
