@@ -256,9 +256,7 @@ class Scoring:
         blocks = {"floor": prompt.new_zeros((0, hidden)).to(device), "soft": None}  # soft: the prompt, either form
         cached = None
         if context_text(config):
-            ids = torch.tensor(
-                encode_text(load_tokenizer(config), context_text(config)), device=device
-            )
+            ids = torch.tensor(encode_text(load_tokenizer(config), context_text(config)), device=device)
             blocks["ceiling"] = student.get_input_embeddings()(ids)
             cached = None if model.layout.lockstep else ContextTeacher(model, ids, reuse_context=True)
         return cls(model, blocks, nll_fn, kl_fn, rank, world, device, batch_tokens(config, device), show, cached)
