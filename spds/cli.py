@@ -33,12 +33,25 @@ def cmd_validate(args) -> int:
                 f"ok  {config.path} (deepspeed config {config.deepspeed_config_path})",
                 file=sys.stderr if args.print_output_dir else sys.stdout,
             )
+            if config.context.documents:  # what the corpus holds, and what it skipped and why
+                print(corpus_listing(config), file=sys.stderr if args.print_output_dir else sys.stdout)
             if args.print_output_dir:  # the launch scripts fix at launch where their stop requests go
                 print(config.output_dir)
         except SpdsError as error:
             failures += 1
             print(f"FAIL {error}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def corpus_listing(config, most: int = 20) -> str:
+    from spds.contract.documents import listing, shown  # per verb
+
+    held = listing(config)
+    lines = [f"    corpus: {len(held.found)} files read, {len(held.skipped)} skipped"]
+    lines += [f"    skipped {shown(path)}: {why}" for path, why in held.skipped[:most]]
+    if len(held.skipped) > most:
+        lines.append(f"    ... and {len(held.skipped) - most} more skipped")
+    return "\n".join(lines)
 
 
 def cmd_pin(args) -> int:

@@ -9,6 +9,7 @@ What the teacher read is recomputed with plain transformers from the rows alone.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tracemalloc
 
@@ -122,6 +123,50 @@ def test_validate_refuses_what_a_corpus_cannot_do_naming_the_key(corpus, section
     edit_config(corpus, **sections)
     result = spds(["validate", "config.json"], corpus)
     assert result.returncode != 0 and named in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_a_corpus_reads_regular_files_inside_its_root_and_lists_what_it_skipped(corpus, tmp_path_factory):
+    """What a directory copied from a shared drive may hold: a link to a credentials file outside
+    it, a link back to itself, a dangling link, a FIFO, a link to one of its own sheets, hidden
+    files and editor litter. Each of the first five is refused by path and rule in one refusal
+    (none read: the secret is in no message, the FIFO never opened), or with context.skip_irregular
+    skipped and listed; validate lists what it skipped either way."""
+    secret = tmp_path_factory.mktemp("elsewhere") / "credentials"
+    secret.write_text("token-7f3a9\n")
+    sheets = corpus / "sheets"
+    (sheets / "secret.md").symlink_to(secret)
+    (sheets / "again").symlink_to(".")
+    (sheets / "gone.md").symlink_to(sheets / "missing.md")
+    os.mkfifo(sheets / "pipe.md")
+    (sheets / "twice.md").symlink_to(sheets / "sheet00.md")
+    (sheets / ".notes.md").write_text("hidden")
+    (sheets / "sheet01.md~").write_text("an editor's backup")
+    refused = spds(["validate", "config.json"], corpus)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "token-7f3a9" not in said
+    for name, rule in (
+        ("secret.md", "rule 'inside the corpus's root': a symlink to"),
+        ("again", "rule 'no symlinked folder'"),
+        ("gone.md", "rule 'a readable regular file'"),
+        ("pipe.md", "rule 'a regular file': it is a FIFO"),
+        ("twice.md", "rule 'one file, one document': the same file as"),
+    ):
+        assert f"sheets/{name}: {rule}" in said, (name, said)
+    edit_config(corpus, context={"skip_irregular": True})
+    listed = check(spds(["validate", "config.json"], corpus)).stdout
+    assert "corpus: 12 files read, 7 skipped" in listed
+    assert "sheets/.notes.md: hidden or editor litter" in listed and "sheets/sheet01.md~: hidden" in listed
+    assert "sheets/secret.md: rule 'inside the corpus's root'" in listed
+    # a glob over the run's own directory would read its config and rows: refused by name
+    edit_config(corpus, context={"documents": "**/*", "skip_irregular": False})
+    (corpus / "rows.jsonl").write_text("")
+    said = spds(["validate", "config.json"], corpus)
+    assert "config.json: rule 'not the run's own file'" in said.stdout + said.stderr
+    assert "rows.jsonl: rule 'not the run's own file'" in said.stdout + said.stderr
+    # a file whose name holds glob characters is that file, not a pattern
+    (corpus / "notes [draft].md").write_text("The ferry to Varn leaves at dawn.\n")
+    edit_config(corpus, context={"documents": ["notes [draft].md"], "description": None})
+    check(spds(["validate", "config.json"], corpus))
 
 
 def test_a_corpus_changed_since_pin_stops_the_run_before_any_work(corpus):

@@ -159,6 +159,7 @@ class ContextSettings:
     file: str | None
     documents: str | tuple | None  # a corpus: spds/data/corpus.py
     description: str | None
+    skip_irregular: bool
     sha256: str | None
 
 
