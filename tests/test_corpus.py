@@ -169,6 +169,26 @@ def test_a_corpus_reads_regular_files_inside_its_root_and_lists_what_it_skipped(
     check(spds(["validate", "config.json"], corpus))
 
 
+def test_a_byte_order_mark_is_removed_and_said_and_crlf_is_read_as_lf(corpus):
+    """Files saved by another system's editor: a UTF-8 byte-order mark never reaches the teacher's
+    text (generate's corpus line says it was removed) and CRLF line ends read as LF, in a file and
+    in a JSONL document alike; the slices' text is what renders the same documents written plainly."""
+    from spds.contract.gate import load_config
+    from spds.data.corpus import Corpus
+
+    plain = (corpus / "sheets" / "sheet00.md").read_text()
+    (corpus / "sheets" / "sheet00.md").write_bytes(b"\xef\xbb\xbf" + plain.replace("\n", "\r\n").encode())
+    row = json.dumps({"id": "extra", "text": "Line one.\r\nLine two.\r\n"})
+    (corpus / "more.jsonl").write_bytes(b"\xef\xbb\xbf" + row.encode() + b"\n")
+    edit_config(corpus, context={"documents": ["sheets", "more.jsonl"]})
+    config = load_config(corpus / "config.json", candidates="generate writes one")
+    built = Corpus.build(config, make_tiny.chatml_tokenizer(), None)
+    text = built.text(0)
+    assert "\ufeff" not in text and "\r" not in text
+    assert f"## sheet00.md\n{plain.rstrip()}" in text and "## extra\nLine one.\nLine two." in text
+    assert "a byte-order mark removed from 2 files" in built.summary()
+
+
 def test_a_corpus_changed_since_pin_stops_the_run_before_any_work(corpus):
     (corpus / "rows.jsonl").write_text("")  # pinned too (spds pin pins every input)
     check(spds(["pin", "config.json"], corpus))

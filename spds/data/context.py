@@ -15,7 +15,7 @@ from spds.contract import documents
 from spds.contract.config import Config
 from spds.contract.kinds import RECITE  # a recital's answer: up to a chunk (the longest answer)
 from spds.data.chat import render, scaffold_for, with_context
-from spds.data.corpus import Corpus
+from spds.data.corpus import Corpus, as_written
 from spds.data.sources import read_eval_questions, read_questions
 from spds.data.student_files import load_tokenizer
 from spds.fsio import read_text
@@ -49,7 +49,12 @@ def context_text(config: Config) -> str | None:
         if config.context.documents:
             text = corpus_of(config).truncated
         else:
-            text = read_text(config.resolve(config.context.file)) if config.context.file else config.context.text
+            # a file's text as a corpus's is read: no byte-order mark, LF line ends
+            text = (
+                as_written(read_text(config.resolve(config.context.file)), 0)
+                if config.context.file
+                else config.context.text
+            )
         config.__dict__["_spds_context"] = text
     return config.__dict__["_spds_context"]
 

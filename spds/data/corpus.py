@@ -83,15 +83,20 @@ class Slice:
     tokens: int  # of its rendered text, exactly
 
 
-def read(config) -> Iterator[tuple[Document, Iterator[tuple[str, int | None]]]]:
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark: removed where a file starts with one (and said)
+
+
+def read(config, marked: list | None = None) -> Iterator[tuple[Document, Iterator[tuple[str, int | None]]]]:
     """Each document and its lines (text with its line break, and its byte offset in a file
     document, None in a JSONL one), streamed: a document's lines must be consumed before the next
     document is asked for. A broken rule raises CorpusError after the whole corpus is read, with
-    every problem; a document that breaks one is skipped meanwhile."""
-    problems, seen = [], {}
+    every problem; a document that breaks one is skipped meanwhile. Text is read as written, but
+    for a file's leading byte-order mark (removed: `marked` gets the file) and CRLF line ends (LF).
+    """
+    problems, seen, marked = [], {}, [] if marked is None else marked
     for path, name in files(config):
         if path.suffix.lower() == ".jsonl":
-            documents = _jsonl_documents(path, problems)
+            documents = _jsonl_documents(path, problems, marked)
         else:
             documents = [(Document(name, None, Source(path, None, 0)), None)]
         for document, text in documents:
@@ -102,7 +107,11 @@ def read(config) -> Iterator[tuple[Document, Iterator[tuple[str, int | None]]]]:
                 )
                 continue
             seen[document.id] = document.source
-            lines = _file_lines(path, problems) if text is None else ((line, None) for line in text.splitlines(True))
+            lines = (
+                _file_lines(path, problems, marked)
+                if text is None
+                else ((line, None) for line in text.splitlines(True))
+            )
             checked = _not_empty(document, lines, problems)
             yield document, checked
             for _ in checked:  # what the caller left unread, read for its checks
@@ -122,14 +131,16 @@ def _not_empty(document: Document, lines, problems: list[str]):
         problems.append(f"{document.source}: document {document.id!r}: rule 'not empty': it holds no text")
 
 
-def _file_lines(path: Path, problems: list[str]) -> Iterator[tuple[str, int]]:
+def _file_lines(path: Path, problems: list[str], marked: list) -> Iterator[tuple[str, int]]:
     """A file document's lines, decoded as UTF-8 a line at a time (a line longer than
-    MAX_LINE_BYTES is read in pieces of that size)."""
+    MAX_LINE_BYTES is read in pieces of that size), as `as_written` reads them."""
     offset = 0
     with open_regular(path) as stream:
         for number, raw in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES), b""), start=1):
+            if offset == 0 and raw.startswith(BOM):
+                marked.append(path)
             try:
-                line = raw.decode("utf-8")
+                line = as_written(raw.decode("utf-8"), offset)
             except UnicodeDecodeError as error:
                 problems.append(
                     f"{path}: byte {offset + error.start} (line {number}): rule 'UTF-8 text': not UTF-8 "
@@ -140,13 +151,16 @@ def _file_lines(path: Path, problems: list[str]) -> Iterator[tuple[str, int]]:
             offset += len(raw)
 
 
-def _jsonl_documents(path: Path, problems: list[str]) -> Iterator[tuple[Document, str]]:
+def _jsonl_documents(path: Path, problems: list[str], marked: list) -> Iterator[tuple[Document, str]]:
     """The documents of a JSONL file, one a line: an object with id, text and optionally title."""
     offset = 0
     with open_regular(path) as stream:
         for number, raw in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
             where, start = f"{path}:{number}", offset
             offset += len(raw)
+            if start == 0 and raw.startswith(BOM):  # the mark is no part of the first object
+                marked.append(path)
+                raw, start = raw[len(BOM) :], len(BOM)
             if len(raw) > MAX_LINE_BYTES:
                 problems.append(f"{where}: rule 'row size': the line is longer than {MAX_LINE_BYTES >> 20} MiB")
                 return
@@ -159,7 +173,13 @@ def _jsonl_documents(path: Path, problems: list[str]) -> Iterator[tuple[Document
                 continue
             row = _document_row(raw, where, problems)
             if row is not None:
-                yield Document(row["id"], row.get("title"), Source(path, number, start)), row["text"]
+                yield Document(row["id"], row.get("title"), Source(path, number, start)), as_written(row["text"])
+
+
+def as_written(text: str, offset: int = 1) -> str:
+    """Document text as spds reads it: CRLF line ends as LF, and a byte-order mark at the start of
+    a file (`offset` 0) removed."""
+    return (text[1:] if offset == 0 and text.startswith("\ufeff") else text).replace("\r\n", "\n")
 
 
 def _document_row(raw: bytes, where: str, problems: list[str]) -> dict | None:
@@ -211,6 +231,7 @@ class Corpus:
     _first_slice: dict | None = field(default=None, repr=False)  # document id -> the first slice holding it
     _records: dict = field(default_factory=dict, repr=False)  # slice index -> its record
     _parts: dict | None = field(default=None, repr=False)  # a part's name in a record -> the part
+    marked: list = field(default_factory=list)  # the files whose byte-order mark was removed
 
     @classmethod
     def build(cls, config, tokenizer, budget: int | None, window: int | None = None) -> Corpus:
@@ -219,11 +240,11 @@ class Corpus:
         description = (config.context.description or "").strip() or None
         overhead = len(encode_text(tokenizer, description + SEPARATOR)) if description else 0
         cap = None if budget is None else budget - overhead
-        documents, parts = [], []
-        for document, lines in read(config):
+        documents, parts, marked = [], [], []
+        for document, lines in read(config, marked):
             documents.append(document)
             parts += _parts(len(documents) - 1, document, lines, tokenizer, cap)
-        corpus = cls(description, documents, [], budget, tokenizer, overhead)
+        corpus = cls(description, documents, [], budget, tokenizer, overhead, marked=marked)
         corpus.slices = corpus._sliced(parts, budget)
         window = budget if window is None or budget is None else max(window, budget)
         corpus.window = corpus.slices[0] if window == budget else corpus._sliced(parts, window, first=True)[0]
@@ -294,9 +315,9 @@ class Corpus:
         with open_regular(source.path) as stream:
             if source.line is None:
                 stream.seek(part.bytes[0])
-                return stream.read(part.bytes[1] - part.bytes[0]).decode("utf-8")
+                return as_written(stream.read(part.bytes[1] - part.bytes[0]).decode("utf-8"), part.bytes[0])
             stream.seek(source.offset)
-            text = parse_json(stream.readline(MAX_LINE_BYTES + 1))["text"]
+            text = as_written(parse_json(stream.readline(MAX_LINE_BYTES + 1))["text"])
         return "".join(text.splitlines(True)[part.lines[0] : part.lines[1]])
 
     def holding(self, document_id: str) -> int | None:
@@ -347,9 +368,12 @@ class Corpus:
         sizes = [s.tokens for s in self.slices]
         held = sum(len(s.parts) for s in self.slices)
         window = f"; the window's view holds {len(self.window.parts)} of its {held} parts" if self.truncates else ""
+        marks = (
+            f"; a byte-order mark removed from {len(self.marked)} files ({self.marked[0]}, ...)" if self.marked else ""
+        )
         return (
             f"corpus: {len(self.documents)} documents in {len(self.slices)} slices of {min(sizes)}-{max(sizes)} "
-            f"tokens (at most {self.budget}){window}"
+            f"tokens (at most {self.budget}){window}{marks}"
         )
 
 
