@@ -189,6 +189,26 @@ def test_a_byte_order_mark_is_removed_and_said_and_crlf_is_read_as_lf(corpus):
     assert "a byte-order mark removed from 2 files" in built.summary()
 
 
+def test_sizes_and_names_are_refused_where_they_are_known(corpus):
+    """validate refuses what generate would: a corpus smaller than a chunk, a description that
+    leaves a slice no room, and a file name that is not UTF-8 (shown escaped, not a traceback)."""
+    (corpus / "tiny").mkdir()
+    (corpus / "tiny" / "note.md").write_text("The ferry leaves at dawn.\n")
+    edit_config(corpus, context={"documents": "tiny", "description": None})
+    said = spds(["validate", "config.json"], corpus)
+    assert (
+        said.returncode != 0
+        and "generate.self_study.chunk_tokens: 64 is more than the corpus's smallest slice" in said.stderr
+    )
+    edit_config(corpus, context={"documents": "sheets", "description": "A description. " * 200})
+    said = spds(["validate", "config.json"], corpus)
+    assert said.returncode != 0 and "context.description: " in said.stderr and "shorten it" in said.stderr
+    edit_config(corpus, context={"description": DESCRIPTION})
+    (corpus / "sheets" / os.fsdecode(b"caf\xe9.md")).write_text(sheet(0))
+    said = spds(["validate", "config.json"], corpus)
+    assert said.returncode != 0 and "sheets/caf\\xe9.md: rule 'a UTF-8 file name'" in said.stderr, said.stderr
+
+
 def test_a_corpus_changed_since_pin_stops_the_run_before_any_work(corpus):
     (corpus / "rows.jsonl").write_text("")  # pinned too (spds pin pins every input)
     check(spds(["pin", "config.json"], corpus))

@@ -74,6 +74,10 @@ def listing(config) -> Listing:
             return refuse(
                 path, "rule 'not the run's own file': this run writes or reads it as its config, rows or outputs"
             )
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # a name from another system: its bytes are no text to name a document by
+            return refuse(path, "rule 'a UTF-8 file name': rename it (its bytes are shown escaped)")
         key = (state.st_dev, state.st_ino)
         if key in seen:
             return refuse(path, f"rule 'one file, one document': the same file as {shown(seen[key])}")

@@ -240,6 +240,15 @@ class Corpus:
         description = (config.context.description or "").strip() or None
         overhead = len(encode_text(tokenizer, description + SEPARATOR)) if description else 0
         cap = None if budget is None else budget - overhead
+        if cap is not None and cap < 16:  # every slice opens with the description
+            raise CorpusError(
+                "context.description: the corpus cannot be sliced",
+                [
+                    f"context.description: {overhead} tokens, and a slice holds {budget} "
+                    "(generate.self_study.slice_tokens, or what the teacher's window leaves): the description "
+                    "opens every slice and must leave room for documents; shorten it"
+                ],
+            )
         documents, parts, marked = [], [], []
         for document, lines in read(config, marked):
             documents.append(document)

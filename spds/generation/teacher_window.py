@@ -44,6 +44,12 @@ def slice_problems(config: Config, tokenizer, scaffold) -> list[str]:
             f"context.documents: the teacher's window leaves {corpus.budget} tokens for the corpus after the chat "
             "template, the longest question and the longest answer: shorten them"
         ]
+    smallest = min(s.tokens for s in corpus.slices)
+    if study is not None and study.chunk_tokens > smallest:  # self-study cuts every slice into chunks
+        return [
+            f"generate.self_study.chunk_tokens: {study.chunk_tokens} is more than the corpus's smallest slice "
+            f"holds ({smallest} tokens of {len(corpus.slices)} slices): a chunk is a part of a slice; lower it"
+        ]
     return []
 
 
