@@ -200,7 +200,7 @@ def cmd_export(args) -> int:
         if args.config or args.checkpoint or args.out or len(args.compose) < 3:
             raise SpdsError("spds export --compose A.safetensors B.safetensors [...] OUT: two prompts or more, then "
                             "the output directory, and no config")  # fmt: skip
-        print(json.dumps(compose([Path(p) for p in args.compose[:-1]], Path(args.compose[-1]))))
+        print(json.dumps(compose([Path(p) for p in args.compose[:-1]], Path(args.compose[-1]), args.force)))
         return 0
     if not args.config:
         raise SpdsError("spds export CONFIG (or --compose A.safetensors B.safetensors OUT)")
@@ -322,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="A.safetensors B.safetensors [...] OUT: one prompt from exported ones of the same student, in order",
     )
+    p.add_argument("--force", action="store_true", help="with --compose: replace a composed prompt already in OUT")
     p.add_argument("--checkpoint", default=None, help="a committed checkpoint directory (default: the newest)")
     p.add_argument("--out", default=None, help="output directory (default: OUTPUT_DIR/export)")
     p.set_defaults(run=cmd_export)

@@ -103,6 +103,22 @@ def test_embeddings_compose_by_concatenation_and_other_forms_or_students_are_ref
     check(spds(["export", "--compose", str(path_a), str(path_b), str(out)], tiny))
     composed, _ = load_soft_prompt(out / "soft_prompt.safetensors")
     assert torch.equal(composed, torch.cat([a, b]))
+    # composition keeps its inputs: a composed prompt already in OUT, OUT an input's own directory,
+    # and one prompt twice (a copy too) are refused before anything is written; --force replaces
+    kept = (out / "soft_prompt.safetensors").read_bytes()
+    copy = path_a.with_name("copy.safetensors")
+    copy.write_bytes(path_a.read_bytes())
+    for args, rule in (
+        ([path_b, path_a, out], "rule 'an output is not replaced unasked'"),
+        ([path_a, path_b, path_a.parent], "rule 'composition keeps its inputs'"),
+        ([path_a, copy, tiny / "twice"], "rule 'each prompt once'"),
+    ):
+        refused = spds(["export", "--compose", *map(str, args)], tiny)
+        assert refused.returncode == 1 and rule in refused.stderr, (rule, refused.stderr)
+    assert (out / "soft_prompt.safetensors").read_bytes() == kept and not (tiny / "twice").exists()
+    check(spds(["export", "--compose", str(path_b), str(path_a), str(out), "--force"], tiny))
+    assert torch.equal(load_soft_prompt(out / "soft_prompt.safetensors")[0], torch.cat([b, a]))
+    check(spds(["export", "--compose", str(path_a), str(path_b), str(out), "--force"], tiny))
     # eval and sample read the composed file, on records packed for its length
     edit_config(
         tiny, soft_prompt={**FAST["soft_prompt"], "length": 8}, data={"packed_dir": "packed8", "eval_fraction": 0.25}

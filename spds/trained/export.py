@@ -20,6 +20,7 @@ virtual tokens to everything), hence no adapter for it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from spds.data.chat import Scaffold, render
 from spds.data.packed import PackedStore
 from spds.data.rows import RowRules, place
 from spds.errors import SpdsError
-from spds.fsio import atomic_path, read_json, sha256_json
+from spds.fsio import atomic_path, read_json, sha256_file, sha256_json
 from spds.model.kv_prompt import form_of, length_of, moved, require_fits
 from spds.model.student import load_student, skeleton
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
@@ -84,14 +85,17 @@ def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
 SAME_FOR_COMPOSITION = ("form", "student_identity", "placement", "scaffold", "insert_at", "chat_template_kwargs")
 
 
-def compose(paths: list[Path], out: Path) -> dict:
+def compose(paths: list[Path], out: Path, force: bool = False) -> dict:
     """One prompt from prompts exported from separate runs on the same student, in the order given:
     the embeddings form's vectors concatenated; the kv form's keys and values concatenated along
     positions, each later prompt's keys turned by RoPE to the positions it now takes (after the
     ones before it), so each is read as it was trained. Refused, naming both files and the key,
-    for prompts of another student, form, placement or layout."""
+    for prompts of another student, form, placement or layout. Its inputs are kept: OUT may not be
+    or hold one of them, the same prompt twice is refused, and an OUT holding a prompt already is
+    refused unless `force` (spds export --compose ... --force)."""
     from safetensors.torch import save_file
 
+    require_inputs_kept(paths, out, force)
     loaded = [(Path(path), *load_soft_prompt(path)) for path in paths]
     first_path, first, first_meta = loaded[0]
     for path, prompt, metadata in loaded[1:]:
@@ -128,6 +132,34 @@ def compose(paths: list[Path], out: Path) -> dict:
     with atomic_path(out / FILE) as temporary:
         save_file({"prompt": prompt}, str(temporary), metadata=metadata)
     return {"soft_prompt": str(out / FILE), "composed": [str(path) for path, _, _ in loaded], "prompt_length": shift}
+
+
+def require_inputs_kept(paths: list[Path], out: Path, force: bool) -> None:
+    """Refuse, before anything is read or written, a composition that would overwrite or lose an
+    input: OUT an input's own directory or above it, one file given twice (by its bytes, so a copy
+    too), or an existing composed prompt in OUT without `force`."""
+    target = Path(os.path.realpath(out))
+    for path in paths:
+        real = Path(os.path.realpath(path))
+        if target == real.parent or target in real.parents or target == real:
+            raise SpdsError(
+                f"spds export --compose: OUT {out} holds the input {path}: rule 'composition keeps its inputs' "
+                "(name a directory of its own)"
+            )
+    digests = {}
+    for path in paths:
+        digest = sha256_file(path) if Path(path).is_file() else None
+        if digest is not None and digest in digests:
+            raise SpdsError(
+                f"spds export --compose: {path} is the same prompt as {digests[digest]} (sha256 {digest[:16]}): "
+                "rule 'each prompt once' (a prompt composed with itself would carry its context twice)"
+            )
+        digests[digest] = path
+    if (out / FILE).exists() and not force:
+        raise SpdsError(
+            f"spds export --compose: {out / FILE} exists: rule 'an output is not replaced unasked' "
+            "(name another OUT, or pass --force to replace it)"
+        )
 
 
 def export_peft(config: Config, prompt: torch.Tensor, out: Path) -> Path:
