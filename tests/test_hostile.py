@@ -328,6 +328,8 @@ def test_a_questions_file_is_read_as_strictly_as_every_other(tmp_path):
         (b'{"question_id": "a", "question": "x", "question": "y"}\n', "rule 'unique keys'"),
         (b'{"question_id": "a", "question": "caf\xe9"}\n', "rule 'UTF-8 text'"),
         (b'["not", "an", "object"]\n', "a question needs question_id"),
+        (b'{"question_id": "a", "question": "  "}\n', "rule 'a question is asked'"),
+        (b'{"question_id": "a", "messages": [{"role": "user", "content": ""}]}\n', "rule 'a question is asked'"),
     ]:
         path = tmp_path / "questions.jsonl"
         path.write_bytes(text)

@@ -112,6 +112,9 @@ def read_questions(path: Path) -> list[dict]:
             question_id = str(row["question_id"])
             if "doc" in row and (not isinstance(row["doc"], str) or not row["doc"]):
                 raise ValueError("doc must be a non-empty string")
+            users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+            if not users or any(not isinstance(u, str) or not u.strip() for u in users):
+                raise ValueError("rule 'a question is asked': its user message is empty")
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise SpdsError(
                 f"{path}:{number}: a question needs question_id and messages or question ({error})"
