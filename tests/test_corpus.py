@@ -164,7 +164,7 @@ def test_a_corpus_reads_regular_files_inside_its_root_and_lists_what_it_skipped(
     assert "config.json: rule 'not the run's own file'" in said.stdout + said.stderr
     assert "rows.jsonl: rule 'not the run's own file'" in said.stdout + said.stderr
     # a file whose name holds glob characters is that file, not a pattern
-    (corpus / "notes [draft].md").write_text("The ferry to Varn leaves at dawn.\n")
+    (corpus / "notes [draft].md").write_text(sheet(0))
     edit_config(corpus, context={"documents": ["notes [draft].md"], "description": None})
     check(spds(["validate", "config.json"], corpus))
 

@@ -20,6 +20,9 @@ whole cache). Here:
     row's own part on a Triton kernel that reads each row's written keys once
     (shared_keys.own_keys_step), and another Triton kernel merges them;
     soft-capped scores (Gemma 2) and the CPU run the same sums in plain PyTorch;
+  * a batch may hold rows of several prefixes (eval's views, a corpus's slices: `prefix_of`, or
+    `shared_within` one bound a row): its rows are grouped by prefix, each prefix computed once,
+    and the shared part runs once per group over that group's rows (`shared_part`);
   * each batch gets one cache allocated once for its whole length ([rows, kv heads, longest
     question + max_new_tokens, head dim] per layer), written in place (`BatchCache`);
   * the questions, of different lengths, are right-aligned, so that every row writes its next
