@@ -207,8 +207,10 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
     if context is not None:
         for section, chosen in self_study_recipe(recipe).items():
             values[section].update(chosen)
-        given = Path(context).expanduser()  # a directory or a JSONL of documents: a corpus
-        as_corpus = given.is_dir() or (out.parent / given).is_dir() or given.suffix.lower() == ".jsonl"
+        # a directory or a JSONL of documents: a corpus. Read, as every path init writes, from the
+        # config's folder (where the config's relative paths resolve), not the working directory
+        given = out.parent / Path(context).expanduser()
+        as_corpus = given.is_dir() or given.suffix.lower() == ".jsonl"
         values["context"] = {"documents" if as_corpus else "file": context}
         values["generate"]["output"] = data
         note = (
@@ -233,6 +235,9 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
         # the whole contract, and what prepare checks (the config names MODEL's own tokenizer)
         written_later = "generate writes one" if context else "must exist"  # self-study: generate writes DATA
         require_ready(load_config(candidate, check_pins=False, candidates=written_later), tokenizer)
+    except SpdsError as error:  # named as the file the user asked for, not the check's temporary one
+        named = [problem.replace(str(candidate), str(out)) for problem in error.problems]
+        raise SpdsError(str(error.args[0]).replace(str(candidate), str(out)), named) from None
     finally:
         candidate.unlink(missing_ok=True)
     if out.exists():  # written meanwhile by someone else: still never overwritten

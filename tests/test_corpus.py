@@ -209,6 +209,22 @@ def test_sizes_and_names_are_refused_where_they_are_known(corpus):
     assert said.returncode != 0 and "sheets/caf\\xe9.md: rule 'a UTF-8 file name'" in said.stderr, said.stderr
 
 
+def test_init_reads_a_corpus_from_the_configs_folder_and_names_the_config_it_refuses(corpus):
+    """spds init --context DIR --out sub/run.yaml: DIR means sub/DIR, as the config it writes reads
+    it; a refusal names sub/run.yaml, never the temporary file it checked."""
+    (corpus / "sub").mkdir()
+    shutil.copytree(corpus / "sheets", corpus / "sub" / "sheets")
+    check(spds(["init", str(corpus / "student"), "rows.jsonl", "--context", "sheets", "--out", "sub/run.json"], corpus))
+    written = json.loads((corpus / "sub" / "run.json").read_text())
+    assert written["context"]["documents"] == "sheets"
+    check(spds(["validate", "sub/run.json"], corpus))
+    refused = spds(
+        ["init", str(corpus / "student"), "rows.jsonl", "--context", "nowhere", "--out", "sub/b.json"], corpus
+    )
+    assert refused.returncode != 0 and "sub/b.json" in refused.stderr and ".init-" not in refused.stderr, refused.stderr
+    assert not (corpus / "sub" / "b.json").exists()
+
+
 def test_a_corpus_changed_since_pin_stops_the_run_before_any_work(corpus):
     (corpus / "rows.jsonl").write_text("")  # pinned too (spds pin pins every input)
     check(spds(["pin", "config.json"], corpus))
