@@ -178,6 +178,7 @@ def test_a_byte_order_mark_is_removed_and_said_and_crlf_is_read_as_lf(corpus):
 
     plain = (corpus / "sheets" / "sheet00.md").read_text()
     (corpus / "sheets" / "sheet00.md").write_bytes(b"\xef\xbb\xbf" + plain.replace("\n", "\r\n").encode())
+    (corpus / "sheets" / "zz-one-line.md").write_bytes(b"\xef\xbb\xbfThe last ferry leaves at nine.\r\n")
     row = json.dumps({"id": "extra", "text": "Line one.\r\nLine two.\r\n"})
     (corpus / "more.jsonl").write_bytes(b"\xef\xbb\xbf" + row.encode() + b"\n")
     edit_config(corpus, context={"documents": ["sheets", "more.jsonl"]})
@@ -186,7 +187,8 @@ def test_a_byte_order_mark_is_removed_and_said_and_crlf_is_read_as_lf(corpus):
     text = built.text(0)
     assert "\ufeff" not in text and "\r" not in text
     assert f"## sheet00.md\n{plain.rstrip()}" in text and "## extra\nLine one.\nLine two." in text
-    assert "a byte-order mark removed from 2 files" in built.summary()
+    assert "## zz-one-line.md\nThe last ferry leaves at nine.\n" in text  # read to its end, not to its length as read
+    assert "a byte-order mark removed from 3 files" in built.summary()
 
 
 def test_sizes_and_names_are_refused_where_they_are_known(corpus):
@@ -389,6 +391,24 @@ def test_spds_init_on_a_directory_runs_every_verb_and_two_ranks_write_the_one_ra
     check(spds(["export", "ranks.json"], corpus))
     one, two = (load_file(corpus / d / "export" / "soft_prompt.safetensors")["prompt"] for d in ("run", "run-2"))
     assert_same_adam_path(two, one, [run["optim"]["learning_rate"]] * 2, what="the prompt on 2 ranks")
+
+
+def test_a_long_jsonl_document_is_parsed_once_however_many_parts_it_is_cut_into(corpus, monkeypatch):
+    """A JSONL document cut into many parts: its line is parsed when read and once more for all
+    its parts' texts, not once per part (linear in its size, as a file document is)."""
+    import spds.data.corpus as corpus_module
+    from spds.contract.gate import load_config
+
+    text = "".join(sheet(j) for j in range(60))
+    (corpus / "books.jsonl").write_text(json.dumps({"id": "book", "text": text}) + "\n")
+    edit_config(corpus, context={"documents": "books.jsonl"})
+    parsed = []
+    monkeypatch.setattr(corpus_module, "parse_json", lambda raw: parsed.append(1) or json.loads(raw))
+    config = load_config(corpus / "config.json", check_pins=False, candidates="unread")
+    built = corpus_module.Corpus.build(config, make_tiny.chatml_tokenizer(), 400)
+    parts = sum(len(s.parts) for s in built.slices)
+    assert parts > 10 and len(parsed) == 2, (parts, len(parsed))
+    assert "".join(built.part_text(p) for s in built.slices for p in s.parts) == text
 
 
 def test_indexing_a_corpus_grows_by_its_index_not_by_its_text(corpus):

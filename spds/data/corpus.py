@@ -232,6 +232,7 @@ class Corpus:
     _records: dict = field(default_factory=dict, repr=False)  # slice index -> its record
     _parts: dict | None = field(default=None, repr=False)  # a part's name in a record -> the part
     marked: list = field(default_factory=list)  # the files whose byte-order mark was removed
+    _jsonl_lines: tuple | None = field(default=None, repr=False)  # the JSONL document read last, as lines
 
     @classmethod
     def build(cls, config, tokenizer, budget: int | None, window: int | None = None) -> Corpus:
@@ -321,13 +322,18 @@ class Corpus:
 
     def part_text(self, part: Part) -> str:
         source = self.documents[part.document].source
-        with open_regular(source.path) as stream:
-            if source.line is None:
+        if source.line is None:  # a file's part: its byte range
+            with open_regular(source.path) as stream:
                 stream.seek(part.bytes[0])
                 return as_written(stream.read(part.bytes[1] - part.bytes[0]).decode("utf-8"), part.bytes[0])
-            stream.seek(source.offset)
-            text = as_written(parse_json(stream.readline(MAX_LINE_BYTES + 1))["text"])
-        return "".join(text.splitlines(True)[part.lines[0] : part.lines[1]])
+        # a JSONL document's part: its lines, the document parsed once for all its parts in a row
+        # (parsed again per part, a 6 MiB document cut in hundreds of parts took minutes)
+        if self._jsonl_lines is None or self._jsonl_lines[0] != (source.path, source.offset):
+            with open_regular(source.path) as stream:
+                stream.seek(source.offset)
+                text = as_written(parse_json(stream.readline(MAX_LINE_BYTES + 1))["text"])
+            self._jsonl_lines = ((source.path, source.offset), text.splitlines(True))
+        return "".join(self._jsonl_lines[1][part.lines[0] : part.lines[1]])
 
     def holding(self, document_id: str) -> int | None:
         """The first slice that holds the document (its first part), None for no such document."""
@@ -389,13 +395,12 @@ class Corpus:
 def _parts(index: int, document: Document, lines, tokenizer, cap: int | None) -> list[Part]:
     """A document's parts: whole, or groups of whole lines each within `cap` tokens with its heading."""
     heading = len(encode_text(tokenizer, document.heading))
-    parts, first, tokens, start, number, end_byte = [], 0, heading, 0, 0, 0
+    parts, first, tokens, start, number = [], 0, heading, 0, 0
     pending: list[tuple[str, int | None]] = []
 
     def flush(batch):
-        nonlocal first, tokens, start, number, end_byte
+        nonlocal first, tokens, start, number
         for (line, offset), count in zip(batch, count_lines(tokenizer, [line for line, _ in batch])):
-            line_bytes = len(line.encode("utf-8"))
             if cap is not None and heading + count > cap:
                 raise CorpusError(
                     f"{document.source}: document {document.id!r}, line {number + 1}: {count} tokens, more than a "
@@ -407,7 +412,6 @@ def _parts(index: int, document: Document, lines, tokenizer, cap: int | None) ->
                 first, tokens, start = number, heading, offset if offset is not None else 0
             tokens += count
             number += 1
-            end_byte = (offset or 0) + line_bytes
 
     for line in lines:
         pending.append(line)
@@ -415,6 +419,8 @@ def _parts(index: int, document: Document, lines, tokenizer, cap: int | None) ->
             flush(pending)
             pending = []
     flush(pending)
-    is_file = document.source.line is None
-    parts.append(Part(index, (first, number), (start, end_byte) if is_file else None, tokens, not parts))
+    # a file document's last part runs to the file's end (its lines' bytes as written, not as read:
+    # a byte-order mark and CRLF ends are longer on disk than in the text)
+    end = document.source.path.stat().st_size if document.source.line is None else None
+    parts.append(Part(index, (first, number), None if end is None else (start, end), tokens, not parts))
     return parts
