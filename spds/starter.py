@@ -210,7 +210,7 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
         # a directory or a JSONL of documents: a corpus. Read, as every path init writes, from the
         # config's folder (where the config's relative paths resolve), not the working directory
         given = out.parent / Path(context).expanduser()
-        as_corpus = given.is_dir() or given.suffix.lower() == ".jsonl"
+        as_corpus = given.is_dir() or given.suffix.lower() in (".jsonl", ".ndjson")
         values["context"] = {"documents" if as_corpus else "file": context}
         values["generate"]["output"] = data
         note = (

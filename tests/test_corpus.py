@@ -393,6 +393,33 @@ def test_spds_init_on_a_directory_runs_every_verb_and_two_ranks_write_the_one_ra
     assert_same_adam_path(two, one, [run["optim"]["learning_rate"]] * 2, what="the prompt on 2 ranks")
 
 
+def test_the_formats_documents_come_in(corpus):
+    """An export from another tool: .ndjson read as JSONL, extra fields (url, meta) never read,
+    integer ids, an empty title (the id heads the document). A binary file (an image) and a .json
+    file are refused by path and rule, or with context.skip_irregular skipped and listed."""
+    from spds.contract.gate import load_config
+    from spds.data.corpus import Corpus
+
+    rows = [
+        {"id": 7, "text": "The mill grinds on Tuesdays.\n", "url": "https://example.org/7", "meta": {"n": 1}},
+        {"id": "harbour", "title": "", "text": "The harbour closes at dusk.\n"},
+    ]
+    (corpus / "sheets" / "export.ndjson").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (corpus / "sheets" / "map.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(64))
+    (corpus / "sheets" / "notes.json").write_text(json.dumps([{"id": "a", "text": "b"}]))
+    refused = spds(["validate", "config.json"], corpus)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "sheets/map.png: rule 'a text file': it holds binary data" in said
+    assert "sheets/notes.json: rule 'documents as text or JSONL'" in said
+    edit_config(corpus, context={"skip_irregular": True})
+    listed = check(spds(["validate", "config.json"], corpus)).stdout
+    assert "corpus: 13 files read, 2 skipped" in listed
+    config = load_config(corpus / "config.json", check_pins=False, candidates="unread")
+    text = Corpus.build(config, make_tiny.chatml_tokenizer(), None).text(0)
+    assert "## 7\nThe mill grinds on Tuesdays." in text and "## harbour\nThe harbour closes at dusk." in text
+    assert "example.org" not in text
+
+
 def test_a_long_jsonl_document_is_parsed_once_however_many_parts_it_is_cut_into(corpus, monkeypatch):
     """A JSONL document cut into many parts: its line is parsed when read and once more for all
     its parts' texts, not once per part (linear in its size, as a file document is)."""

@@ -75,6 +75,17 @@ def listing(config) -> Listing:
                 path, "rule 'not the run's own file': this run writes or reads it as its config, rows or outputs"
             )
         try:
+            with open(real, "rb") as stream:  # a regular file: opening it cannot block
+                binary = b"\0" in stream.read(8192)
+        except OSError as error:
+            return refuse(path, f"rule 'a readable regular file': {error.strerror or error}")
+        if binary:  # git's test: a NUL byte in the first 8 KiB
+            return refuse(path, "rule 'a text file': it holds binary data (an image, an archive, a PDF?)")
+        if real.suffix.lower() == ".json":
+            return refuse(
+                path, "rule 'documents as text or JSONL': write a .json file's documents one a line as .jsonl"
+            )
+        try:
             name.encode("utf-8")
         except UnicodeEncodeError:  # a name from another system: its bytes are no text to name a document by
             return refuse(path, "rule 'a UTF-8 file name': rename it (its bytes are shown escaped)")

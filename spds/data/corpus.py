@@ -83,6 +83,7 @@ class Slice:
     tokens: int  # of its rendered text, exactly
 
 
+JSONL = (".jsonl", ".ndjson")  # a file of documents, one JSON object a line
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark: removed where a file starts with one (and said)
 
 
@@ -95,7 +96,7 @@ def read(config, marked: list | None = None) -> Iterator[tuple[Document, Iterato
     """
     problems, seen, marked = [], {}, [] if marked is None else marked
     for path, name in files(config):
-        if path.suffix.lower() == ".jsonl":
+        if path.suffix.lower() in JSONL:
             documents = _jsonl_documents(path, problems, marked)
         else:
             documents = [(Document(name, None, Source(path, None, 0)), None)]
@@ -183,6 +184,9 @@ def as_written(text: str, offset: int = 1) -> str:
 
 
 def _document_row(raw: bytes, where: str, problems: list[str]) -> dict | None:
+    """A JSONL line as a document: `id` (a string, or an integer, read as its digits), `text` (a
+    non-empty string) and optionally `title` (a string; empty: none). Other fields (an export's
+    `url`, `meta`) are allowed and never read."""
     try:
         row = parse_json(raw)  # strictly: a lone surrogate escape (no character) is refused here too
     except ValueError as error:
@@ -191,15 +195,21 @@ def _document_row(raw: bytes, where: str, problems: list[str]) -> dict | None:
     if not isinstance(row, dict):
         problems.append(f"{where}: rule 'document fields': a document is an object with id, text and optionally title")
         return None
-    wrong = [
-        f"{key} must be a non-empty string"
-        for key in ("id", "text", "title")
-        if (key in row or key != "title") and (not isinstance(row.get(key), str) or not row[key].strip())
-    ] + [f"no field {key!r} (a document has id, text and title)" for key in sorted(set(row) - {"id", "text", "title"})]
+    wrong = []
+    if isinstance(row.get("id"), int) and not isinstance(row.get("id"), bool):
+        row["id"] = str(row["id"])
+    if not isinstance(row.get("id"), str) or not row["id"].strip():
+        wrong.append("id must be a non-empty string or an integer")
+    if not isinstance(row.get("text"), str) or not row["text"].strip():
+        wrong.append("text must be a non-empty string")
+    if "title" in row and row["title"] is not None and not isinstance(row["title"], str):
+        wrong.append("title must be a string")
     if wrong:
         name = f"document {row['id']!r}: " if isinstance(row.get("id"), str) else ""
         problems.append(f"{where}: {name}rule 'document fields': " + "; ".join(wrong))
         return None
+    if not (row.get("title") or "").strip():
+        row.pop("title", None)  # an empty title: the id heads the document
     return row
 
 
