@@ -108,7 +108,7 @@ def cmd_generate(args) -> int:
     from spds.contract.gate import load_config  # per verb
     from spds.generation.generate import generate  # per verb
 
-    generate(load_config(args.config, candidates="unread"), started=STARTED)
+    generate(load_config(args.config, candidates="unread"), started=STARTED, adopt=args.adopt)
     return 0  # also when stopped: its batches are whole and the same command completes them (it said so)
 
 
@@ -285,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = verbs.add_parser(verb, help=text)
         p.add_argument("config")
         p.set_defaults(run=run)
+        if verb == "generate":
+            p.add_argument(
+                "--adopt",
+                action="store_true",
+                help="take the rows of a generate.output spds has no record of as written under these settings",
+            )
     p = verbs.add_parser("stop", help="ask a running train or smoke to stop at the next update boundary")
     p.add_argument("config", nargs="?")
     p.add_argument("--output-dir", default=None, help="the run's output directory (instead of CONFIG)")

@@ -92,15 +92,22 @@ def test_rows_a_user_wrote_without_a_final_newline_are_kept(asking):
     rows.write_bytes(b"".join(rest) + first.rstrip(b"\n"))  # the user moved a row to the end, no newline
     check(spds(["generate", "config.json"], asking))
     assert sorted(rows.read_bytes().splitlines()) == sorted(whole.splitlines()), "a row was cut or added"
-    # a file the user made (no provenance record): a one-line file without its newline is kept
+    # a file the user made (no provenance record): its settings are unknown, so generate refuses to
+    # append rows of its own settings after its rows unless told to adopt them (nothing written)
     (asking / "mine.jsonl").write_bytes(first.rstrip(b"\n"))
     edit_config(asking, generate={"output": "mine.jsonl"})
-    check(spds(["generate", "config.json"], asking))
+    refused = spds(["generate", "config.json"], asking)
+    assert refused.returncode == 1 and "mine.jsonl holds rows and no provenance record" in refused.stderr
+    assert (asking / "mine.jsonl").read_bytes() == first.rstrip(b"\n") and not (
+        asking / "mine.jsonl.provenance.json"
+    ).exists()
+    # adopted, a one-line file without its newline is kept
+    check(spds(["generate", "config.json", "--adopt"], asking))
     assert (asking / "mine.jsonl").read_bytes().startswith(first)
     # and a torn line in a file spds did not write is named, not cut
     (asking / "theirs.jsonl").write_bytes(first + b'{"request_id": "half')
     edit_config(asking, generate={"output": "theirs.jsonl"})
-    result = spds(["generate", "config.json"], asking)
+    result = spds(["generate", "config.json", "--adopt"], asking)
     assert result.returncode == 1 and "theirs.jsonl:2: the last line is not a whole row" in result.stderr
     assert (asking / "theirs.jsonl").read_bytes() == first + b'{"request_id": "half'
 

@@ -105,9 +105,12 @@ class Output:
     and tokenizer): a rerun whose settings would write other bytes is refused, each setting's two
     values named, instead of appending rows of another kind after the old ones."""
 
-    def __init__(self, path: Path, batches: list[list[str]], ranks: Ranks, provenance: dict | None = None):
+    def __init__(
+        self, path: Path, batches: list[list[str]], ranks: Ranks, provenance: dict | None = None, adopt: bool = False
+    ):
         self.path = path
         self.provenance = provenance
+        self.adopt = adopt  # rows without a record taken as this run's settings' (spds generate --adopt)
         self.record = path.with_name(path.name + ".provenance.json")
         self.lock = None  # rank 0: held from start to finish
         self.directory = path.parent / f".{path.name}.batches"
@@ -159,6 +162,16 @@ class Output:
                     ],
                 )
             return True
+        if self.path.exists() and self.path.stat().st_size and not self.adopt:
+            raise SpdsError(
+                f"{self.path} holds rows and no provenance record ({self.record.name}): spds cannot tell the "
+                "settings they were written under, and would append rows of these settings after them "
+                "(rule 'an output holds rows of one kind')",
+                [
+                    "name a new generate.output, or pass spds generate --adopt to take its rows as written under "
+                    "these settings (the record is then written beside it)"
+                ],
+            )
         atomic_write_json(self.record, self.provenance)
         return False
 

@@ -91,10 +91,11 @@ def fa4_named(setting, teacher, device: torch.device) -> bool:
     return True
 
 
-def generate(config: Config, log=print, started: float | None = None) -> dict:
+def generate(config: Config, log=print, started: float | None = None, adopt: bool = False) -> dict:
     """Write the teacher's rows for generate.questions (appending to generate.output, skipping the
     rows it already holds), on every rank a launcher started (spds/generation/batches.py).
-    `started`: the process's start (time.time()), for the start-up split."""
+    `started`: the process's start (time.time()), for the start-up split. `adopt`: an output with
+    rows and no provenance record is taken as written under these settings (Output.own)."""
     entered = time.time()
     settings = config.generate
     if not settings.questions and not settings.self_study:
@@ -120,7 +121,8 @@ def generate(config: Config, log=print, started: float | None = None) -> dict:
     context_of = (lambda request: texts(key(request))) if key else None
     ranks = Ranks.join(config.distributed.timeout_minutes)
     ids = [[r["request_id"] for r in batch] for batch in batches]
-    with Output(config.resolve(settings.output), ids, ranks, output_provenance(config, tokenizer)) as output:
+    provenance = output_provenance(config, tokenizer)
+    with Output(config.resolve(settings.output), ids, ranks, provenance, adopt) as output:
         left = output.start()  # batch -> its rows already in the output
         checked = time.time()
         asking = load_asking(config, tokenizer, scaffold, end_ids, ranks.device)
