@@ -146,3 +146,23 @@ def test_embeddings_compose_by_concatenation_and_other_forms_or_students_are_ref
             metadata={**metadata, "form": "kv", "layers": "2", "kv_heads": "2", "head_dim": "16"},
         )
         compose([path_a, kv], tiny / "no")
+
+
+def test_a_students_identity_is_its_content_not_its_path(tiny, tiny_assets):
+    """Prompts compose for the same student: a byte-identical copy of the model at another path is
+    the same student, and a model replaced at the same path is another (a weight file changed)."""
+    import shutil
+
+    from spds.contract.gate import load_config
+    from spds.trained.export import student_identity
+
+    copy = tiny / "student-copy"
+    shutil.copytree(tiny_assets / "student", copy)
+    here = student_identity(load_config(tiny / "config.json", check_pins=False))
+    edit_config(tiny, student={"model_path": str(copy)})
+    assert student_identity(load_config(tiny / "config.json", check_pins=False)) == here
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of the last weight
+    weights.write_bytes(bytes(data))
+    assert student_identity(load_config(tiny / "config.json", check_pins=False)) != here

@@ -27,11 +27,12 @@ import torch
 
 from spds import __version__
 from spds.contract.config import Config
+from spds.contract.digests import sha256_path
 from spds.data.chat import Scaffold, render
 from spds.data.packed import PackedStore
 from spds.data.rows import RowRules, place
 from spds.errors import SpdsError
-from spds.fsio import atomic_path, read_json, sha256_file, sha256_json
+from spds.fsio import atomic_path, read_json, sha256_file
 from spds.model.kv_prompt import form_of, length_of, moved, require_fits
 from spds.model.student import load_student, skeleton
 from spds.training.checkpoint import checkpoint_to_read, prompt_of
@@ -40,8 +41,11 @@ FILE = "soft_prompt.safetensors"
 
 
 def student_identity(config: Config) -> str:
-    pinned = config.student.model_sha256
-    return pinned or sha256_json({"model_path": str(config.model_path)})
+    """What a prompt's student is, by its content: the pinned student.model_sha256, else the same
+    digest of the model directory (its files' names and contents, each file's remembered while it
+    is unchanged: spds/contract/digests.py). A byte-identical copy is the same student; a model
+    replaced at the same path is not."""
+    return config.student.model_sha256 or sha256_path(config.model_path)
 
 
 def export(config: Config, checkpoint_path: str | None, out: Path) -> dict:
