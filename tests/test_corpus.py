@@ -420,6 +420,21 @@ def test_the_formats_documents_come_in(corpus):
     assert "example.org" not in text
 
 
+def test_a_corpus_of_exactly_the_slice_budget_is_one_slice(corpus):
+    """The slices' estimates count what rendering writes (a part's last line without the line break
+    rendering strips): a corpus whose rendered text is exactly the budget is one slice, and one
+    token less cuts it in two."""
+    from spds.contract.gate import load_config
+    from spds.data.chat import encode_text
+    from spds.data.corpus import Corpus
+
+    tokenizer = make_tiny.chatml_tokenizer()
+    config = load_config(corpus / "config.json", check_pins=False, candidates="unread")
+    exact = len(encode_text(tokenizer, Corpus.build(config, tokenizer, None).text(0)))
+    assert len(Corpus.build(config, tokenizer, exact).slices) == 1
+    assert len(Corpus.build(config, tokenizer, exact - 1).slices) == 2
+
+
 def test_a_long_jsonl_document_is_parsed_once_however_many_parts_it_is_cut_into(corpus, monkeypatch):
     """A JSONL document cut into many parts: its line is parsed when read and once more for all
     its parts' texts, not once per part (linear in its size, as a file document is)."""

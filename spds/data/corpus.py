@@ -405,11 +405,16 @@ class Corpus:
 def _parts(index: int, document: Document, lines, tokenizer, cap: int | None) -> list[Part]:
     """A document's parts: whole, or groups of whole lines each within `cap` tokens with its heading."""
     heading = len(encode_text(tokenizer, document.heading))
-    parts, first, tokens, start, number = [], 0, heading, 0, 0
+    parts, first, tokens, start, number, last = [], 0, heading, 0, 0, ("", 0)
     pending: list[tuple[str, int | None]] = []
 
+    def trailing(line: str, count: int) -> int:
+        """The tokens of a line's trailing whitespace: rendering strips a part's last line's (its
+        line break), so a part's tokens count its last line without them."""
+        return count - count_lines(tokenizer, [line.rstrip()])[0] if line != line.rstrip() else 0
+
     def flush(batch):
-        nonlocal first, tokens, start, number
+        nonlocal first, tokens, start, number, last
         for (line, offset), count in zip(batch, count_lines(tokenizer, [line for line, _ in batch])):
             if cap is not None and heading + count > cap:
                 raise CorpusError(
@@ -417,11 +422,19 @@ def _parts(index: int, document: Document, lines, tokenizer, cap: int | None) ->
                     f"slice holds ({cap} after the description and heading): rule 'a line fits a slice': break the "
                     "line, or raise generate.self_study.slice_tokens"
                 )
-            if cap is not None and number > first and tokens + count > cap:
-                parts.append(Part(index, (first, number), None if offset is None else (start, offset), tokens, False))
+            # the line fits as the part's last (its line break stripped), or the part ends before it
+            if (
+                cap is not None
+                and number > first
+                and tokens + count > cap
+                and tokens + count - trailing(line, count) > cap
+            ):
+                held = tokens - trailing(*last)
+                parts.append(Part(index, (first, number), None if offset is None else (start, offset), held, False))
                 first, tokens, start = number, heading, offset if offset is not None else 0
             tokens += count
             number += 1
+            last = (line, count)
 
     for line in lines:
         pending.append(line)
@@ -432,5 +445,6 @@ def _parts(index: int, document: Document, lines, tokenizer, cap: int | None) ->
     # a file document's last part runs to the file's end (its lines' bytes as written, not as read:
     # a byte-order mark and CRLF ends are longer on disk than in the text)
     end = document.source.path.stat().st_size if document.source.line is None else None
-    parts.append(Part(index, (first, number), None if end is None else (start, end), tokens, not parts))
+    held = tokens - trailing(*last)
+    parts.append(Part(index, (first, number), None if end is None else (start, end), held, not parts))
     return parts
