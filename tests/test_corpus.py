@@ -420,6 +420,28 @@ def test_the_formats_documents_come_in(corpus):
     assert "example.org" not in text
 
 
+def test_entries_may_give_their_documents_an_id_prefix(corpus):
+    """Two projects' folders each holding a README.md: the same id twice is refused (both places
+    named); {"path": ..., "prefix": ...} entries read them as a/README.md and b/README.md, a JSONL
+    file's ids prefixed the same way."""
+    from spds.contract.gate import load_config
+    from spds.data.corpus import Corpus
+
+    for name in ("a", "b"):
+        (corpus / name).mkdir()
+        (corpus / name / "README.md").write_text(sheet(ord(name)))
+    (corpus / "more.jsonl").write_text(json.dumps({"id": "notes", "text": sheet(3)}) + "\n")
+    edit_config(corpus, context={"documents": ["a", "b"]})
+    refused = spds(["validate", "config.json"], corpus)
+    assert refused.returncode != 0 and "document 'README.md': rule 'unique id'" in refused.stderr
+    prefixed = [{"path": "a", "prefix": "a/"}, {"path": "b", "prefix": "b/"}, {"path": "more.jsonl", "prefix": "x:"}]
+    edit_config(corpus, context={"documents": prefixed})
+    check(spds(["validate", "config.json"], corpus))
+    config = load_config(corpus / "config.json", check_pins=False, candidates="unread")
+    built = Corpus.build(config, make_tiny.chatml_tokenizer(), None)
+    assert [d.id for d in built.documents] == ["a/README.md", "b/README.md", "x:notes"]
+
+
 def test_a_corpus_of_exactly_the_slice_budget_is_one_slice(corpus):
     """The slices' estimates count what rendering writes (a part's last line without the line break
     rendering strips): a corpus whose rendered text is exactly the budget is one slice, and one

@@ -28,12 +28,13 @@ class CorpusError(SpdsError):
 class Listing:
     """What context.documents holds: (file, document id) in order, and what was skipped and why."""
 
-    found: list = field(default_factory=list)
+    found: list = field(default_factory=list)  # (path, document id, the entry's id prefix)
     skipped: list = field(default_factory=list)  # (path, why)
 
 
-def files(config) -> list[tuple[Path, str]]:
-    """(file, the id of the document it is) for each file context.documents names, in order."""
+def files(config) -> list[tuple[Path, str, str]]:
+    """(file, the id of the document it is, its entry's id prefix) for each file context.documents
+    names, in order (a JSONL file's documents take their ids from its lines, the prefix before each)."""
     return listing(config).found
 
 
@@ -58,7 +59,7 @@ def listing(config) -> Listing:
         else:
             problems.append(f"context.documents: {shown(path)}: {rule}")
 
-    def take(path: Path, name: str, root: Path | None) -> None:
+    def take(path: Path, name: str, root: Path | None, prefix: str) -> None:
         try:
             real = path.resolve(strict=True)
             state = real.stat()
@@ -93,9 +94,9 @@ def listing(config) -> Listing:
         if key in seen:
             return refuse(path, f"rule 'one file, one document': the same file as {shown(seen[key])}")
         seen[key] = path
-        result.found.append((path, name))
+        result.found.append((path, prefix + name, prefix))
 
-    def walk(folder: Path, root: Path, pattern: list[str] | None) -> None:
+    def walk(folder: Path, root: Path, pattern: list[str] | None, prefix: str) -> None:
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as error:
@@ -106,26 +107,26 @@ def listing(config) -> Listing:
             if entry.name.startswith(".") or any(fnmatch.fnmatchcase(entry.name, g) for g in LITTER):
                 result.skipped.append((path, "hidden or editor litter"))
             elif entry.is_dir(follow_symlinks=False):
-                walk(path, root, pattern)
+                walk(path, root, pattern, prefix)
             elif entry.is_symlink() and os.path.isdir(entry.path):
                 refuse(path, f"rule 'no symlinked folder': a symlink to {shown(path.resolve())}")
             elif pattern is None or _matches(pattern, list(relative)):
-                take(path, "/".join(relative), root)
+                take(path, "/".join(relative), root, prefix)
 
-    for entry in context_entries(config):
+    for entry, prefix in context_sources(config):
         path = config.resolve(entry)
         before = len(result.found)
         if path.is_dir():
-            walk(path, path, None)
+            walk(path, path, None, prefix)
             if len(result.found) == before:
                 problems.append(f"context.documents: {shown(path)} holds no document" + _skipped_note(result, path))
         elif path.exists() or path.is_symlink():
-            take(path, path.name, None)
+            take(path, path.name, None, prefix)
         elif MAGIC & set(entry):
             fixed = _fixed_parts(entry)
             root = config.resolve(str(Path(*Path(entry).parts[:fixed]))) if fixed else config.resolve(".")
             if root.is_dir():
-                walk(root, root, list(Path(entry).parts[fixed:]))
+                walk(root, root, list(Path(entry).parts[fixed:]), prefix)
             if len(result.found) == before:
                 problems.append(f"context.documents: {entry!r} matches no file" + _skipped_note(result, root))
         else:
@@ -182,16 +183,23 @@ def _fixed_parts(entry: str) -> int:
     return next((i for i, part in enumerate(parts) if MAGIC & set(part)), len(parts))
 
 
-def context_entries(config) -> list[str]:
+def context_sources(config) -> list[tuple[str, str]]:
+    """(path or glob, the id prefix of its documents) of each context.documents entry: a string,
+    or {"path": ..., "prefix": ...} (two folders' README.md files as a/README.md and b/README.md)."""
     documents = config.context.documents
-    return [documents] if isinstance(documents, str) else list(documents or [])
+    entries = [documents] if isinstance(documents, str) else list(documents or [])
+    return [(e["path"], e["prefix"]) if isinstance(e, dict) else (e, "") for e in entries]
+
+
+def context_entries(config) -> list[str]:
+    return [path for path, _ in context_sources(config)]
 
 
 def sha256(config) -> str:
     """The corpus's digest: each file's name as read and its sha256, in order (what `spds pin` pins
     as context.sha256): a file added, removed, renamed or edited changes it."""
     digest = hashlib.sha256()
-    for path, name in files(config):
+    for path, name, _ in files(config):
         digest.update(name.encode() + b"\0" + remembered_sha256(path).encode() + b"\n")
     digest.update((config.context.description or "").encode())
     return digest.hexdigest()

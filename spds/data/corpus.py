@@ -95,9 +95,9 @@ def read(config, marked: list | None = None) -> Iterator[tuple[Document, Iterato
     for a file's leading byte-order mark (removed: `marked` gets the file) and CRLF line ends (LF).
     """
     problems, seen, marked = [], {}, [] if marked is None else marked
-    for path, name in files(config):
+    for path, name, prefix in files(config):
         if path.suffix.lower() in JSONL:
-            documents = _jsonl_documents(path, problems, marked)
+            documents = _jsonl_documents(path, problems, marked, prefix)
         else:
             documents = [(Document(name, None, Source(path, None, 0)), None)]
         for document, text in documents:
@@ -152,7 +152,7 @@ def _file_lines(path: Path, problems: list[str], marked: list) -> Iterator[tuple
             offset += len(raw)
 
 
-def _jsonl_documents(path: Path, problems: list[str], marked: list) -> Iterator[tuple[Document, str]]:
+def _jsonl_documents(path: Path, problems: list[str], marked: list, prefix: str) -> Iterator[tuple[Document, str]]:
     """The documents of a JSONL file, one a line: an object with id, text and optionally title."""
     offset = 0
     with open_regular(path) as stream:
@@ -174,7 +174,8 @@ def _jsonl_documents(path: Path, problems: list[str], marked: list) -> Iterator[
                 continue
             row = _document_row(raw, where, problems)
             if row is not None:
-                yield Document(row["id"], row.get("title"), Source(path, number, start)), as_written(row["text"])
+                document = Document(prefix + row["id"], row.get("title"), Source(path, number, start))
+                yield document, as_written(row["text"])
 
 
 def as_written(text: str, offset: int = 1) -> str:
