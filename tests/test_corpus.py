@@ -457,6 +457,71 @@ def test_a_corpus_of_exactly_the_slice_budget_is_one_slice(corpus):
     assert len(Corpus.build(config, tokenizer, exact - 1).slices) == 2
 
 
+def minimal_pdf(lines: list[str]) -> bytes:
+    """A one-page PDF drawing `lines` in Helvetica: the objects and cross-reference table as the PDF
+    1.4 specification lays them out (what any PDF writer emits for plain text)."""
+    stream = "BT /F1 12 Tf 72 720 Td 14 TL " + " ".join(f"({line}) '" for line in lines) + " ET"
+    objects = [
+        "<< /Type /Catalog /Pages 2 0 R >>",
+        "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        "/Resources << /Font << /F1 5 0 R >> >> >>",
+        f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream",
+        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out, offsets = b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n", []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += f"{number} 0 obj\n{body}\nendobj\n".encode("latin-1")
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += b"".join(f"{offset:010d} 00000 n \n".encode() for offset in offsets)
+    return out + f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+
+
+def test_html_pdf_and_docx_documents_are_read_as_text_through_the_documents_extra(corpus, monkeypatch):
+    """Real files of each kind (an HTML page, a PDF written as the specification lays it out, a
+    .docx written by python-docx): each read as its text (the page's links and markup left out);
+    without the extra, each refused with the command that installs it; the corpus's digest names
+    the library that read them, so an upgrade stops a pinned run."""
+    import sys
+
+    import docx
+
+    import spds.contract.documents as documents
+    from spds.contract.gate import load_config
+    from spds.data.corpus import Corpus
+
+    folder = corpus / "formats"
+    folder.mkdir()
+    (folder / "page.html").write_text(
+        "<html><body><h1>Harbour</h1><p>The harbour closes at <b>dusk</b>. "
+        '<a href="https://example.org/tides">Tides</a> vary.</p></body></html>'
+    )
+    (folder / "manual.pdf").write_bytes(minimal_pdf(["The lighthouse keeper is Ada Berg.", "The lamp turns twice."]))
+    written = docx.Document()
+    written.add_paragraph("The mill grinds on Tuesdays.")
+    written.add_paragraph("Its wheel has twelve paddles.")
+    written.save(str(folder / "guide.docx"))
+    edit_config(corpus, context={"documents": ["formats", "sheets"]})
+    check(spds(["validate", "config.json"], corpus))
+    config = load_config(corpus / "config.json", check_pins=False, candidates="unread")
+    text = Corpus.build(config, make_tiny.chatml_tokenizer(), None).text(0)
+    assert "## guide.docx\nThe mill grinds on Tuesdays.\nIts wheel has twelve paddles." in text
+    assert "## manual.pdf\nThe lighthouse keeper is Ada Berg.\nThe lamp turns twice." in text
+    assert "The harbour closes at **dusk**. Tides vary." in text and "example.org" not in text
+    pinned = documents.sha256(config)
+    monkeypatch.setattr(documents, "extractor", lambda suffix: "pypdf 99")
+    assert documents.sha256(config) != pinned
+    monkeypatch.undo()
+    for module in ("pypdf", "docx", "html2text"):  # the extra not installed: import fails
+        monkeypatch.setitem(sys.modules, module, None)
+    refused = spds(["validate", "config.json"], corpus)
+    for name in ("page.html", "manual.pdf", "guide.docx"):
+        assert f"formats/{name}: rule 'a format spds reads'" in refused.stderr, refused.stderr
+    assert "pip install 'spds[documents]'" in refused.stderr
+
+
 def test_a_long_jsonl_document_is_parsed_once_however_many_parts_it_is_cut_into(corpus, monkeypatch):
     """A JSONL document cut into many parts: its line is parsed when read and once more for all
     its parts' texts, not once per part (linear in its size, as a file document is)."""

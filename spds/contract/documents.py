@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib.metadata
 import os
 import stat
 from dataclasses import dataclass, field
@@ -18,6 +19,16 @@ MAGIC = set("*?[")  # a documents entry holding one of these, and naming no exis
 # Skipped under a directory or a glob, by name: hidden files and folders, and what editors, version
 # control and file browsers leave beside documents (the listing `spds validate` prints names them)
 LITTER = ("*~", "#*#", "*.swp", "*.swo", "*.swx", "*.bak", "*.tmp", "*.pyc", "__pycache__", "Thumbs.db", "desktop.ini")
+
+
+# Documents read as text through a library (spds/data/formats.py; pip install 'spds[documents]'):
+# suffix -> (its distribution, the module imported)
+CONVERTED = {
+    ".html": ("html2text", "html2text"),
+    ".htm": ("html2text", "html2text"),
+    ".pdf": ("pypdf", "pypdf"),
+    ".docx": ("python-docx", "docx"),
+}
 
 
 class CorpusError(SpdsError):
@@ -80,7 +91,7 @@ def listing(config) -> Listing:
                 binary = b"\0" in stream.read(8192)
         except OSError as error:
             return refuse(path, f"rule 'a readable regular file': {error.strerror or error}")
-        if binary:  # git's test: a NUL byte in the first 8 KiB
+        if binary and real.suffix.lower() not in CONVERTED:  # git's test: a NUL byte in the first 8 KiB
             return refuse(path, "rule 'a text file': it holds binary data (an image, an archive, a PDF?)")
         if real.suffix.lower() == ".json":
             return refuse(
@@ -183,6 +194,15 @@ def _fixed_parts(entry: str) -> int:
     return next((i for i, part in enumerate(parts) if MAGIC & set(part)), len(parts))
 
 
+def extractor(suffix: str) -> str:
+    """The library (and version) that reads a converted document's text, or that none is installed."""
+    distribution = CONVERTED[suffix][0]
+    try:
+        return f"{distribution} {importlib.metadata.version(distribution)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{distribution} not installed"
+
+
 def context_sources(config) -> list[tuple[str, str]]:
     """(path or glob, the id prefix of its documents) of each context.documents entry: a string,
     or {"path": ..., "prefix": ...} (two folders' README.md files as a/README.md and b/README.md)."""
@@ -201,5 +221,7 @@ def sha256(config) -> str:
     digest = hashlib.sha256()
     for path, name, _ in files(config):
         digest.update(name.encode() + b"\0" + remembered_sha256(path).encode() + b"\n")
+        if path.suffix.lower() in CONVERTED:  # the text is the library's: its version is part of the corpus
+            digest.update(extractor(path.suffix.lower()).encode() + b"\n")
     digest.update((config.context.description or "").encode())
     return digest.hexdigest()

@@ -2,6 +2,7 @@
 
 sources         candidate rows streamed from JSONL, parquet or a datasets directory
 corpus          a corpus as the context: documents read by rule, cut into slices of the window
+formats         documents in HTML, PDF and .docx read as text (the documents extra)
 context         the context every verb reads: a text, a file, or a corpus (whole or truncated)
 rows            every row rule, each refusal naming the file, line and rule
 chat            where the soft prompt goes, from the tokenizer's own chat template

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from spds.contract.documents import CorpusError, files
+from spds.contract.documents import CONVERTED, CorpusError, files
 from spds.data.chat import encode_text, holds_added_token
+from spds.data.formats import converted_text
+from spds.errors import SpdsError
 from spds.fsio import MAX_LINE_BYTES, open_regular, parse_json
 
 SEPARATOR = "\n\n"  # between the description and each block
@@ -48,7 +50,9 @@ class Source:
     """Where a document's text lies, to be read again when a slice needs it."""
 
     path: Path
-    line: int | None  # a JSONL document's line (from 1); None: the whole file is the document
+    # a JSONL document's line (from 1); None: the whole file is the document; 0: the whole file,
+    # converted to text (HTML, PDF, .docx: spds/data/formats.py)
+    line: int | None
     offset: int  # that line's byte offset (0 for a file document)
 
     def __str__(self) -> str:
@@ -98,6 +102,12 @@ def read(config, marked: list | None = None) -> Iterator[tuple[Document, Iterato
     for path, name, prefix in files(config):
         if path.suffix.lower() in JSONL:
             documents = _jsonl_documents(path, problems, marked, prefix)
+        elif path.suffix.lower() in CONVERTED:
+            try:
+                documents = [(Document(name, None, Source(path, 0, 0)), as_written(converted_text(path)))]
+            except SpdsError as error:
+                problems.append(str(error))
+                continue
         else:
             documents = [(Document(name, None, Source(path, None, 0)), None)]
         for document, text in documents:
@@ -337,12 +347,15 @@ class Corpus:
             with open_regular(source.path) as stream:
                 stream.seek(part.bytes[0])
                 return as_written(stream.read(part.bytes[1] - part.bytes[0]).decode("utf-8"), part.bytes[0])
-        # a JSONL document's part: its lines, the document parsed once for all its parts in a row
-        # (parsed again per part, a 6 MiB document cut in hundreds of parts took minutes)
+        # a JSONL or converted document's part: its lines, the document parsed once for all its
+        # parts in a row (parsed again per part, a 6 MiB document cut in hundreds of parts took minutes)
         if self._jsonl_lines is None or self._jsonl_lines[0] != (source.path, source.offset):
-            with open_regular(source.path) as stream:
-                stream.seek(source.offset)
-                text = as_written(parse_json(stream.readline(MAX_LINE_BYTES + 1))["text"])
+            if source.line == 0:
+                text = as_written(converted_text(source.path))
+            else:
+                with open_regular(source.path) as stream:
+                    stream.seek(source.offset)
+                    text = as_written(parse_json(stream.readline(MAX_LINE_BYTES + 1))["text"])
             self._jsonl_lines = ((source.path, source.offset), text.splitlines(True))
         return "".join(self._jsonl_lines[1][part.lines[0] : part.lines[1]])
 
