@@ -135,8 +135,9 @@ def test_hostfile_launch_over_real_ssh_and_pdsh(cluster, run_dir, straight, tmp_
 def test_variables_the_launcher_sends_to_every_node_run_nothing_on_a_cuda_cluster(cluster, run_dir, tmp_path):
     """With DS_ACCELERATOR=cuda the deepspeed launcher also writes every NCCL_* variable into the
     remote command (inside double quotes, where a remote shell runs $(...)). They travel in
-    .spds-env instead. This machine has no GPU, so the ranks then fail: the launch script records
-    that in terminal.json, as it does for any launch that died without a word from rank 0."""
+    .spds-env instead (NCCL_DEBUG among them). This machine has no GPU, so the ranks then fail,
+    each saying so in a line that names DS_ACCELERATOR: the launch script records that in
+    terminal.json, as it does for any launch that died without a word from rank 0."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("h1 slots=1\nh2 slots=1\n")
     edit_config(run_dir, output_dir="cuda")
@@ -144,12 +145,14 @@ def test_variables_the_launcher_sends_to_every_node_run_nothing_on_a_cuda_cluste
     result = cluster.h1.run(
         ["bash", str(LAUNCH / "multi_node.sh"), "config.json", str(hostfile)],
         cwd=run_dir,
-        env=environment(DS_ACCELERATOR="cuda", NCCL_SPDS_PROBE=f"$(touch {marker})"),
+        env=environment(DS_ACCELERATOR="cuda", NCCL_SPDS_PROBE=f"$(touch {marker})", NCCL_DEBUG=f"$(touch {marker})"),
         timeout=300,
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "cmd = pdsh" in output, output[-3000:]
     assert not marker.exists() and "NCCL_SPDS_PROBE" not in output
+    # each rank says why in one line naming the variable, not torch's traceback from the group's start
+    assert output.count("DS_ACCELERATOR=cuda, and this process has") == 2 and "Traceback" not in output, output[-3000:]
     terminal = read_json(run_dir / "cuda" / "terminal.json")
     assert terminal["status"] == "failed" and "before rank 0 recorded" in terminal["reason"], terminal
     assert not ranks_left(cluster)

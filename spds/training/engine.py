@@ -37,9 +37,18 @@ from spds.training.sharded import ShardedEngine
 
 
 def ensure_accelerator_env() -> None:
-    """DeepSpeed picks its accelerator at import: make a machine without CUDA choose the CPU."""
+    """DeepSpeed picks its accelerator at import: make a machine without CUDA choose the CPU, and
+    refuse, naming the variable, a DS_ACCELERATOR that names CUDA where this process sees none (a
+    variable sent to every node of a cluster with no GPU on this one): torch's own error comes as a
+    traceback from inside the process group's start on every rank."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+    if os.environ.get("DS_ACCELERATOR") == "cuda" and not torch.cuda.is_available():
+        build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA device visible"
+        raise SpdsError(
+            f"DS_ACCELERATOR=cuda, and this process has {build} (torch {torch.__version__}): set DS_ACCELERATOR=cpu "
+            "(or leave it unset) for a CPU run, or run where a GPU is visible"
+        )
 
 
 def free_port() -> int:
