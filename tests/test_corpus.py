@@ -191,6 +191,33 @@ def test_a_byte_order_mark_is_removed_and_said_and_crlf_is_read_as_lf(corpus):
     assert "a byte-order mark removed from 3 files" in built.summary()
 
 
+def test_an_unreadable_file_or_folder_is_named_not_skipped(corpus, monkeypatch):
+    """A folder or file the user cannot read (as root every permission passes, so the refusals
+    are raised here as the OS raises them): each named by path and rule, and
+    the corpus is not pinned without it."""
+    import spds.contract.documents as documents
+
+    (corpus / "sheets" / "private").mkdir()
+    (corpus / "sheets" / "private" / "inner.md").write_text(sheet(1))
+    scandir, access = os.scandir, os.access
+
+    def guarded(path):
+        if str(path).endswith("private"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(documents.os, "scandir", guarded)
+    monkeypatch.setattr(documents.os, "access", lambda path, mode: not str(path).endswith("sheet05.md"))
+    refused = spds(["validate", "config.json"], corpus)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "sheets/private: rule 'a readable folder': Permission denied" in said
+    assert "sheets/sheet05.md: rule 'a readable regular file': permission denied" in said
+    pinned = spds(["pin", "config.json"], corpus)
+    assert pinned.returncode != 0 and not (corpus / "config.json.pins.json").exists()
+    monkeypatch.setattr(documents.os, "scandir", scandir)
+    monkeypatch.setattr(documents.os, "access", access)
+
+
 def test_sizes_and_names_are_refused_where_they_are_known(corpus):
     """validate refuses what generate would: a corpus smaller than a chunk, a description that
     leaves a slice no room, and a file name that is not UTF-8 (shown escaped, not a traceback)."""
