@@ -219,16 +219,24 @@ def test_an_unreadable_file_or_folder_is_named_not_skipped(corpus, monkeypatch):
 
 
 def test_sizes_and_names_are_refused_where_they_are_known(corpus):
-    """validate refuses what generate would: a corpus smaller than a chunk, a description that
-    leaves a slice no room, and a file name that is not UTF-8 (shown escaped, not a traceback)."""
+    """validate refuses what generate would: a corpus smaller than a chunk (of several slices, a
+    short one is one chunk: the sheets' config, whose last slice is short, passes), a description
+    that leaves a slice no room, and a file name that is not UTF-8 (shown escaped, not a traceback)."""
+    from spds.contract.gate import load_config
+    from spds.data.corpus import Corpus
+
+    config = load_config(corpus / "config.json", check_pins=False, candidates="unread")
+    sizes = [s.tokens for s in Corpus.build(config, make_tiny.chatml_tokenizer(), 400).slices]
+    study = json.loads((corpus / "config.json").read_text())["generate"]["self_study"]
+    edit_config(corpus, generate={"self_study": dict(study, chunk_tokens=min(sizes) + 1)})
+    assert len(sizes) > 1 and min(sizes) + 1 < max(sizes)
+    check(spds(["validate", "config.json"], corpus))  # several slices: the short one is one chunk
+    edit_config(corpus, generate={"self_study": study})
     (corpus / "tiny").mkdir()
     (corpus / "tiny" / "note.md").write_text("The ferry leaves at dawn.\n")
     edit_config(corpus, context={"documents": "tiny", "description": None})
     said = spds(["validate", "config.json"], corpus)
-    assert (
-        said.returncode != 0
-        and "generate.self_study.chunk_tokens: 64 is more than the corpus's smallest slice" in said.stderr
-    )
+    assert said.returncode != 0 and "generate.self_study.chunk_tokens: 64 is more than the corpus's" in said.stderr
     edit_config(corpus, context={"documents": "sheets", "description": "A description. " * 200})
     said = spds(["validate", "config.json"], corpus)
     assert said.returncode != 0 and "context.description: " in said.stderr and "shorten it" in said.stderr

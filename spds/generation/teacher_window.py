@@ -44,11 +44,12 @@ def slice_problems(config: Config, tokenizer, scaffold) -> list[str]:
             f"context.documents: the teacher's window leaves {corpus.budget} tokens for the corpus after the chat "
             "template, the longest question and the longest answer: shorten them"
         ]
-    smallest = min(s.tokens for s in corpus.slices)
-    if study is not None and study.chunk_tokens > smallest:  # self-study cuts every slice into chunks
+    # self-study cuts the corpus into chunks; several slices take a short one as one chunk
+    # (spds/generation/self_study.py Slices.read), a corpus of one slice is the context
+    if study is not None and len(corpus.slices) == 1 and study.chunk_tokens > corpus.slices[0].tokens:
         return [
-            f"generate.self_study.chunk_tokens: {study.chunk_tokens} is more than the corpus's smallest slice "
-            f"holds ({smallest} tokens of {len(corpus.slices)} slices): a chunk is a part of a slice; lower it"
+            f"generate.self_study.chunk_tokens: {study.chunk_tokens} is more than the corpus's "
+            f"{corpus.slices[0].tokens} tokens: a chunk is a part of the corpus; lower it"
         ]
     return []
 
