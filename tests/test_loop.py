@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import edit_config, make_tiny
 from helpers import FAST, ROUNDING, assert_rounding_close, check, final_state, read_json, spds
+from transformers import AutoModelForCausalLM
 
 from spds.contract.gate import load_config, section
 from spds.data.packed import PackedStore
@@ -126,7 +127,8 @@ def test_eval_matches_a_hand_computed_reference(tiny):
     report = read_json(tiny / "run" / "eval.json")
     config = load_config(tiny / "config.json")
     store = PackedStore.open(config.packed_dir)
-    student = load_student(config.model_path, "float32", "eager", torch.device("cpu"))
+    # the reference: transformers' own model and attention, no spds code between it and the weights
+    student = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32, attn_implementation="eager")
     prompt = final_state(tiny / "run")["prompt"]
     context = torch.tensor(make_tiny.chatml_tokenizer().encode(make_tiny.CONTEXT, add_special_tokens=False))
     blocks = {"floor": prompt[:0], "soft": prompt, "ceiling": student.get_input_embeddings()(context)}

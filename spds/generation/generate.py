@@ -125,7 +125,7 @@ def generate(config: Config, log=print, started: float | None = None, adopt: boo
     with Output(config.resolve(settings.output), ids, ranks, provenance, adopt) as output:
         left = output.start()  # batch -> its rows already in the output
         checked = time.time()
-        asking = load_asking(config, tokenizer, scaffold, end_ids, ranks.device)
+        asking = load_asking(config, tokenizer, scaffold, end_ids, ranks.device, context_of)
         loaded = time.time()
         splits = [("imports and config", entered - started)] if started else []
         splits += [("tokenizer and checks", checked - entered), ("loading the teacher", loaded - checked)]
@@ -136,7 +136,7 @@ def generate(config: Config, log=print, started: float | None = None, adopt: boo
         began = time.perf_counter()
         mine = {number: left[number] for number in sorted(left)[ranks.rank :: ranks.world]}
         try:
-            answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir, context_of)
+            answered = answer_batches(mine, batches, asking, study, end_ids, output, config.output_dir)
             counts = output.finish()
         except BaseException as error:  # another rank killed: one line, not the backend's traceback
             then = "The batches written are whole: the same command completes the same rows on any number of ranks."
@@ -222,19 +222,16 @@ def answer_batches(
     end_ids: list[int],
     output: Output,
     stop_requests: Path,
-    context_of=None,
 ) -> int:
     """This rank's batches (number -> its rows already in the output), each answered and written
     whole (`Output.write`); batch k samples with seed + k whatever was done before, so a resumed
     or shared run writes what a straight one would. Stops after the batch in flight when asked
-    (spds stop, a signal: spds/stop.py). `context_of`: a request's slice of a corpus past the
-    window, which its teacher reads in place of the context. Returns the batches answered."""
+    (spds stop, a signal: spds/stop.py). Returns the batches answered."""
     from tqdm import tqdm
 
     stop = StopRequest.current()
     stop.requests = stop_requests  # where spds stop and the launch scripts ask; a stale request is ignored
     settings, tokenizer, answered = asking.settings, asking.tokenizer, 0
-    asking.context_of = context_of
     for number in tqdm(mine, desc="generate", disable=output.ranks.rank != 0 or not os.isatty(2)):
         pace_point()
         batch = batches[number]
@@ -280,9 +277,12 @@ def report(output: Output, asking: Asking, study, counts: dict, log, began: floa
         )
 
 
-def load_asking(config: Config, tokenizer, scaffold, end_ids: list[int], device: torch.device) -> Asking:
+def load_asking(
+    config: Config, tokenizer, scaffold, end_ids: list[int], device: torch.device, context_of=None
+) -> Asking:
     """The teacher loaded on spds's decoder, asked as generate asks it: the context where the
-    student's template puts a system message, or in the first user turn where it has none."""
+    student's template puts a system message, or in the first user turn where it has none.
+    `context_of`: a request's slice of a corpus past the window, which its teacher reads instead."""
     teacher = load_teacher(config.teacher_path, config.student.dtype, device, config.student.trust_remote_code)
     if config.student.liger_kernels:  # the model's own RMSNorm, RoPE and MLP: a dozen small kernels each a step
         apply_liger_kernels(teacher)
@@ -293,7 +293,13 @@ def load_asking(config: Config, tokenizer, scaffold, end_ids: list[int], device:
     )
     in_user_turn = config.soft_prompt.placement == "first_user" or scaffold.system_role == "none"
     return Asking(
-        decoder, tokenizer, context_text(config), in_user_turn, config.generate, config.data.chat_template_kwargs
+        decoder,
+        tokenizer,
+        context_text(config),
+        in_user_turn,
+        config.generate,
+        config.data.chat_template_kwargs,
+        context_of,
     )
 
 

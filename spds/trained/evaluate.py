@@ -60,14 +60,17 @@ def evaluate(config: Config, checkpoint_path: str | None = None, log=print) -> d
     if config.eval.questions:  # the teacher's answers to them, packed, before the student takes the memory
         with phases("teacher answers eval.questions"):
             questions = QuestionStore.made(config, rank, world, log)
-    ceiling_fits(config, [(store, held_out)] + ([(questions.store, questions.records)] if questions else []))
+    context_ids = encode_text(load_tokenizer(config), context_text(config)) if context_text(config) else []
+    ceiling_fits(
+        config, len(context_ids), [(store, held_out)] + ([(questions.store, questions.records)] if questions else [])
+    )
     model = build_soft_prompt_model(config, device, prompt=prompt, training=False, prompt_source=directory)
     # records packed end to end on a GPU (varlen kernels, no padding); right-padded rows of similar
     # length on the CPU, whose packed attention computes every pair of positions of the batch
     model.packed = device.type == "cuda" and model.kernel_choice is not None
     if config.shards_student:
         shard_student(config, model, world)
-    scoring = Scoring.of(config, model, prompt, device, rank, world)
+    scoring = Scoring.of(config, model, prompt, device, rank, world, context_ids=context_ids)
     require_batch_fits(model, scoring.batch_tokens, device)
     result = dict(checkpoint=directory, update=update)
     with phases("scoring held-out records"):
@@ -121,13 +124,12 @@ def held_out_records(config: Config, store: PackedStore) -> np.ndarray:
     return held_out[:limit] if limit else held_out
 
 
-def ceiling_fits(config: Config, scored: list[tuple[PackedStore, np.ndarray]]) -> None:
-    """The ceiling reads the context in place of the prompt: refused, before the student loads,
-    where the context and the longest record scored pass the student's window."""
-    if not context_text(config):
+def ceiling_fits(config: Config, context: int, scored: list[tuple[PackedStore, np.ndarray]]) -> None:
+    """The ceiling reads the context (`context` tokens) in place of the prompt: refused, before the
+    student loads, where the context and the longest record scored pass the student's window."""
+    if not context:
         return
     longest = max((int(store.length[records].max()) for store, records in scored if len(records)), default=0)
-    context = len(encode_text(load_tokenizer(config), context_text(config)))
     require_context_fits(config, context, longest, "eval's ceiling (the student with the context)")
 
 
@@ -244,8 +246,17 @@ class Scoring:
 
     @classmethod
     def of(
-        cls, config: Config, model, prompt: torch.Tensor, device: torch.device, rank: int, world: int, show: bool = True
+        cls,
+        config: Config,
+        model,
+        prompt: torch.Tensor,
+        device: torch.device,
+        rank: int,
+        world: int,
+        show: bool = True,
+        context_ids: list[int] | None = None,
     ) -> Scoring:
+        """`context_ids`: the context as the teacher reads it (encode_text), when the caller has them."""
         student = model.student
         cap = final_logit_softcap(student)
         nll_fn = make_loss(dataclasses.replace(config.loss, objective="ce"), cap)
@@ -255,8 +266,10 @@ class Scoring:
         hidden = student.get_input_embeddings().embedding_dim  # not the weight: ZeRO-3 partitions it
         blocks = {"floor": prompt.new_zeros((0, hidden)).to(device), "soft": None}  # soft: the prompt, either form
         cached = None
-        if context_text(config):
-            ids = torch.tensor(encode_text(load_tokenizer(config), context_text(config)), device=device)
+        if context_ids is None and context_text(config):
+            context_ids = encode_text(load_tokenizer(config), context_text(config))
+        if context_ids:
+            ids = torch.tensor(context_ids, device=device)
             blocks["ceiling"] = student.get_input_embeddings()(ids)
             cached = None if model.layout.lockstep else ContextTeacher(model, ids, reuse_context=True)
         return cls(model, blocks, nll_fn, kl_fn, rank, world, device, batch_tokens(config, device), show, cached)
@@ -296,10 +309,10 @@ class Scoring:
             before = positions
             targets = teacher.targets(segments) if kl else None
             for k, name in enumerate(names):
-                if name == "ceiling" and self.cached_context is not None:
+                if name == "ceiling" and cached is not None:
                     # the online KL teacher's rows are the ceiling's rows: read, not run again
                     online = kl and targets.hidden is not None
-                    rows = targets.hidden if online else self.cached_context.targets(segments).hidden
+                    rows = targets.hidden if online else cached.targets(segments).hidden
                     supervised = torch.cat([segment.supervised_ids() for segment in segments])
                     values = [self.nll_fn(rows, weight, supervised, None)]
                     positions += 0 if online else own + len(segments)
@@ -317,7 +330,9 @@ class Scoring:
             if counted:
                 progress.advance(len(segments), positions - before, own)
         if cached is not None:  # the ceiling's context, forwarded once (its header's few tokens aside)
-            positions += (cached.prefix_forwards - prefixes) * len(cached.context_ids)
+            prefilled = (cached.prefix_forwards - prefixes) * len(cached.context_ids)
+            positions += prefilled
+            progress.advance(0, prefilled, 0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = progress.close()

@@ -47,5 +47,9 @@ class Progress:
             self.bar.close()
         elif self.show:
             rate = self.positions / max(seconds, 1e-9)
-            print(f"{self.phase}: {self.done_rows} rows in {seconds:.1f} s, {rate:,.0f} positions/s", file=sys.stderr)
+            print(
+                f"{self.phase}: {self.done_rows} rows in {seconds:.1f} s, {rate:,.0f} positions/s",
+                file=sys.stderr,
+                flush=True,
+            )
         return seconds
