@@ -99,24 +99,23 @@ def regrouped(groups: list[Prefixed], order: list[int]) -> list[Prefixed]:
 
 
 class BatchCache:
-    """The keys and values of one batch. The shared prefix's (`shared`, per layer [1, kv heads,
-    prefix, head dim]) are computed once for every batch that shares them and read in place, never
-    copied to the rows. Each row's own (its question, then its answer) live in buffers allocated
-    once and written in place at the cache indices `index` (a tensor, so that a captured step
-    writes where the replay says). Offers what transformers' decoder layers call on a cache
-    (`update`, `get_seq_length`)."""
+    """The keys and values of one batch. The shared prefixes' (`groups`: each prefix's rows and
+    its keys and values, per layer [1, kv heads, prefix, head dim]) are computed once for every
+    batch that shares them and read in place, never copied to the rows. Each row's own (its
+    question, then its answer) live in buffers allocated once and written in place at the cache
+    indices `index` (a tensor, so that a captured step writes where the replay says). Offers what
+    transformers' decoder layers call on a cache (`update`, `get_seq_length`)."""
 
-    def __init__(self, layers: int, rows: int, capacity: int, device: torch.device, shared=None, groups=None):
+    def __init__(self, layers: int, rows: int, capacity: int, device: torch.device, groups=None):
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.rows = rows
         self.capacity = -(-capacity // 16) * 16  # the efficient kernel's alignment for the mask's rows
         self.index = torch.zeros(1, dtype=torch.long, device=device)
-        self.shared: list[tuple[torch.Tensor, torch.Tensor]] = shared or []
         # the rows [first, end) that read each prefix's states: one prefix for every row, or several
         # (Decoder.answer_with_top_k's `prefix_of`), their rows consecutive; a row of an empty
-        # prefix reads nothing shared
-        self.groups: list[tuple[int, int, list]] = groups if groups is not None else [(0, rows, self.shared)]
+        # prefix reads nothing shared. None: no prefix (a prefix's own forward)
+        self.groups: list[tuple[int, int, list]] = groups or [(0, rows, [])]
         # a row's own keys start after its holes (own_from, the number of holes), and the decode
         # step reads the `written` (int32 [rows]) it has
         self.skip_holes([0] * rows)
@@ -127,6 +126,11 @@ class BatchCache:
         self.window_from = 0
         self.window_keys: torch.Tensor | None = None
         self.shared_mask: torch.Tensor | None = None
+
+    @property
+    def shared(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first prefix's keys and values per layer (a batch of one prefix: its only one)."""
+        return self.groups[0][2]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_, **__):  # the rest: per version
         if self.keys[layer] is None:  # the first write of a layer: its buffers, now that its shapes are known
@@ -324,7 +328,7 @@ class Decoder:
         rows, longest = len(prompts), max(len(p) for p in prompts)
         self.check_fits(rows, longest + room, kept_per_row, prefilled=longest)
         spans = [(group.rows[0], group.rows[-1] + 1, group.states) for group in groups]
-        cache = BatchCache(self.layers, rows, longest + room, device, groups[0].states, spans)
+        cache = BatchCache(self.layers, rows, longest + room, device, spans)
         cache.skip_holes([longest - len(p) for p in prompts])
         if len(groups) == 1:
             self.plan_window(cache, groups[0].length, groups[0].length + longest + room - 1)
