@@ -253,7 +253,8 @@ class Corpus:
     _records: dict = field(default_factory=dict, repr=False)  # slice index -> its record
     _parts: dict | None = field(default=None, repr=False)  # a part's name in a record -> the part
     marked: list = field(default_factory=list)  # the files whose byte-order mark was removed
-    _jsonl_lines: tuple | None = field(default=None, repr=False)  # the JSONL document read last, as lines
+    # the last JSONL or converted document read, in lines: (its source, its lines)
+    _document_lines: tuple | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, config, tokenizer, budget: int | None, window: int | None = None) -> Corpus:
@@ -349,15 +350,15 @@ class Corpus:
                 return as_written(stream.read(part.bytes[1] - part.bytes[0]).decode("utf-8"), part.bytes[0])
         # a JSONL or converted document's part: its lines, the document parsed once for all its
         # parts in a row (parsed again per part, a 6 MiB document cut in hundreds of parts took minutes)
-        if self._jsonl_lines is None or self._jsonl_lines[0] != (source.path, source.offset):
+        if self._document_lines is None or self._document_lines[0] != (source.path, source.offset):
             if source.line == 0:
                 text = as_written(converted_text(source.path))
             else:
                 with open_regular(source.path) as stream:
                     stream.seek(source.offset)
                     text = as_written(parse_json(stream.readline(MAX_LINE_BYTES + 1))["text"])
-            self._jsonl_lines = ((source.path, source.offset), text.splitlines(True))
-        return "".join(self._jsonl_lines[1][part.lines[0] : part.lines[1]])
+            self._document_lines = ((source.path, source.offset), text.splitlines(True))
+        return "".join(self._document_lines[1][part.lines[0] : part.lines[1]])
 
     def holding(self, document_id: str) -> int | None:
         """The first slice that holds the document (its first part), None for no such document."""
