@@ -307,14 +307,12 @@ class Decoder:
         prompts: list[list[int]],
         room: int,
         kept_per_row: int = 0,
-        prefix_embeds: torch.Tensor | None = None,
         keep: int = 1,
         shared_within: int | None = None,
-        prefix_kv: tuple[int, torch.Tensor] | None = None,
-        groups: list | None = None,
+        groups: list[Prefixed] | None = None,
     ) -> tuple[BatchCache, torch.Tensor, int, torch.Tensor]:
         """The prompts run into a new batch cache with `room` positions after the longest: their
-        common prefix (or `prefix_embeds`) from the kept shared states, each prompt's own ids
+        prefixes (`groups`, else their common prefix) from the kept shared states, each prompt's own ids
         right-aligned after it. Returns the cache, each row's logical position at each of its cache
         indices (-1: a hole, or not written yet), the longest prompt's own length (the index the
         next token goes in at) and the fp32 logits of every row's last `keep` positions, which must
@@ -322,7 +320,7 @@ class Decoder:
         their rows consecutive): the prefixes already resolved."""
         device = self.model.device
         if groups is None:
-            groups = self.prefix_groups(prompts, prefix_embeds, shared_within, prefix_kv, None)
+            groups = self.prefix_groups(prompts, None, shared_within, None, None)
         group_of = {row: group for group in groups for row in group.rows}
         prompts = [p[group_of[row].covers :] for row, p in enumerate(prompts)]  # each prompt's own ids
         rows, longest = len(prompts), max(len(p) for p in prompts)
