@@ -375,7 +375,7 @@ def time_spds(
         policy, recomputed = model.recompute, []  # layers recomputed, per micro-batch
         model.recompute = lambda *args, **kwargs: recomputed.append(policy(*args, **kwargs)) or recomputed[-1]
         engine = build_engine(config, model, 1)
-        plan = Plan(store, config.optim, config.soft_prompt.length, 1)
+        plan = Plan(store, config.optim, model.inserted_positions, 1)
         device = torch.device(DEVICE)
         stop = StopRequest()  # not installed: nothing asks this benchmark to stop
         warm = np.arange(len(warm_lengths))

@@ -48,10 +48,14 @@ def cache_reference_loss(plain, prompt: torch.Tensor, segment: Segment) -> torch
 
 
 @pytest.mark.numeric
+@pytest.mark.parametrize("length", [3, 1024])
 @pytest.mark.parametrize("family", SPDS_FAMILIES)
-def test_kv_prompt_loss_and_gradient_equal_a_plain_past_key_values_forward(saved, family):
+def test_kv_prompt_loss_and_gradient_equal_a_plain_past_key_values_forward(saved, family, length):
     """Padded rows and records packed end to end; prompts at the start (prefix) and after a header
-    (system, first_user): the keys stored after RoPE at the positions they take."""
+    (system, first_user): the keys stored after RoPE at the positions they take. The records run
+    over their own tokens alone and read the prompt as a cache: at p = 1,024 (records of 14-31
+    tokens) nearly every key a record reads is the prompt's, and the windowed families' windows
+    (Gemma's 8) fall inside it."""
     from transformers import AutoModelForCausalLM
 
     student = load_student(saved[family], "float32", "sdpa", torch.device("cpu"))
@@ -61,11 +65,11 @@ def test_kv_prompt_loss_and_gradient_equal_a_plain_past_key_values_forward(saved
         Segment(ids=torch.randint(2, VOCAB, (n,), generator=generator), prefix_tokens=f, insert_at=a)
         for n, f, a in ((23, 9, 2), (14, 5, 0), (31, 20, 3))
     ]
-    prompt = torch.randn(*kv_shape(student, 3), generator=generator)
+    prompt = torch.randn(*kv_shape(student, length), generator=generator)
     for packed in (False, True):
         loss_fn = make_loss(section("loss", kernel="chunked", chunk_tokens=16), final_logit_softcap(student))
         model = SoftPromptModel(student, prompt.clone(), loss_fn, attention_kernel="math", packed=packed)
-        assert model.form == "kv" and model.prompt_length == 3
+        assert model.form == "kv" and model.prompt_length == length and model.inserted_positions == 0
         assert_matches_reference(
             model,
             segments,

@@ -219,7 +219,7 @@ class Decoder:
         k: int,
         prefix_embeds: torch.Tensor | list[torch.Tensor] | None = None,
         shared_within: int | list[int] | None = None,
-        prefix_kv: tuple[int, torch.Tensor] | list | None = None,
+        prefix_kv: torch.Tensor | list | None = None,
         prefix_of: list[int] | None = None,
         groups: list[Prefixed] | None = None,
     ) -> tuple[list[list[int]], list[dict] | None]:
@@ -232,8 +232,8 @@ class Decoder:
         `prefix_embeds` ([n, hidden], the model's dtype): a shared prefix given as input embeddings
         (the chat template's header and a soft prompt, loss.on_policy), before every prompt's ids.
         `shared_within`: the most tokens of the prompts' common prefix to share (`prefill`).
-        `prefix_kv` (start, a kv soft prompt [layers, 2, kv heads, p, D], spds/model/kv_prompt.py):
-        its keys and values in place of the prefix's at positions start .. start+p-1.
+        `prefix_kv` (a kv soft prompt [layers, 2, kv heads, p, D], spds/model/kv_prompt.py): its
+        keys and values after the prefix's embeddings, read as a cache.
 
         Several prefixes in one batch: `prefix_embeds` a list of them (and `prefix_kv` one entry
         per prefix, None where it has none), `prefix_of` each prompt's index into it; or
@@ -354,8 +354,9 @@ class Decoder:
             rows_of: dict = {}
             for row, index in enumerate(prefix_of if prefix_of is not None else [0] * len(prompts)):
                 rows_of.setdefault(index, []).append(row)
+            lengths = {i: len(embeds[i]) + (kvs[i].shape[3] if kvs[i] is not None else 0) for i in rows_of}
             return [
-                Prefixed(rows, len(embeds[i]), self.embedded_states(embeds[i], kvs[i]) if len(embeds[i]) else [])
+                Prefixed(rows, lengths[i], self.embedded_states(embeds[i], kvs[i]) if lengths[i] else [])
                 for i, rows in rows_of.items()
             ]
         if not isinstance(shared_within, list):
@@ -491,28 +492,33 @@ class Decoder:
         return self.kept[key]
 
     def embedded_states(
-        self, embeds: torch.Tensor, kv: tuple[int, torch.Tensor] | None = None
+        self, embeds: torch.Tensor, prompt: torch.Tensor | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`shared_states` of a prefix given as input embeddings [n, hidden]: computed every time
-        (a soft prompt changes at every update) and not kept. `kv` (start, prompt): a kv soft
-        prompt's keys and values put in place of the computed ones at its positions, which nothing
-        in the prefix comes after (the prefix ends with the prompt)."""
+        (a soft prompt changes at every update) and not kept. `prompt`: a kv soft prompt
+        [layers, 2, kv heads, p, D] after them, its keys and values appended as they are (a cache:
+        no forward over its positions)."""
         self.kept = {}  # on-policy sampling keeps none: its prefix changes at every update
-        single = BatchCache(self.layers, 1, len(embeds), embeds.device)
-        positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=embeds.device)
-        positions[0, : len(embeds)] = torch.arange(len(embeds), device=embeds.device)
-        self.forward(embeds[None], positions, single, start=0, keep=0, causal=True)
-        self.prefix_forwards += 1
-        states = [
-            (k[:, : len(embeds)].transpose(1, 2), v[:, : len(embeds)].transpose(1, 2))
-            for k, v in zip(single.keys, single.values)
+        states = []
+        if len(embeds):
+            single = BatchCache(self.layers, 1, len(embeds), embeds.device)
+            positions = torch.full((1, single.capacity), -1, dtype=torch.long, device=embeds.device)
+            positions[0, : len(embeds)] = torch.arange(len(embeds), device=embeds.device)
+            self.forward(embeds[None], positions, single, start=0, keep=0, causal=True)
+            self.prefix_forwards += 1
+            states = [
+                (k[:, : len(embeds)].transpose(1, 2), v[:, : len(embeds)].transpose(1, 2))
+                for k, v in zip(single.keys, single.values)
+            ]
+        if prompt is None:
+            return states
+        learned = [
+            tuple(prompt[layer, index][None].to(device=embeds.device, dtype=embeds.dtype) for index in (0, 1))
+            for layer in range(prompt.shape[0])
         ]
-        if kv is not None:
-            start, prompt = kv
-            for layer, (keys, values) in enumerate(states):
-                for index, target in enumerate((keys, values)):
-                    target[0, :, start : start + prompt.shape[3]] = prompt[layer, index].to(target.dtype)
-        return states
+        if not states:
+            return learned
+        return [(torch.cat([k, pk], dim=2), torch.cat([v, pv], dim=2)) for (k, v), (pk, pv) in zip(states, learned)]
 
     def plan_window(self, cache: BatchCache, prefix: int, last_position: int) -> None:
         """Which shared keys the windowed layers read: none older than the window of the batch's

@@ -55,9 +55,9 @@ from spds.kernels.causal import (
 from spds.kernels.shared_keys import fa4_after_cached, lower_right_causal, packed_after_cached
 
 NAME = "spds_causal"
-# The forward keyword that carries a kv soft prompt's keys and values to every layer
-# (spds/model/kv_prompt.py's Splice): `apply(layer, key, value)` puts them at their positions
-SPLICE_KEYWORD = "spds_splice"
+# The forward keyword that carries a kv soft prompt to every layer as a cache (spds/model/kv_prompt.py's
+# PromptCache): `attention(layer, ...)` computes the layer's attention with the prompt's keys and values
+PROMPT_CACHE_KEYWORD = "spds_prompt_cache"
 
 # Attention's own memory beyond a layer's activations. Kernels that materialise the scores
 # (math SDPA, eager) keep a [heads, L, L] probability matrix per plain layer and hold about three
@@ -280,10 +280,10 @@ def causal_attention(module, query, key, value, attention_mask=None, scaling=Non
         )
     choice = getattr(module, "spds_kernel", None)
     kernel = choice.kernel if choice is not None else "auto"
-    splice = kwargs.get(SPLICE_KEYWORD)
-    if splice is not None:  # a kv soft prompt: its keys and values in place of the ones computed there
-        key, value = splice.apply(module.layer_idx, key, value)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    cache = kwargs.get(PROMPT_CACHE_KEYWORD)
+    if cache is not None:  # a kv soft prompt: every record reads its keys and values as a cache
+        return cache.attention(module.layer_idx, query, key, value, scaling, kernel, window, softcap), None
     if window or softcap:  # Gemma 2 and 3, Mistral v0.1: the layer's own window and cap
         output = windowed_attention(
             kernel, query, key, value, scaling, window, softcap, kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")

@@ -7,6 +7,7 @@ runs a forward is spds/kernels/attention.py's decision (AttentionPlan); this mod
   fa4_causal           FlashAttention-4 (the flash-attn-4 package, CuTe DSL), padded rows or packed
   flex_causal          torch's flex_attention on a causal block mask built from block indices
   windowed_attention   a layer's sliding window and/or soft cap (Gemma 2 and 3, Mistral v0.1)
+  varlen_lower_right   sequences whose queries are the last of their keys (a kv prompt read as a cache)
 
 Queries against keys that others share (a cached context, generate's shared prefix) are
 spds/kernels/shared_keys.py's.
@@ -132,6 +133,53 @@ def fa4_causal(query, key, value, scaling, starts=None, longest: int | None = No
     if with_lse:
         return output
     return output[0] if isinstance(output, tuple) else output  # (output, lse) in some versions
+
+
+def varlen_lower_right(query, key, value, plan, scaling, kernel: str, window=None, softcap=None):
+    """Sequences of queries each attending causally from the lower right to its own run of keys:
+    query i of a sequence of m queries and n keys sees keys up to n - m + i (and, with a window,
+    those after n - m + i - window), with a backward. query [queries, Hq, D], key and value [keys,
+    Hkv, D]; `plan` gives each sequence's (first query, queries, first key, keys) and their
+    cumulative counts (`starts_q`, `starts_k`, int32). Returns [queries, Hq, D]. A kv prompt read as a
+    cache (spds/model/kv_prompt.py) is such sequences: a record's rest after its header and the prompt.
+
+    On CUDA in half precision without a soft cap: FlashAttention-4's variable-length kernel where
+    it is the student's kernel and no window is set, else FlashAttention-2's (aten's, the packed
+    layout's kernel), one call for every sequence of the micro-batch. Elsewhere (the CPU, fp32, a
+    soft-capped layer) each sequence through SDPA under its mask, or with a soft cap as
+    transformers' eager attention computes it."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0 and not softcap:
+        lengths = (plan.starts_q, plan.starts_k, plan.longest_q, plan.longest_k)
+        if kernel == "fa4" and not window:
+            output = import_fa4().flash_attn_varlen_func(
+                query,
+                key,
+                value,
+                cu_seqlens_q=plan.starts_q,
+                cu_seqlens_k=plan.starts_k,
+                max_seqlen_q=plan.longest_q,
+                max_seqlen_k=plan.longest_k,
+                softmax_scale=scaling,
+                causal=True,
+                deterministic=torch.are_deterministic_algorithms_enabled(),
+            )
+            return output[0] if isinstance(output, tuple) else output
+        left = window - 1 if window else -1  # -1: no window
+        return torch.ops.aten._flash_attention_forward(
+            query, key, value, *lengths, 0.0, True, False, scale=scaling, window_size_left=left, window_size_right=0
+        )[0]
+    outputs = []
+    for first_q, queries, first_k, keys in plan.sequences:
+        q = query[first_q : first_q + queries].transpose(0, 1)[None]  # [1, Hq, m, D]
+        k, v = (t[first_k : first_k + keys].transpose(0, 1)[None] for t in (key, value))
+        allowed = windowed_mask(queries, keys, window or None, query.device)
+        if softcap:
+            output = explicit_attention(q, k, v, scaling, allowed, softcap)
+        else:
+            k, v = repeated_heads(q, k, v)
+            output = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+        outputs.append(output[0].transpose(0, 1))
+    return torch.cat(outputs)
 
 
 # ---------------------------------------------------------------- sliding windows and soft caps

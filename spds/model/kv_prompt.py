@@ -3,15 +3,15 @@ value for every layer and key/value head, FP32 [layers, 2, kv heads, p, head dim
 keys, 1 the values): prefix tuning's and a Cartridge's parameterization, which carries a long
 context in few positions where input embeddings cannot.
 
-How it runs. The record is laid out exactly as for the embeddings form, x[:a] ++ p positions ++
-x[a:], with positions 0 .. L+p-1, so every layout (padded rows, records packed end to end), kernel,
-recompute plan and sharding spds has runs it unchanged; the p positions' inputs are zeros. In every
-layer spds's attention (spds/kernels/attention.py) puts the prompt's keys and values in place of
-the ones computed at those positions before any kernel sees them (`Splice`). A position after
-the prompt then sees the learned keys and values where the embeddings form would have computed
-them; the p positions' own outputs reach nothing (their keys and values are replaced in the next
-layer too, and they predict no label). Per record this costs what the embeddings form costs, plus
-a copy of each layer's keys and values.
+How it runs: as a cache, not as positions. A record x (L tokens, the prompt inserted at a) is run
+over its own L tokens only, x[:a] at positions 0 .. a-1 and x[a:] at a+p .. L+p-1, the positions
+they hold with the prompt before them. In every layer spds's attention (spds/kernels/attention.py)
+reads, for each record, a key buffer header ++ prompt ++ rest: x[:a]'s queries attend to x[:a]'s
+keys, x[a:]'s to all three, each causally from the lower right (`PromptCache`). No projection,
+MLP or norm runs for the prompt: its cost is the attention to p more keys (and the buffer's copy),
+whatever p, where laying its p positions into every record cost a whole forward over them (a
+kv prompt of 1,024 cost 11x the step of 16; bench/RESULTS.md). It is exactly what a transformers
+DynamicCache holding the header and the prompt computes for the rest (tests/test_kv_prompt.py).
 
 RoPE. The keys are stored after rotation, at the positions the prompt takes (a .. a+p-1 for
 insertion offset a): what a transformers KV cache holds for those positions, so a prompt is used
@@ -21,11 +21,13 @@ template's header length, the same for every record of a run; export records it.
 
 Starting value: random (init.std), or the keys and values the student itself computes for tokens
 placed where the prompt goes (after the header): the context's first tokens (init.method context,
-Cartridges' initialization), init.text's, or random vocabulary tokens'.
+Cartridges' initialization; a corpus's first tokens, or with init.spread its slices' first
+tokens in turn), init.text's, or random vocabulary tokens'.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +47,10 @@ def length_of(prompt: torch.Tensor) -> int:
     return prompt.shape[3] if prompt.dim() == 5 else prompt.shape[0]
 
 
-def stand_in(prompt: torch.Tensor, hidden: int) -> torch.Tensor:
-    """What a record holds where a kv prompt goes: zeros of the hidden size at its p positions,
-    whose keys and values the prompt's replace in every layer."""
-    return prompt.new_zeros(length_of(prompt), hidden)
+def inserted_positions(form: str, length: int) -> int:
+    """Positions a prompt adds to each record's forward pass: p for the embeddings form, none for
+    the kv form (read as a cache: its cost is the attention to p more keys)."""
+    return 0 if form == "kv" else length
 
 
 def require_fits(prompt: torch.Tensor, student, source: str) -> None:
@@ -97,34 +99,84 @@ def attention_modules(student) -> list:
 
 
 @dataclass
-class Splice:
-    """The prompt's keys and values for the forward in flight, and where they go: the flat (row,
-    position) of each record's p prompt positions, in order (built once per forward)."""
+class PromptCache:
+    """The kv prompt as every layer reads it in the forward in flight: for each record, its key
+    buffer's pieces (header, prompt, rest) and the attention sequences over them. Built once per
+    forward from the records' places in the flattened positions ([rows x length] padded, or the
+    packed row), read by every layer and by its recompute in backward (transformers' checkpointing
+    keeps a layer's keywords).
+
+    The sequences, in the order of the flattened queries: per record, its header's a queries
+    against the header's a keys, then its rest's L-a queries against a+p+L-a keys. Each is causal
+    from the lower right, so a rest query at buffer index a+p+i (its position) sees every key up
+    to its own; a header query never sees the prompt."""
 
     prompt: torch.Tensor  # [layers, 2, kv heads, p, head dim], FP32 (the parameter)
-    rows: torch.Tensor  # int64 [records x p]
-    positions: torch.Tensor  # int64 [records x p]
+    pieces: list[tuple[int, int] | None]  # the buffer in order: [start, end) of the flat keys, or None: the prompt
+    sequences: list[tuple[int, int, int, int]]  # (first query, queries, first key, keys) of each
+    starts_q: torch.Tensor  # int32 [sequences + 1], cumulative query counts (variable-length kernels)
+    starts_k: torch.Tensor  # int32 [sequences + 1], cumulative key counts
 
     @classmethod
-    def at(cls, prompt: torch.Tensor, starts: list[tuple[int, int]]) -> Splice:
-        """`starts`: (row, first prompt position) of each record."""
-        p = prompt.shape[3]
-        offsets = torch.arange(p)
-        rows = torch.tensor([row for row, _ in starts]).repeat_interleave(p)
-        positions = (torch.tensor([start for _, start in starts])[:, None] + offsets).reshape(-1)
-        device = prompt.device
-        return cls(prompt, rows.to(device, non_blocking=True), positions.to(device, non_blocking=True))
+    def at(cls, prompt: torch.Tensor, records: list[tuple[int, int, int]]) -> PromptCache:
+        """`records`: (first flat position, length, insertion offset a) of each record, in order,
+        together covering the flattened positions (a padded row's padding is its record's: it comes
+        after every real query, which never sees it)."""
+        p = length_of(prompt)
+        pieces, sequences, keys = [], [], 0
+        for first, length, a in records:
+            if a:
+                pieces.append((first, first + a))
+                sequences.append((first, a, keys, a))
+                keys += a
+            pieces += [(first, first + a), None, (first + a, first + length)]
+            sequences.append((first + a, length - a, keys, length + p))
+            keys += length + p
+        pieces = [piece for piece in pieces if piece is None or piece[1] > piece[0]]
 
-    def apply(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """key and value [B, kv heads, L, D] with the prompt's in place at its positions: a new
-        tensor each (autograd carries the gradient to the prompt), in the keys' dtype."""
-        records = len(self.rows) // self.prompt.shape[3]
-        spliced = []
-        for index, states in enumerate((key, value)):
-            learned = self.prompt[layer, index].to(states.dtype).transpose(0, 1)  # [p, kv heads, D]
-            learned = learned.repeat(records, 1, 1)
-            spliced.append(states.transpose(1, 2).index_put((self.rows, self.positions), learned).transpose(1, 2))
-        return spliced[0], spliced[1]
+        def cumulative(counts: list[int]) -> torch.Tensor:
+            starts = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+            if prompt.is_cuda:
+                starts = starts.pin_memory()
+            return starts.to(prompt.device, non_blocking=True)
+
+        return cls(
+            prompt, pieces, sequences, cumulative([s[1] for s in sequences]), cumulative([s[3] for s in sequences])
+        )
+
+    @property
+    def longest_q(self) -> int:
+        return max(s[1] for s in self.sequences)
+
+    @property
+    def longest_k(self) -> int:
+        return max(s[3] for s in self.sequences)
+
+    def buffer(self, layer: int, states: torch.Tensor, index: int) -> torch.Tensor:
+        """The key (index 0) or value (1) buffer [keys, kv heads, D] of `layer` from the records'
+        own `states` [B, kv heads, length, D]: slices and the prompt, concatenated (autograd carries
+        each record's share of the gradient back to the prompt, summed in a fixed order)."""
+        flat = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])  # [B x length, kv heads, D]
+        learned = self.prompt[layer, index].to(states.dtype).transpose(0, 1)  # [p, kv heads, D]
+        return torch.cat([learned if piece is None else flat[piece[0] : piece[1]] for piece in self.pieces])
+
+    def attention(self, layer: int, query, key, value, scaling, kernel: str, window=None, softcap=None):
+        """transformers' attention signature's tensors ([B, H, length, D]) -> [B, length, Hq, D]."""
+        from spds.kernels.causal import varlen_lower_right
+
+        batch, heads, length, dim = query.shape
+        rows = query.transpose(1, 2).reshape(batch * length, heads, dim)
+        output = varlen_lower_right(
+            rows,
+            self.buffer(layer, key, 0),
+            self.buffer(layer, value, 1),
+            self,
+            scaling,
+            kernel,
+            window,
+            softcap,
+        )
+        return output.reshape(batch, length, heads, dim)
 
 
 def cached_states(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

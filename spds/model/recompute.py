@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from spds.errors import SpdsError
-from spds.kernels.attention import AttentionPlan
+from spds.kernels.attention import AttentionPlan, head_dim_of
 from spds.model.student import decoder_layers
 
 # Stored activations of a bf16 decoder layer, in bytes per position per hidden unit, without
@@ -31,6 +31,7 @@ class RecomputePolicy:
 
         positions x hidden x (40 bytes per plain layer (26 with Liger's kernels), 2 per checkpointed
                               one, + one layer's recompute)
+      + a kv prompt's keys and values in every record's key buffer, kept by each plain layer
       + the attention kernel's memory (AttentionPlan.memory: a quadratic kernel's score matrices,
         kept by each plain layer, and one layer's transient; FlashAttention's fp32 accumulators
         during one layer's backward).
@@ -52,11 +53,18 @@ class RecomputePolicy:
         self.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["liger" if liger_kernels else "own"]
         config = student.config
         self.layers, self.hidden = config.num_hidden_layers, config.hidden_size
+        # a kv prompt read as a cache: each layer keeps its keys and values in every record's key
+        # buffer for backward (spds/model/kv_prompt.py), [p, kv heads, head dim] twice a record
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dtype = next(student.parameters()).dtype
+        self.prompt_key_bytes = 2 * kv_heads * head_dim_of(config) * dtype.itemsize
         self.attention = attention or AttentionPlan("auto", student, device)  # its kernels' memory
         self.budget = budget_gib * 2**30 if budget_gib else None
         self.device = device
 
-    def __call__(self, positions: int, longest: int | None = None, packed: bool = False) -> int:
+    def __call__(self, positions: int, longest: int | None = None, packed: bool = False, prompt_keys: int = 0) -> int:
+        """The layers to recompute for a micro-batch of `positions` (longest sequence `longest`)
+        whose records read `prompt_keys` kv prompt keys in all (records x p)."""
         if self.setting in (True, False):
             return self.layers if self.setting else 0
         if self.device.type != "cuda" and self.budget is None:  # CPU: only with a budget given
@@ -65,7 +73,7 @@ class RecomputePolicy:
             self.budget = 0.9 * free_device_memory(self.device)
         plain, kept = self.activation_bytes, CHECKPOINTED_BYTES_PER_HIDDEN
         attention_kept, attention_transient = self.attention.memory(positions, longest or positions, packed)
-        per_plain_layer = positions * self.hidden * plain + attention_kept
+        per_plain_layer = positions * self.hidden * plain + attention_kept + prompt_keys * self.prompt_key_bytes
         per_kept_layer = positions * self.hidden * kept
         running = positions * self.hidden * plain + attention_transient
 

@@ -4,6 +4,9 @@ For a record of ids x (length L) with the prompt inserted at position a, the stu
 
     embed(x[:a]) ++ prompt ++ embed(x[a:])        positions 0 .. L+P-1 over the joined sequence
 
+(the embeddings form; the kv form reads its prompt as a cache instead, spds/model/kv_prompt.py:
+x alone, x[a:] at positions a+P .., so P = 0 positions of the forward are the prompt's)
+
 and the loss is the summed cross entropy of the response ids x[prefix:], each predicted from the
 position before it. Those predicting positions are the contiguous rows prefix+P-1 .. L+P-2 of
 the final hidden states, so only they reach lm_head (prompt and prefix positions never carry a
@@ -23,9 +26,9 @@ import torch
 from torch import nn
 
 from spds.errors import SpdsError
-from spds.kernels.attention import SPLICE_KEYWORD, AttentionPlan
+from spds.kernels.attention import PROMPT_CACHE_KEYWORD, AttentionPlan
 from spds.kernels.attention import install as install_attention
-from spds.model.kv_prompt import Splice, form_of, length_of, stand_in
+from spds.model.kv_prompt import PromptCache, form_of, inserted_positions, length_of
 from spds.model.layout import Replicated
 from spds.model.loss import LossFn, TeacherTargets, final_logit_softcap
 from spds.model.recompute import RecomputePolicy, enable_recompute, recompute_first
@@ -102,15 +105,16 @@ def load_segments(store, records: list[int], device: torch.device) -> dict[int, 
     return segments
 
 
-def packed_keywords(lengths: list[int], device: torch.device, first_position: int = 0) -> dict:
+def packed_keywords(lengths: list[int], device: torch.device, first_position: int = 0, skips=None) -> dict:
     """The keywords of a forward over sequences of `lengths` end to end in one row: each one's
-    positions from `first_position` on, and transformers' variable-length keywords, which spds's
-    attention reads (the cumulative lengths copied pinned and asynchronously: no host sync per
-    forward)."""
+    positions from `first_position` on (`skips`: per sequence (a, p), positions a.. moved p on, a kv
+    prompt's place), and transformers' variable-length keywords, which spds's attention reads (the
+    cumulative lengths copied pinned and asynchronously: no host sync per forward)."""
     starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     if device.type == "cuda":
         starts = starts.pin_memory().to(device, non_blocking=True)
-    positions = torch.cat([torch.arange(first_position, first_position + n, device=device) for n in lengths])
+    skips = skips or [(0, 0)] * len(lengths)
+    positions = torch.cat([record_positions(n, *skip, device, first_position) for n, skip in zip(lengths, skips)])
     longest = max(lengths)
     return dict(
         position_ids=positions[None],
@@ -119,6 +123,13 @@ def packed_keywords(lengths: list[int], device: torch.device, first_position: in
         max_length_q=longest,
         max_length_k=longest,
     )
+
+
+def record_positions(length: int, a: int, p: int, device, first: int = 0) -> torch.Tensor:
+    """The positions of a record's `length` tokens from `first` on, those from index a on moved p
+    later (where a kv prompt of p positions sits, read as a cache)."""
+    positions = torch.arange(first, first + length, device=device)
+    return positions + p * (positions >= first + a) if p else positions
 
 
 class SoftPromptModel(nn.Module):
@@ -139,7 +150,7 @@ class SoftPromptModel(nn.Module):
     ):
         super().__init__()
         # the prompt's form (soft_prompt.form): [p, hidden] input embeddings, or [layers, 2, kv heads,
-        # p, head dim] keys and values spliced into every layer's (spds/model/kv_prompt.py)
+        # p, head dim] keys and values every layer reads as a cache (spds/model/kv_prompt.py)
         self.form = form_of(prompt)
         device = device or student.device  # a student still on the host waits to be sharded onto `device`
         if pad_to_multiple_of is None:  # bucket shapes for the GPU kernels; exact lengths on CPU
@@ -180,20 +191,26 @@ class SoftPromptModel(nn.Module):
         """p, the virtual positions the prompt takes in every record."""
         return length_of(self.prompt)
 
+    @property
+    def inserted_positions(self) -> int:
+        return inserted_positions(self.form, self.prompt_length)
+
     def block_of(self, inserted: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         """What goes where the prompt goes: `inserted` (eval: the context's embeddings, nothing),
-        or the prompt: its embeddings, or for the kv form zeros at its positions, whose keys and
-        values are then the prompt's (whether to splice them)."""
+        or the prompt: its embeddings, or for the kv form nothing (whether every layer reads it as
+        a cache)."""
         if inserted is not None:
             return inserted, False
         if self.form == "embeddings":
             return self.prompt, False
         hidden = self.student.get_input_embeddings().embedding_dim  # not the weight: ZeRO-3 partitions it
-        return stand_in(self.prompt, hidden), True
+        return self.prompt.new_zeros(0, hidden), True
 
     def joined_embeddings(self, segments: list[Segment], block: torch.Tensor) -> list[torch.Tensor]:
         """embed(x[:a]) ++ block ++ embed(x[a:]) for each segment; one embedding call for all."""
         tokens = self.student.get_input_embeddings()(torch.cat([s.ids for s in segments]))
+        if not len(block):
+            return list(tokens.split([len(s.ids) for s in segments]))
         joined = []
         for segment, own in zip(segments, tokens.split([len(s.ids) for s in segments])):
             a = segment.insert_at
@@ -205,9 +222,10 @@ class SoftPromptModel(nn.Module):
         segments: list[Segment],
         block: torch.Tensor,
         recompute_positions: int | None = None,
-        splice: bool = False,
+        cached: bool = False,
     ) -> list[torch.Tensor]:
-        """Final hidden states [L+P, H] of each segment, in one forward pass.
+        """Final hidden states [L+P, H] of each segment, in one forward pass (`cached`: the kv
+        prompt read as a cache, P = 0).
 
         Several segments are right-padded into one batch, with no attention mask: under causal
         attention a position never sees a later one, so padding after a record's end cannot change
@@ -216,35 +234,36 @@ class SoftPromptModel(nn.Module):
         a plan per shape)."""
         self.layout.before_forward()
         joined = self.joined_embeddings(segments, block)
+        p = self.prompt_length if cached else 0
+        skips = [(s.insert_at, p) for s in segments]
         if self.packed and len(joined) > 1:
-            starts = itertools.accumulate([0, *(len(j) for j in joined[:-1])])
-            kv = self.splice([(0, start + s.insert_at) for start, s in zip(starts, segments)]) if splice else {}
-            return self.packed_hidden_states(joined, recompute_positions, kv)
-        kv = self.splice([(row, s.insert_at) for row, s in enumerate(segments)]) if splice else {}
+            return self.packed_hidden_states(joined, recompute_positions, skips, cached)
         longest = max(len(j) for j in joined)
         longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         if len(joined) == 1 and longest == len(joined[0]):
             inputs = joined[0][None]
         else:
             inputs = torch.stack([nn.functional.pad(j, (0, 0, 0, longest - len(j))) for j in joined])
-        positions = torch.arange(longest, device=self.prompt.device)[None].expand(len(joined), -1)
+        device = self.prompt.device
+        positions = torch.stack([record_positions(longest, *skip, device) for skip in skips])
+        kv = self.cache([(row * longest, longest, a) for row, (a, _) in enumerate(skips)]) if cached else {}
         # A sharded student's ranks decide alike, from the positions the plan agreed on.
         if recompute_positions:  # the plan's figure, the same on every rank
-            count = self.recompute(recompute_positions)
+            count = self.recompute(recompute_positions, prompt_keys=p * len(joined))
         else:
-            count = self.recompute(longest * len(joined), longest)
+            count = self.recompute(longest * len(joined), longest, prompt_keys=p * len(joined))
         recompute_first(self.student, count)
         self.use_kernel(longest)
         output = self.student.base_model(inputs_embeds=inputs, position_ids=positions, use_cache=False, **kv)
         return [output.last_hidden_state[i, : len(j)] for i, j in enumerate(joined)]
 
-    def splice(self, starts: list[tuple[int, int]]) -> dict:
-        """The keyword that carries the kv prompt to spds's attention in every layer (and to a
-        recomputed layer in backward: transformers' checkpointing keeps a layer's keywords)."""
-        return {SPLICE_KEYWORD: Splice.at(self.prompt, starts)}
+    def cache(self, records: list[tuple[int, int, int]]) -> dict:
+        """The keyword that carries the kv prompt, as a cache, to spds's attention in every layer
+        (and to a recomputed layer in backward: transformers' checkpointing keeps a layer's keywords)."""
+        return {PROMPT_CACHE_KEYWORD: PromptCache.at(self.prompt, records)}
 
     def packed_hidden_states(
-        self, joined: list[torch.Tensor], recompute_positions: int | None, kv: dict
+        self, joined: list[torch.Tensor], recompute_positions: int | None, skips: list, cached: bool
     ) -> list[torch.Tensor]:
         """The joined sequences end to end in one row (optim.micro_batch_layout packed): each one's
         positions restart at 0 and its attention sees only itself (attention.packed_causal), so
@@ -252,9 +271,17 @@ class SoftPromptModel(nn.Module):
         lengths = [len(j) for j in joined]
         longest = max(lengths)
         self.use_kernel(longest, packed=True)
-        recompute_first(self.student, self.recompute(recompute_positions or sum(lengths), longest, packed=True))
+        prompt_keys = self.prompt_length * len(lengths) if cached else 0
+        recompute_first(self.student, self.recompute(recompute_positions or sum(lengths), longest, True, prompt_keys))
+        kv = {}
+        if cached:
+            firsts = itertools.accumulate([0, *lengths[:-1]])
+            kv = self.cache([(first, n, a) for first, n, (a, _) in zip(firsts, lengths, skips)])
         output = self.student.base_model(
-            inputs_embeds=torch.cat(joined)[None], use_cache=False, **packed_keywords(lengths, self.prompt.device), **kv
+            inputs_embeds=torch.cat(joined)[None],
+            use_cache=False,
+            **packed_keywords(lengths, self.prompt.device, skips=skips),
+            **kv,
         )
         return list(output.last_hidden_state[0].split(lengths))
 
@@ -265,10 +292,10 @@ class SoftPromptModel(nn.Module):
 
         `inserted` replaces the prompt by another block of embeddings at the same place (spds eval:
         the context's token embeddings for the ceiling, nothing for the floor)."""
-        block, splice = self.block_of(inserted)
+        block, cached = self.block_of(inserted)
         P = block.shape[0]
         rows, targets = [], []
-        for segment, hidden in zip(segments, self.hidden_states(segments, block, recompute_positions, splice)):
+        for segment, hidden in zip(segments, self.hidden_states(segments, block, recompute_positions, cached)):
             rows.append(segment.supervised_rows(hidden, P))  # the prompt's P rows precede every response token
             targets.append(segment.supervised_ids())
         return torch.cat(rows), torch.cat(targets)

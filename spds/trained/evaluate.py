@@ -360,7 +360,7 @@ class Scoring:
         """Positions what condition `name` puts where the prompt goes takes in each record (the
         ceiling's context where it is not read after its cached keys)."""
         block = self.blocks[name]
-        return len(block) if block is not None else self.model.prompt_length
+        return len(block) if block is not None else self.model.inserted_positions
 
     def batches(self, store: PackedStore, records: np.ndarray) -> list[list[int]]:
         """`records` in the batches every condition is scored over: the widest condition's

@@ -24,7 +24,7 @@ from spds.data.sources import read_questions
 from spds.data.student_files import decodable_ids, load_tokenizer
 from spds.errors import SpdsError
 from spds.fsio import atomic_writer
-from spds.model.kv_prompt import form_of, require_fits, stand_in
+from spds.model.kv_prompt import form_of, require_fits
 from spds.model.student import load_student
 from spds.trained.export import insertion_point, prompt_to_read
 
@@ -108,7 +108,7 @@ def answers(
     hidden = embed.embedding_dim
     # each view: what goes where the prompt goes, and a kv prompt's keys and values (None: none)
     blocks = {"bare": (prompt.new_zeros(0, hidden), None)}
-    blocks["soft"] = (stand_in(prompt, hidden), prompt) if form_of(prompt) == "kv" else (prompt, None)
+    blocks["soft"] = (prompt.new_zeros(0, hidden), prompt) if form_of(prompt) == "kv" else (prompt, None)
     if context_text(config):
         ids = torch.tensor(encode_text(tokenizer, context_text(config)), device=embed.weight.device)
         blocks["context"] = (embed(ids), None)
@@ -178,7 +178,7 @@ class Views:
                 head = embed(torch.tensor(header, dtype=torch.long, device=embed.weight.device))
                 index[key] = len(prefixes)
                 prefixes.append(torch.cat([head, block.to(device=head.device, dtype=head.dtype)]))
-                kvs.append((len(header), kv.to(head.device)) if kv is not None else None)
+                kvs.append(kv.to(head.device) if kv is not None else None)
             return index[key]
 
         rows, of, where = [], [], []

@@ -108,7 +108,7 @@ class Sampler:
             for number, records in enumerate(groups.values()):
                 first = segments[records[0]]
                 header = embed(first.ids[: first.insert_at])
-                block, spliced = self.model.block_of(None)  # a kv prompt: zeros there, its keys and values put in
+                block, cached = self.model.block_of(None)  # a kv prompt: nothing there, read as a cache
                 prefix = torch.cat([header, block.detach().to(header.dtype)])
                 questions = [segments[r].ids[first.insert_at : answer_start(segments[r])].tolist() for r in records]
                 sampled = self.decoder.answer_with_top_k(
@@ -119,7 +119,7 @@ class Sampler:
                     self.seed + SAMPLING_SEED + update * 1009 + number,
                     0,
                     prefix_embeds=prefix,
-                    prefix_kv=(first.insert_at, self.model.prompt.detach()) if spliced else None,
+                    prefix_kv=self.model.prompt.detach() if cached else None,
                 )[0]
                 answered.update(zip(records, sampled))
         finally:

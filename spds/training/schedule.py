@@ -138,7 +138,7 @@ class Plan:
     """Which records are trained, in which update, on which rank, in which micro-batches."""
 
     def __init__(
-        self, store, optim: OptimSettings, prompt_length: int, world: int, quadratic_length: float | None = None
+        self, store, optim: OptimSettings, prompt_positions: int, world: int, quadratic_length: float | None = None
     ):
         self.store, self.world = store, world
         self.seed, self.batch, self.micro_batch = optim.seed, optim.effective_batch, optim.micro_batch
@@ -147,7 +147,8 @@ class Plan:
         self.train_records = np.flatnonzero(store.is_train)
         if not len(self.train_records):
             raise SpdsError("no training records: data.eval_fraction holds out every question")
-        self.positions = store.length + prompt_length  # what one record occupies in a forward pass
+        # what one record occupies in a forward pass (prompt_positions: an embeddings prompt's p, a kv prompt's none)
+        self.positions = store.length + prompt_positions
         self.costs = record_cost(self.positions, quadratic_length)  # what balances ranks
 
     def step(self, update: int, force_longest: bool = False) -> Step:

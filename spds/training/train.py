@@ -30,6 +30,7 @@ from spds.errors import SpdsError
 from spds.fsio import exclusive_lock
 from spds.kernels.attention import use_deterministic_kernels
 from spds.model.build import build_soft_prompt_model
+from spds.model.kv_prompt import inserted_positions
 from spds.model.soft_prompt import load_segments
 from spds.model.student import quadratic_length
 from spds.model.teacher import Teacher, build_teacher
@@ -135,7 +136,7 @@ def start_up(
     stopping = stop_agreed(stop, device)  # asked during start-up: load nothing
     store = open_store(config)
     quadratic = config.optim.quadratic_length or quadratic_length(config.model_path)
-    plan = Plan(store, config.optim, config.soft_prompt.length, world, quadratic)
+    plan = Plan(store, config.optim, inserted_positions(config.soft_prompt.form, config.soft_prompt.length), world, quadratic)
     clock.mark("data")
     identities = run_identities(config, store, world)
     smoke_waived, smoke_code_change = (False, None) if smoke else check_smoke_evidence(config, identities)
