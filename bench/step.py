@@ -284,6 +284,7 @@ VARIANTS["liger-own-figure"] = VARIANTS["liger"]
 # soft_prompt.form kv (issue 55): the same step with a key and value at every layer for each of the
 # PROMPT positions in place of input embeddings (spds/model/kv_prompt.py)
 VARIANTS["liger-packed-kv"] = VARIANTS["liger-packed"]
+VARIANTS["packed-kv"] = ({}, VARIANTS["liger-packed"][1])  # without Liger: the CPU's
 VARIANTS["liger-packed-fa4-kv"] = VARIANTS["liger-packed-fa4"]
 # loss.on_policy: the liger-packed-kl step with half of each batch answered by the student first
 # (512 new tokens, spds's decoder; the random student never ends an answer early). Its time is the
@@ -565,6 +566,7 @@ def main() -> None:
     )
     parser.add_argument("--variants", default="default", help="comma list of spds variants: " + ", ".join(VARIANTS))
     parser.add_argument("--no-peft", action="store_true")
+    parser.add_argument("--prompt", type=int, default=256, help="the soft prompt's length p (a -kv variant: its keys)")
     parser.add_argument(
         "--peer",
         choices=("ckpt", "liger"),
@@ -588,8 +590,8 @@ def main() -> None:
         "the steady state of a long run, where every shape's kernels and plans exist",
     )
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, PROMPT
+    PROFILE, PROMPT = args.profile, args.prompt
     liger = [v for v in args.variants.split(",") if VARIANTS[v][0].get("liger_kernels")]
     if liger and len(liger) < len(args.variants.split(",")):
         parser.error(f"{liger} patch the student in place: run them in an invocation of their own")

@@ -18,10 +18,12 @@ from spds.generation.self_study import (
     FACT_EXAMPLES,
     RECITAL_ASKS,
     Lines,
+    Slices,
     cut,
     fact_line,
     fact_messages,
     line_starts,
+    lines_asked,
     plan,
     recital,
     written_question,
@@ -51,6 +53,24 @@ def test_chunks_cover_the_context_once_and_end_at_line_breaks():
     assert "".join(c.text for c in chunks) == context
     assert all(c.text.endswith("\n") for c in chunks)  # a break was near each boundary
     assert all(64 <= c.end - c.start < 64 + 32 for c in chunks[:-1])
+
+
+def test_the_coverage_line_counts_the_lines_fact_questions_ask_and_names_the_slices_read_least():
+    """A chunk's n-th fact conversation asks its n-th line: a slice whose chunks were drawn for fewer
+    fact questions than they have lines is named, with its documents, before the others."""
+    tokenizer = make_tiny.chatml_tokenizer()
+    texts = ["".join(f"Log {i} of {name} is in drawer {i}.\n" for i in range(6)) for name in ("ash", "elm")]
+    slices = Slices(tokenizer, texts.__getitem__, 2, 1024)  # one chunk a slice, six lines each
+    assert slices.chunks == 2
+    planned = [(0, "fact")] * 6 + [(1, "fact")] * 2 + [(1, "detail")] * 4  # slice 1: two of its lines asked
+    line = lines_asked(planned, slices, ["ash.md", "elm.md"])
+    assert line.startswith(
+        "fact lines asked: 8 of 12 (67%); read least: slice 1 (elm.md) 2 of 6, slice 0 (ash.md) 6 of 6"
+    )
+    assert "more generate.self_study.conversations" in line
+    assert lines_asked([(0, "fact")] * 9 + [(1, "fact")] * 7, slices, ["a", "b"]).startswith(
+        "fact lines asked: 12 of 12"
+    )
 
 
 @pytest.mark.parametrize(

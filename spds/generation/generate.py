@@ -54,6 +54,7 @@ from spds.generation.self_study import (
     fact_line,
     fact_messages,
     kinds_of,
+    lines_asked,
     plan,
     recital,
     written_question,
@@ -659,4 +660,15 @@ class SelfStudy:
         return with_context(asked, excerpt, context_in_user_turn), seed.opening
 
     def coverage(self) -> str:
-        return coverage(self.planned, self.slices.chunks, self.slices.count)
+        """How often each chunk and kind was drawn, and how many of the context's lines a fact
+        question asks (which slices least), on two lines."""
+        names = ["the context"]
+        if self.corpus is not None:
+            documents = self.corpus.documents
+            names = [
+                ", ".join(dict.fromkeys(documents[part.document].id for part in piece.parts))
+                for piece in self.corpus.slices
+            ]
+            names = [n if len(n) <= 60 else n[:57] + "..." for n in names]
+        drawn = coverage(self.planned, self.slices.chunks, self.slices.count)
+        return drawn + "\n" + lines_asked(self.planned, self.slices, names)

@@ -39,7 +39,7 @@ from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass
 
-from spds.contract.kinds import OPENINGS, SEED_PROMPTS, UNINSTRUCTED
+from spds.contract.kinds import FACT, OPENINGS, SEED_PROMPTS, UNINSTRUCTED
 from spds.contract.settings import SelfStudySettings
 from spds.data.chat import encode_text
 from spds.errors import SpdsError
@@ -272,3 +272,28 @@ def coverage(planned: list[tuple[int, str]], chunks: int, slices: int = 1) -> st
     return f"coverage: {chunks} chunks of {of}, each drawn {min(counts)}-{max(counts)} times; " + ", ".join(
         f"{kind} {count}" for kind, count in kinds.items()
     )
+
+
+def lines_asked(planned: list[tuple[int, str]], slices: Slices, names: list[str], shown: int = 3) -> str:
+    """One line: of the context's lines, how many a fact question is written from (a chunk's n-th
+    fact conversation asks its n-th line, fact_line), and the slices read least by that measure,
+    each named by `names` (its documents): where a prompt cannot learn what no row states."""
+    facts = Counter(chunk for chunk, kind in planned if kind == FACT)
+    if not facts:
+        return "fact lines asked: none (generate.self_study.kinds has no fact conversations)"
+    per_slice = []  # (asked, lines) of each slice
+    for index in range(slices.count):
+        lines, own = slices.read(index)
+        sizes = [len(line_starts(slices.tokenizer, lines, chunk)) for chunk in own]
+        first = slices.first[index]
+        per_slice.append((sum(min(n, facts.get(first + c, 0)) for c, n in enumerate(sizes)), sum(sizes)))
+    asked, total = sum(a for a, _ in per_slice), sum(n for _, n in per_slice)
+    line = f"fact lines asked: {asked} of {total} ({asked / max(total, 1):.0%})"
+    if slices.count > 1:
+        least = sorted(range(slices.count), key=lambda i: (per_slice[i][0] / max(per_slice[i][1], 1), i))[:shown]
+        line += "; read least: " + ", ".join(
+            f"slice {i} ({names[i]}) {per_slice[i][0]} of {per_slice[i][1]}" for i in least
+        )
+    if asked < total:
+        line += " (more generate.self_study.conversations ask more of them)"
+    return line

@@ -136,7 +136,9 @@ def start_up(
     stopping = stop_agreed(stop, device)  # asked during start-up: load nothing
     store = open_store(config)
     quadratic = config.optim.quadratic_length or quadratic_length(config.model_path)
-    plan = Plan(store, config.optim, inserted_positions(config.soft_prompt.form, config.soft_prompt.length), world, quadratic)
+    plan = Plan(
+        store, config.optim, inserted_positions(config.soft_prompt.form, config.soft_prompt.length), world, quadratic
+    )
     clock.mark("data")
     identities = run_identities(config, store, world)
     smoke_waived, smoke_code_change = (False, None) if smoke else check_smoke_evidence(config, identities)
