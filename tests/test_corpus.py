@@ -110,6 +110,10 @@ def test_every_broken_document_is_named_by_file_and_rule_in_one_refusal(corpus):
         (dict(generate={"self_study": None, "questions": "asked.jsonl"}), "question_id 'q1' names no doc"),
         (dict(context={"documents": "sheets/*.txt"}), "context.documents: 'sheets/*.txt' matches no file"),
         (dict(context={"documents": None, "file": "sheets/sheet00.md"}), "context.description: describes a corpus"),
+        (
+            dict(soft_prompt={"length": 4000, "form": "kv", "init": {"method": "context"}}),
+            "rule 'enough context to start from'",
+        ),
     ],
 )
 def test_validate_refuses_what_a_corpus_cannot_do_naming_the_key(corpus, sections, named):
@@ -260,6 +264,33 @@ def test_init_reads_a_corpus_from_the_configs_folder_and_names_the_config_it_ref
     )
     assert refused.returncode != 0 and "sub/b.json" in refused.stderr and ".init-" not in refused.stderr, refused.stderr
     assert not (corpus / "sub" / "b.json").exists()
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_prompt_started_from_a_corpus_reads_its_first_tokens_or_every_slices_first_tokens(corpus, spread):
+    """init.method context over a corpus of several slices: its first p tokens (Cartridges'), or
+    with init.spread p / slices from the start of each slice in turn (not its description again);
+    the tokens recomputed here from the rendered text and each slice's documents."""
+    from spds.contract.gate import load_config
+    from spds.data.context import corpus_of, init_ids
+
+    tokenizer = make_tiny.chatml_tokenizer()
+    count = len(corpus_of(load_config(corpus / "config.json", candidates="generate writes one"), tokenizer).slices)
+    assert count >= 3
+    length = 8 * count  # an equal share of every slice
+    edit_config(corpus, soft_prompt={"length": length, "form": "kv", "init": {"method": "context", "spread": spread}})
+    config = load_config(corpus / "config.json", candidates="generate writes one")
+    ids = init_ids(config, tokenizer, length)
+    texts = [(p.name, p.read_text()) for p in sorted((corpus / "sheets").iterdir())]
+    if not spread:
+        assert ids == tokenizer.encode(rendered(texts, DESCRIPTION), add_special_tokens=False)[:length]
+        return
+    expected = []
+    for k, piece in enumerate(corpus_of(config).slices):
+        names = {corpus_of(config).documents[part.document].id for part in piece.parts}
+        own = rendered([(name, text) for name, text in texts if name in names], DESCRIPTION if k == 0 else None)
+        expected += tokenizer.encode(own, add_special_tokens=False)[:8]
+    assert ids == expected
 
 
 def test_a_corpus_changed_since_pin_stops_the_run_before_any_work(corpus):

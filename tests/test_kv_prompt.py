@@ -104,12 +104,12 @@ def test_a_kv_prompt_started_from_the_context_is_the_context_where_the_prompt_go
     student = load_student(tiny_assets / "student", "float32", "sdpa", torch.device("cpu"))
     header = prompt_header(derive_scaffold(tokenizer, {}, "template", "tiny"), "system", tokenizer, {})
     settings = section("soft_prompt", length=6, form="kv", init={"method": "context"})
-    prompt = initial_prompt(student, settings, 0, tokenizer, make_tiny.CONTEXT, header)
+    context = tokenizer.encode(make_tiny.CONTEXT, add_special_tokens=False)[:6]
+    prompt = initial_prompt(student, settings, 0, tokenizer, context, header)
     assert prompt.shape == kv_shape(student, 6)
     row = next(r for r in make_tiny.synthetic_rows(tokenizer, 4) if "input_ids" in r)
     segment = Segment(ids=torch.tensor(row["input_ids"]), prefix_tokens=row["prefix_tokens"], insert_at=len(header))
     model = SoftPromptModel(student, prompt, make_loss(section("loss", kernel="chunked")), attention_kernel="math")
-    context = tokenizer.encode(make_tiny.CONTEXT, add_special_tokens=False)[:6]
     with torch.no_grad():
         as_prompt = model([segment])
         as_tokens = model([segment], inserted=student.get_input_embeddings()(torch.tensor(context)))

@@ -37,6 +37,7 @@ class PromptInitSettings:
     method: Literal["random_normal", "text", "vocab_sample", "context"]
     std: float
     text: str | None
+    spread: bool
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ import hashlib
 from spds.contract import documents
 from spds.contract.config import Config
 from spds.contract.kinds import RECITE  # a recital's answer: up to a chunk (the longest answer)
-from spds.data.chat import render, scaffold_for, with_context
-from spds.data.corpus import Corpus, as_written
+from spds.data.chat import encode_text, render, scaffold_for, with_context
+from spds.data.corpus import SEPARATOR, Corpus, as_written
 from spds.data.sources import read_eval_questions, read_questions
 from spds.data.student_files import load_tokenizer
+from spds.errors import SpdsError
 from spds.fsio import read_text
 
 CACHED = "_spds_corpus"  # where a config keeps its corpus once read: every user of it reads the same slices
@@ -57,6 +58,47 @@ def context_text(config: Config) -> str | None:
             )
         config.__dict__["_spds_context"] = text
     return config.__dict__["_spds_context"]
+
+
+def init_ids(config: Config, tokenizer, length: int) -> list[int]:
+    """The `length` tokens a prompt started from the context (soft_prompt.init.method context)
+    is computed from: the context's first tokens, repeated where a context.text or file is
+    shorter; a corpus's first tokens (Cartridges' choice), or with init.spread the first tokens of
+    every slice in turn, about length / slices each (a short slice's share taken by the others).
+    A corpus of fewer tokens is refused (validate refuses it first: `corpus_problems`)."""
+    corpus = corpus_of(config, tokenizer)
+    if corpus is None or corpus.whole:
+        ids = encode_text(tokenizer, context_text(config) or "")
+        if not ids:
+            raise SpdsError("soft_prompt.init.method 'context' needs context.text, context.file or context.documents")
+        return (ids * -(-length // len(ids)))[:length]
+    texts = [corpus.text(0)] + [
+        corpus.text_of(s.parts).removeprefix(corpus.description_block) for s in corpus.slices[1:]
+    ]
+    if not config.soft_prompt.init.spread:
+        ids: list[int] = []
+        for text in texts:  # the corpus in order, a slice at a time, until the prompt is full
+            ids += encode_text(tokenizer, text if not ids else SEPARATOR + text)
+            if len(ids) >= length:
+                return ids[:length]
+        raise corpus_too_short(len(ids), length)
+    per_slice = [encode_text(tokenizer, text) for text in texts]
+    shares = [0] * len(per_slice)
+    left = length
+    for rank, index in enumerate(sorted(range(len(per_slice)), key=lambda i: len(per_slice[i]))):  # water-filling
+        shares[index] = min(len(per_slice[index]), -(-left // (len(per_slice) - rank)))
+        left -= shares[index]
+    if left > 0:
+        raise corpus_too_short(length - left, length)
+    return [token for ids, share in zip(per_slice, shares) for token in ids[:share]]
+
+
+def corpus_too_short(tokens: int, length: int) -> SpdsError:
+    return SpdsError(
+        f"soft_prompt.init: method context computes the prompt's {length} positions from the corpus's tokens, "
+        f"and the corpus (context.documents) holds {tokens}: rule 'enough context to start from': lower "
+        "soft_prompt.length, or choose init.method random_normal"
+    )
 
 
 def context_digest(config: Config) -> str:

@@ -338,6 +338,11 @@ class Corpus:
         """Slice `index`'s rendered text (the whole corpus's for one slice)."""
         return self.text_of(self.slices[index].parts)
 
+    @property
+    def description_block(self) -> str:
+        """What every slice's text opens with before its documents: the description and its separator."""
+        return self.description + SEPARATOR if self.description else ""
+
     def text_of(self, parts) -> str:
         blocks = [self.documents[p.document].heading + self.part_text(p).rstrip() for p in parts]
         return SEPARATOR.join([self.description, *blocks] if self.description else blocks)

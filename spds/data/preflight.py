@@ -13,7 +13,7 @@ from __future__ import annotations
 from spds.contract.config import Config
 from spds.contract.model_config import POSITION_KEYS
 from spds.data.chat import encode_text, end_token_ids, scaffold_for
-from spds.data.context import context_prompt_tokens, context_text, corpus_of
+from spds.data.context import context_prompt_tokens, context_text, corpus_of, corpus_too_short
 from spds.data.prepare import model_vocabulary_rows
 from spds.data.sources import read_eval_questions, read_questions
 from spds.data.student_files import load_tokenizer
@@ -133,6 +133,9 @@ def corpus_problems(config: Config) -> list[str]:
     except (SpdsError, OSError, ValueError):
         return problems  # the corpus's own problems, and a tokenizer that does not load: require_ready names them
     problems += document_problems(config, corpus.ids())
+    tokens = sum(piece.tokens for piece in corpus.slices) - corpus.overhead * (len(corpus.slices) - 1)
+    if config.soft_prompt.init.method == "context" and tokens < config.soft_prompt.length:
+        problems.append(str(corpus_too_short(tokens, config.soft_prompt.length)))
     if not corpus.truncates:
         return problems
     past = "the corpus passes the teacher's window (context.documents)"

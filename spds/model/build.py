@@ -7,7 +7,7 @@ from torch import nn
 
 from spds.contract.config import Config
 from spds.data.chat import prompt_header, scaffold_for
-from spds.data.context import context_text
+from spds.data.context import init_ids
 from spds.data.student_files import load_tokenizer
 from spds.errors import SpdsError
 from spds.kernels.attention import kernel_setting
@@ -58,7 +58,8 @@ def build_soft_prompt_model(
         if from_tokens:  # their keys and values are computed where the prompt goes: after the template's header
             kwargs = config.data.chat_template_kwargs
             header = prompt_header(scaffold_for(config, tokenizer), prompt_cfg.placement, tokenizer, kwargs)
-        prompt = initial_prompt(student, prompt_cfg, config.optim.seed, tokenizer, context_text(config), header)
+        context_ids = init_ids(config, tokenizer, prompt_cfg.length) if prompt_cfg.init.method == "context" else None
+        prompt = initial_prompt(student, prompt_cfg, config.optim.seed, tokenizer, context_ids, header)
     loss_fn = make_loss(config.loss, final_logit_softcap(student))
     checkpointing = student_cfg.activation_checkpointing if training else False  # nothing to recompute
     model = SoftPromptModel(

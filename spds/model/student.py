@@ -101,14 +101,14 @@ def initial_prompt(
     settings,
     seed: int,
     tokenizer=None,
-    context: str | None = None,
+    context_ids: list[int] | None = None,
     header: list[int] | None = None,
 ) -> torch.Tensor:
     """The prompt's starting value (soft_prompt: its form, length and init), identical on every
     rank for a seed: FP32 [length, hidden] embeddings, or for the kv form FP32 [layers, 2, kv heads,
     length, head dim] keys and values (spds/model/kv_prompt.py), those of tokens computed after
     `header`, the template's tokens before the prompt."""
-    length, init = settings.length, settings.init
+    length, init = settings.length, settings.init  # init.method context: `context_ids`, spds.data.context.init_ids
     embeddings = student.get_input_embeddings().weight
     generator = torch.Generator().manual_seed(seed)  # CPU generator: the same values on any device
     shape = kv_shape(student, length) if settings.form == "kv" else (length, embeddings.shape[1])
@@ -116,11 +116,10 @@ def initial_prompt(
         return torch.randn(*shape, generator=generator) * init.std
     if init.method == "vocab_sample":
         ids = torch.randint(0, embeddings.shape[0], (length,), generator=generator)
-    else:  # text (or the context): its tokens, repeated or truncated to the prompt length
-        text = context if init.method == "context" else init.text
-        if not text:
-            raise SpdsError("soft_prompt.init.method 'context' needs context.text or context.file")
-        ids = torch.tensor(encode_text(tokenizer, text))
+    elif init.method == "context":  # the context's first tokens (or its slices'), as init_ids chose them
+        ids = torch.tensor(context_ids[:length])
+    else:  # text: its tokens, repeated or truncated to the prompt length
+        ids = torch.tensor(encode_text(tokenizer, init.text))
         ids = ids.repeat((length + len(ids) - 1) // len(ids))[:length]
     if settings.form == "kv":
         return prefilled(student, header or [], ids.tolist())
