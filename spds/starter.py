@@ -224,27 +224,87 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
         chat_rows_need_a_template(out.parent / Path(data).expanduser())
     values["soft_prompt"]["placement"], values["data"]["chat_template_kwargs"] = placement, kwargs
     as_json = out.suffix.lower() == ".json"
-    text = render_json(values, fields) if as_json else render(values, schema, fields, note)
-    # Checked as written, from a new file beside it (relative paths resolve alike; mkstemp: no
-    # file of the user's is replaced or removed).
-    descriptor, name = tempfile.mkstemp(prefix=".init-", suffix=".json" if as_json else ".yaml", dir=out.parent)
-    candidate = Path(name)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        # the whole contract, and what prepare checks (the config names MODEL's own tokenizer)
-        written_later = "generate writes one" if context else "must exist"  # self-study: generate writes DATA
-        require_ready(load_config(candidate, check_pins=False, candidates=written_later), tokenizer)
-    except SpdsError as error:  # named as the file the user asked for, not the check's temporary one
-        named = [problem.replace(str(candidate), str(out)) for problem in error.problems]
-        raise SpdsError(str(error.args[0]).replace(str(candidate), str(out)), named) from None
-    finally:
-        candidate.unlink(missing_ok=True)
+    text, config = checked(values, schema, fields, note, out, as_json, tokenizer, bool(context))
+    if context is not None and config.context.documents:  # a corpus: the run sized from it, checked again
+        sized, said = corpus_sizing(config, recipe)
+        values["soft_prompt"].update(sized["soft_prompt"])
+        values["optim"].update(sized["optim"])
+        values["generate"]["self_study"] = {**values["generate"]["self_study"], **sized["generate"]["self_study"]}
+        note += "\n" + "\n".join(f"# {line}" for line in said)
+        fields = fields + [("soft_prompt", "form")]
+        text, config = checked(values, schema, fields, note, out, as_json, tokenizer, True)
+        print("\n".join(said))
     if out.exists():  # written meanwhile by someone else: still never overwritten
         raise SpdsError(f"{out} exists: spds init never overwrites a config (choose another --out)")
     with atomic_writer(out) as stream:
         stream.write(text)
     return out
+
+
+def checked(values: dict, schema: dict, fields, note, out: Path, as_json: bool, tokenizer, self_study: bool):
+    """(the config's text, its Config) after the whole contract and what prepare checks (the config
+    names MODEL's own tokenizer), checked as written from a new file beside `out` (relative paths
+    resolve alike; mkstemp: no file of the user's is replaced or removed); refusals name `out`."""
+    text = render_json(values, fields) if as_json else render(values, schema, fields, note)
+    descriptor, name = tempfile.mkstemp(prefix=".init-", suffix=".json" if as_json else ".yaml", dir=out.parent)
+    candidate = Path(name)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        written_later = "generate writes one" if self_study else "must exist"  # self-study: generate writes DATA
+        config = load_config(candidate, check_pins=False, candidates=written_later)
+        require_ready(config, tokenizer)
+        if config.context.documents:
+            from spds.data.context import corpus_of
+
+            corpus_of(config, tokenizer)  # read while the file is there (sizing reads it)
+    except SpdsError as error:  # named as the file the user asked for, not the check's temporary one
+        named = [problem.replace(str(candidate), str(out)) for problem in error.problems]
+        raise SpdsError(str(error.args[0]).replace(str(candidate), str(out)), named) from None
+    finally:
+        candidate.unlink(missing_ok=True)
+    return text, config
+
+
+# How `spds init --context DIR` sizes a corpus run (a corpus past the window, issue 66's measures in
+# bench/RESULTS.md): a kv prompt at COMPRESSION x fewer positions than the corpus has tokens
+# (Cartridges matched in-context quality at about 38.6x less memory than the corpus's KV cache);
+# every chunk read READS times by self-study (fact lines are asked a line per fact conversation of
+# a chunk: 2,048 conversations over 386 chunks stated 31 of 47 asked facts, 8,192 all 47); the
+# updates as many epochs over the rows as the recipe's, at most EPOCHS.
+COMPRESSION = 30
+PROMPT_BOUNDS = (64, 4096)
+READS = {"cpu": 2, "gpu": 16}
+EPOCHS = 4
+
+
+def corpus_sizing(config, recipe: str) -> tuple[dict, list[str]]:
+    """The config sections that size a self-study run to its corpus, and what was chosen, in words."""
+    from spds.data.context import corpus_of
+
+    corpus = corpus_of(config)
+    tokens = corpus.tokens
+    low, high = PROMPT_BOUNDS
+    length = int(min(high, max(low, round(tokens / COMPRESSION / 64) * 64)))
+    chunk = config.generate.self_study.chunk_tokens
+    chunks = -(-tokens // chunk)
+    r = SELF_STUDY_RECIPES[recipe]
+    conversations = max(r["conversations"], chunks * READS[recipe])
+    epochs = min(EPOCHS, r["updates"] * r["rows"] / r["conversations"])
+    updates = max(r["updates"], round(epochs * conversations / r["rows"]))
+    sized = {
+        "soft_prompt": {"length": length, "form": "kv"},  # started from the context: the recipe's init
+        "generate": {"self_study": {"conversations": conversations}},
+        "optim": {"updates": updates},
+    }
+    said = [
+        f"sized for a corpus of {tokens:,} tokens in {len(corpus.slices)} slices of the teacher's window: "
+        f"a kv prompt of {length} positions ({tokens / length:.0f}x fewer than the corpus's tokens, its KV cache "
+        f"as much smaller), started from the corpus's first tokens;",
+        f"{conversations:,} self-study conversations (each of its ~{chunks:,} chunks of {chunk} tokens read "
+        f"~{conversations // max(chunks, 1)} times); {updates} updates of {r['rows']} rows (~{epochs:g} epochs)",
+    ]
+    return sized, said
 
 
 def chat_rows_need_a_template(path: Path) -> None:

@@ -255,9 +255,20 @@ def test_init_reads_a_corpus_from_the_configs_folder_and_names_the_config_it_ref
     it; a refusal names sub/run.yaml, never the temporary file it checked."""
     (corpus / "sub").mkdir()
     shutil.copytree(corpus / "sheets", corpus / "sub" / "sheets")
-    check(spds(["init", str(corpus / "student"), "rows.jsonl", "--context", "sheets", "--out", "sub/run.json"], corpus))
+    made = check(
+        spds(["init", str(corpus / "student"), "rows.jsonl", "--context", "sheets", "--out", "sub/run.json"], corpus)
+    )
     written = json.loads((corpus / "sub" / "run.json").read_text())
     assert written["context"]["documents"] == "sheets"
+    # sized from the corpus: a kv prompt at about 30x fewer positions than its tokens (multiples of
+    # 64, at least 64), started from its first tokens; every 64-token chunk read twice on the CPU.
+    # (init writes no description: the corpus is its documents alone)
+    texts = [(p.name, p.read_text()) for p in sorted((corpus / "sheets").iterdir())]
+    tokens = len(make_tiny.chatml_tokenizer().encode(rendered(texts), add_special_tokens=False))
+    assert f"sized for a corpus of {tokens:,} tokens" in made.stdout, made.stdout
+    assert written["soft_prompt"]["form"] == "kv" and written["soft_prompt"]["init"]["method"] == "context"
+    assert written["soft_prompt"]["length"] == max(64, round(tokens / 30 / 64) * 64)
+    assert written["generate"]["self_study"]["conversations"] == max(256, -(-tokens // 64) * 2)
     check(spds(["validate", "sub/run.json"], corpus))
     refused = spds(
         ["init", str(corpus / "student"), "rows.jsonl", "--context", "nowhere", "--out", "sub/b.json"], corpus

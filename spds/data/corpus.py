@@ -30,6 +30,7 @@ where per-chunk windows would prefill a window's positions for every row.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -337,6 +338,15 @@ class Corpus:
     def text(self, index: int) -> str:
         """Slice `index`'s rendered text (the whole corpus's for one slice)."""
         return self.text_of(self.slices[index].parts)
+
+    @functools.cached_property
+    def tokens(self) -> int:
+        """The whole corpus's tokens, rendered as one text (the description once): what its KV cache
+        holds, and what a prompt started from it can read. Counted when asked (init's sizing, a
+        prompt started from it), a slice at a time; the separators between slices are counted too."""
+        join = len(encode_text(self.tokenizer, SEPARATOR))
+        texts = [self.text(0)] + [self.text(k).removeprefix(self.description_block) for k in range(1, len(self.slices))]
+        return sum(len(encode_text(self.tokenizer, text)) for text in texts) + join * (len(texts) - 1)
 
     @property
     def description_block(self) -> str:

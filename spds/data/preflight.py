@@ -133,9 +133,8 @@ def corpus_problems(config: Config) -> list[str]:
     except (SpdsError, OSError, ValueError):
         return problems  # the corpus's own problems, and a tokenizer that does not load: require_ready names them
     problems += document_problems(config, corpus.ids())
-    tokens = sum(piece.tokens for piece in corpus.slices) - corpus.overhead * (len(corpus.slices) - 1)
-    if config.soft_prompt.init.method == "context" and tokens < config.soft_prompt.length:
-        problems.append(str(corpus_too_short(tokens, config.soft_prompt.length)))
+    if config.soft_prompt.init.method == "context" and corpus.tokens < config.soft_prompt.length:
+        problems.append(str(corpus_too_short(corpus.tokens, config.soft_prompt.length)))
     if not corpus.truncates:
         return problems
     past = "the corpus passes the teacher's window (context.documents)"
