@@ -2,7 +2,7 @@
 8,192): what a soft prompt carries past the window, against the teacher reading the corpus
 truncated to it and the teacher reading the right slice (the oracle); and composition.
 
-    python bench/corpus.py MODEL_DIR [--steps all|whole|halves] [--conversations N] [--out DIR]
+    python bench/corpus.py MODEL_DIR [--steps all|whole|halves|sweep] [--conversations N] [--out DIR]
 
 The corpus: fact sheets of towns written here from a seed (each a short sheet of eight facts:
 a 135M teacher states a sheet's facts when it reads a few sheets, not thousands of lines), as
@@ -15,8 +15,13 @@ whole corpus's prompts on both (their teachers read the same slices: the compari
 prompts, not of two self-study runs). Steps:
   whole   one embeddings prompt (128 positions) and one kv prompt (16) on the whole corpus (a
           prompt already trained in --out is evaluated again, not trained again);
-  halves  one embeddings prompt per half, each evaluated alone on all 48 questions, and the two
-          composed (`spds export --compose`), against the whole one. A JSON line per figure.
+  halves  one prompt per half (--half FORM:LENGTH), each evaluated alone on all 48 questions, and
+          the two composed (`spds export --compose`), against the whole one;
+  sweep   the compression sweep: a kv prompt of each --kv length on the whole corpus, started from
+          its first tokens (--spread: every slice's), its facts, gap, and bytes against the KV cache
+          of the whole corpus. A JSON line per figure.
+--window N cuts the model's window (its config's max_position_embeddings) to N, so that a corpus of
+three windows runs end to end on a CPU.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ def write_corpus(work: Path, model: Path, windows: int) -> list[dict]:
             _, asked, keyword = town["facts"][fact]
             question = dict(question_id=f"q{n:02d}", question=asked, keyword=keyword)
             stream.write(json.dumps(dict(question, doc=town["id"])) + "\n")
+    (work / "corpus.json").write_text(json.dumps(dict(towns=len(towns), tokens=tokens, window=window)))
     common.record(figure="corpus", towns=len(towns), tokens=tokens, window=window, windows=round(tokens / window, 2))
     return towns
 
@@ -99,6 +105,7 @@ def config(work: Path, name: str, corpus: str, form: str, length: int, rate: flo
     base["student"].update(model_path="model", dtype=args.dtype)
     base["context"] = {"documents": f"corpus-{corpus}/towns.jsonl", "description": DESCRIPTION}
     base["soft_prompt"].update(form=form, length=length)
+    base["soft_prompt"]["init"] = {"method": "context", "spread": args.spread}
     base["generate"].update(output=f"rows-{corpus}.jsonl", batch_size=args.batch, max_new_tokens=args.max_new_tokens)
     base["generate"]["self_study"].update(conversations=args.conversations // 2, slice_tokens=args.slice_tokens)
     # both halves' rows: half b's under ids of their own (each self-study run numbers from 0)
@@ -161,6 +168,20 @@ def trained(work: Path, name: str, form: str, length: int, rate: float, args, co
     return file
 
 
+def compression(work: Path, name: str, form: str, length: int) -> None:
+    """The prompt's bytes (bf16) against the KV cache of the whole corpus (what a user saves)."""
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(work / "model")
+    kv_heads, head_dim = model.num_key_value_heads, model.head_dim or model.hidden_size // model.num_attention_heads
+    per_token = model.num_hidden_layers * 2 * kv_heads * head_dim * 2  # keys and values, bf16
+    prompt = length * (per_token if form == "kv" else model.hidden_size * 2)
+    corpus = json.loads((work / "corpus.json").read_text())["tokens"]
+    saved = round(corpus * per_token / prompt, 1)
+    common.record(figure="corpus compression", variant=name, prompt_bytes=prompt, corpus_kv_bytes=corpus * per_token,
+                  memory_saved=saved, tokens_per_position=round(corpus / length, 1))  # fmt: skip
+
+
 def whole_prompt(work: Path, name: str, form: str, length: int, rate: float, args) -> None:
     """A prompt on the whole corpus (trained unless --out holds it already) and eval's figures."""
     if (work / f"run-{name}" / "export").is_dir():  # a rerun evaluates the prompt trained before
@@ -168,12 +189,17 @@ def whole_prompt(work: Path, name: str, form: str, length: int, rate: float, arg
     else:
         trained(work, name, form, length, rate, args)
     evaluated(work, name, f"whole, {form} {length}")
+    compression(work, name, form, length)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="examples/real/make_model.py's output")
-    parser.add_argument("--steps", default="all", choices=("all", "whole", "halves"))
+    parser.add_argument("--steps", default="all", choices=("all", "whole", "halves", "sweep"))
+    parser.add_argument("--kv", default="64,256,1024,2048", help="sweep: the kv prompt lengths")
+    parser.add_argument("--spread", action="store_true", help="start from every slice's first tokens (init.spread)")
+    parser.add_argument("--half", default="embeddings:128", help="halves: each half's prompt, FORM:LENGTH")
+    parser.add_argument("--window", type=int, default=None, help="cut the model's window to this many positions")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="generate.max_new_tokens")
     parser.add_argument("--eval-tokens", type=int, default=64, help="eval.max_new_tokens: the greedy answers' length")
     parser.add_argument("--question-samples", type=int, default=4, help="eval.question_samples")
@@ -188,10 +214,17 @@ def main() -> None:
     parser.add_argument("--out", help="work directory (default: outside the checkout, bench/common.py)")
     args = parser.parse_args()
     work = common.out_dir(args.out, "corpus")
+    if not (work / "model").exists() and args.window:  # the weights linked, the config's window cut
+        (work / "model").mkdir()
+        for file in Path(args.model).resolve().iterdir():
+            (work / "model" / file.name).symlink_to(file)
+        (work / "model" / "config.json").unlink()
+        declared = json.loads((Path(args.model) / "config.json").read_text())
+        (work / "model" / "config.json").write_text(json.dumps(dict(declared, max_position_embeddings=args.window)))
     if not (work / "model").exists():
         (work / "model").symlink_to(Path(args.model).resolve())
     began = time.time()
-    write_corpus(work, Path(args.model), windows=3)
+    write_corpus(work, work / "model", windows=3)
     for half in ("a", "b"):  # self-study rows of each half: its teacher read slices of its half only
         spds(work, "generate", config(work, f"rows-{half}", half, "embeddings", 128, 0.01, args))
     with open(work / "rows-b.jsonl") as rows, open(work / "rows-b-ids.jsonl", "w") as renamed:
@@ -202,20 +235,26 @@ def main() -> None:
             )
     carried(work, Path(args.model))
     whole = [("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)]
-    if args.steps in ("all", "whole"):
+    if args.steps in ("all", "whole", "sweep"):
         whole_prompt(work, *whole[0], args)
+    if args.steps == "sweep":
+        for length in [int(n) for n in args.kv.split(",")]:
+            whole_prompt(work, f"sweep-kv-{length}", "kv", length, 0.1, args)
+    form, length = args.half.split(":")
+    length = int(length)
+    rate = 0.1 if form == "kv" else 0.01
     if args.steps in ("all", "halves"):  # the halves composed first, then each alone
         for half in ("a", "b"):
-            trained(work, f"half-{half}", "embeddings", 128, 0.01, args, corpus=half)
+            trained(work, f"half-{half}", form, length, rate, args, corpus=half)
         parts = [f"run-half-{h}/export/soft_prompt.safetensors" for h in ("a", "b")]
         spds(work, "export", "--compose", *parts, "composed")
-        spds(work, "prepare", config(work, "composed", "all", "embeddings", 256, 0.01, args, rows="ab"))
+        spds(work, "prepare", config(work, "composed", "all", form, 2 * length, rate, args, rows="ab"))
         evaluated(work, "composed", "halves composed", "composed/soft_prompt.safetensors")
     if args.steps in ("all", "whole"):
         whole_prompt(work, *whole[1], args)
     if args.steps in ("all", "halves"):
         for half in ("a", "b"):  # each half's prompt alone, read on every question of the corpus
-            file = config(work, f"alone-{half}", "all", "embeddings", 128, 0.01, args, rows="ab")
+            file = config(work, f"alone-{half}", "all", form, length, rate, args, rows="ab")
             spds(work, "prepare", file)
             evaluated(work, f"alone-{half}", f"half {half} alone", f"run-half-{half}/export/soft_prompt.safetensors")
     common.record(figure="corpus bench", seconds=round(time.time() - began))
