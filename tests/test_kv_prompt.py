@@ -41,7 +41,7 @@ def cache_reference_loss(plain, prompt: torch.Tensor, segment: Segment) -> torch
     for layer in range(prompt.shape[0]):
         cache.update(prompt[layer, 0][None].to(dtype), prompt[layer, 1][None].to(dtype), layer)
     rest = ids[a:]
-    positions = torch.arange(a + p, a + p + len(rest))[None]
+    positions = torch.arange(a + p, a + p + len(rest), device=ids.device)[None]
     logits = plain(input_ids=rest[None], past_key_values=cache, position_ids=positions, use_cache=True).logits[0]
     rows = logits[segment.prefix_tokens - a - 1 : len(rest) - 1].float()
     return torch.nn.functional.cross_entropy(rows, ids[segment.prefix_tokens :], reduction="sum")
@@ -77,6 +77,43 @@ def test_kv_prompt_loss_and_gradient_equal_a_plain_past_key_values_forward(saved
             prompt,
             what=f"{family} {'packed' if packed else 'padded'}",
         )
+
+
+@pytest.mark.numeric
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's variable-length kernels need CUDA")
+@pytest.mark.parametrize("kernel", ["flash", "fa4"])
+def test_on_cuda_a_kv_prompt_read_as_a_cache_matches_the_plain_past_key_values_forward_in_bf16(saved, kernel):
+    """The GPU's path: a bf16 student, every record's rest against header ++ prompt ++ rest in one
+    variable-length FlashAttention call (FA2's, or FA4's where it runs), forward and backward, padded
+    and packed, p = 1,024, against the fp32 DynamicCache reference. Tolerances: bf16 keeps 8 bits of
+    mantissa, so the summed loss of ~40 tokens agrees to about 1% and the gradient's direction to
+    a cosine above 0.99."""
+    from transformers import AutoModelForCausalLM
+
+    from spds.kernels.attention import fa4_unavailable
+
+    cuda = torch.device("cuda")
+    if kernel == "fa4" and fa4_unavailable(16):
+        pytest.skip(f"fa4: {fa4_unavailable(16)}")
+    student = load_student(saved["qwen3"], "bfloat16", "sdpa", cuda)
+    plain = AutoModelForCausalLM.from_pretrained(saved["qwen3"], dtype=torch.float32).to(cuda).requires_grad_(False)
+    generator = torch.Generator().manual_seed(2)
+    segments = [
+        Segment(ids=torch.randint(2, VOCAB, (n,), generator=generator).to(cuda), prefix_tokens=f, insert_at=a)
+        for n, f, a in ((23, 9, 2), (14, 5, 0), (31, 20, 3))
+    ]
+    prompt = torch.randn(*kv_shape(student, 1024), generator=generator).to(cuda)
+    reference = prompt.clone().requires_grad_(True)
+    expected = sum(cache_reference_loss(plain, reference, s) for s in segments)
+    expected.backward()
+    for packed in (False, True):
+        loss_fn = make_loss(section("loss", kernel="chunked", chunk_tokens=16), final_logit_softcap(student))
+        model = SoftPromptModel(student, prompt.clone(), loss_fn, attention_kernel=kernel, packed=packed, device=cuda)
+        loss = model(segments)
+        loss.backward()
+        cosine = torch.nn.functional.cosine_similarity(model.prompt.grad.flatten(), reference.grad.flatten(), dim=0)
+        assert abs(float(loss) - float(expected)) < 0.01 * abs(float(expected)), (packed, float(loss), float(expected))
+        assert float(cosine) > 0.99, (packed, float(cosine))
 
 
 def test_a_student_on_its_own_attention_cannot_hold_a_kv_prompt(tmp_path):
