@@ -116,6 +116,31 @@ def test_on_cuda_a_kv_prompt_read_as_a_cache_matches_the_plain_past_key_values_f
         assert float(cosine) > 0.99, (packed, float(cosine))
 
 
+def test_a_kv_prompt_that_pushes_the_longest_record_past_the_window_is_refused_with_the_numbers(tiny):
+    """A kv prompt is read as a cache, and its positions still count: a record's rest sits at
+    a+p ... Prepare refuses a record p pushes past data.context_limit, naming the row and the sum,
+    and writes nothing; validate refuses a prompt that leaves no room for any record."""
+    from conftest import edit_config, read_rows
+    from helpers import spds
+
+    from spds.contract.gate import load_config
+    from spds.data.prepare import prepare
+    from spds.errors import SpdsError
+
+    limit = 512
+    longest = max(len(r["input_ids"]) for r in read_rows(tiny / "candidates.jsonl") if "input_ids" in r)
+    edit_config(tiny, soft_prompt={"form": "kv", "length": limit - longest + 1}, data={"context_limit": limit})
+    with pytest.raises(SpdsError) as caught:
+        prepare(load_config(tiny / "config.json"))
+    assert "rule 'context limit'" in str(caught.value) and f"soft-prompt tokens = {limit + 1} > " in str(caught.value)
+    assert not (tiny / "packed").exists()
+    edit_config(tiny, soft_prompt={"form": "kv", "length": limit})
+    refused = spds(["validate", "config.json"], tiny)
+    assert refused.returncode != 0 and f"data.context_limit: {limit} positions cannot hold the soft prompt" in (
+        refused.stdout + refused.stderr
+    )
+
+
 def test_a_student_on_its_own_attention_cannot_hold_a_kv_prompt(tmp_path):
     """The prompt's keys and values go in through spds's attention: a student kept on eager (or
     any attention spds does not compute) is refused by name, not trained without its prompt."""
