@@ -8,10 +8,8 @@ disk, Plan/deal, SoftPromptModel, the DeepSpeed engine and train_step (exact SUM
 HF+PEFT runs get_peft_model(PromptTuningConfig) with gradient checkpointing, one record per
 optimizer step, the loss from the model's own forward (materialised logits), as a user would.
 
---second-visit times a second update over the same records after the first (what a first visit
-paid that a second did not was traced by --trace-visits up to commit 64eeae1, whose findings are
-in bench/RESULTS.md's history); --profile first profiles the first visit instead of the timed one
-(host time too).
+--second-visit times a second update over the same records after the first (--trace-visits, up to
+64eeae1, traced the difference); --profile first profiles the first visit (host time too).
 
 Useful FLOPs per position = 4 x matmul parameters (lm_head included) + 6 x layers x seq x
 heads x head_dim (forward and input-gradient backward, causal attention, no recompute); MFU is
@@ -160,48 +158,23 @@ def write_store(directory: Path, lengths: list[int], seed: int = 0, top_k: int =
 
 # spds variants: config overrides (student, optim) on top of the schema's defaults.
 BY_LENGTH = {"below": 8192, "short": "flash", "long": "cudnn"}
+KERNELS = ("flash", "cudnn", "flex", "fa4")
 VARIANTS = {
     "default": ({}, {}),
-    "flash": ({"attention_kernel": "flash"}, {}),
-    "cudnn": ({"attention_kernel": "cudnn"}, {}),
-    "bylen": ({"attention_kernel": BY_LENGTH}, {}),
     "packed": ({"attention_kernel": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
-    "packed-auto": ({}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
-    "ckpt": ({"activation_checkpointing": True}, {}),
-    "nopad": ({"pad_to_multiple_of": 1}, {}),
     # Liger's RMSNorm/SwiGLU/RoPE patch the shared student in place: run these in an invocation
     # of their own, with --no-peft.
     "liger": ({"attention_kernel": BY_LENGTH, "liger_kernels": True}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
-    "liger-ckpt": ({"attention_kernel": BY_LENGTH, "liger_kernels": True, "activation_checkpointing": True}, {}),
-    # packed, but auto checkpointing all-or-nothing per micro-batch (spds before per-layer counts).
-    "wholeckpt": ({"attention_kernel": BY_LENGTH}, {"micro_batch": 16, "micro_batch_tokens": 16384}),
 }
-# train.deterministic (its kernel choice, strict deterministic algorithms) against liger; flash at
-# every length; flex at every length and for long records only, without the deterministic switches.
+# one kernel at every length (FlashAttention-4: flash-attn-4, bench/check.py fa4), padded rows
+VARIANTS.update({f"liger-{k}": ({"attention_kernel": k, "liger_kernels": True}, VARIANTS["liger"][1]) for k in KERNELS})
+# train.deterministic (its kernel choice, strict deterministic algorithms) against liger
 VARIANTS["liger-det"] = ({"liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-det-flash"] = ({"attention_kernel": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-cudnn"] = ({"attention_kernel": "cudnn", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-flash"] = ({"attention_kernel": "flash", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-flex"] = ({"attention_kernel": "flex", "liger_kernels": True}, VARIANTS["liger"][1])
-VARIANTS["liger-flexlong"] = (
-    {"attention_kernel": {"below": 8192, "short": "flash", "long": "flex"}, "liger_kernels": True},
-    VARIANTS["liger"][1],
-)
 # liger with the records of a forward end to end (variable-length attention, no padding)
 VARIANTS["liger-packed"] = (VARIANTS["liger"][0], {**VARIANTS["liger"][1], "micro_batch_layout": "packed"})
-# the same with twice the positions per forward: fewer, larger forwards for the short records
-VARIANTS["liger-packed-32k"] = (
-    VARIANTS["liger"][0],
-    {**VARIANTS["liger-packed"][1], "micro_batch": 64, "micro_batch_tokens": 32768},
-)
-# FlashAttention-4 at every length (flash-attn-4; bench/check.py fa4), padded rows and packed
-VARIANTS["liger-fa4"] = ({"attention_kernel": "fa4", "liger_kernels": True}, VARIANTS["liger"][1])
 VARIANTS["liger-packed-fa4"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed"][1])
 VARIANTS["liger-packed-fa4-det"] = VARIANTS["liger-packed-fa4"]  # its deterministic backward (train.deterministic)
-# with attention cheaper, fewer and larger forwards for the short records may pay (unmeasured)
-VARIANTS["liger-packed-fa4-32k"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed-32k"][1])
-VARIANTS["packed-varlen"] = (VARIANTS["packed"][0], {**VARIANTS["packed"][1], "micro_batch_layout": "packed"})
-DETERMINISTIC = {"liger-det", "liger-det-flash", "liger-packed-fa4-det"}
+DETERMINISTIC = {"liger-det", "liger-packed-fa4-det"}
 # loss.objective kl with the online teacher (the student with a CONTEXT-token context): its keys
 # and values computed once (kl) or the whole sequence every time (kl-nocache).
 VARIANTS["liger-kl"] = VARIANTS["liger-kl-nocache"] = VARIANTS["liger"]
@@ -219,11 +192,6 @@ TOPK = 20
 VARIANTS["liger-packed-fp8"] = VARIANTS["liger-packed"]
 VARIANTS["liger-packed-fa4-fp8"] = VARIANTS["liger-packed-fa4"]
 CONTEXT = 4096
-
-
-def all_or_nothing(model) -> None:
-    policy = model.recompute
-    model.recompute = lambda *args, **kwargs: policy.layers if policy(*args, **kwargs) else 0
 
 
 def fp8_linears(model) -> None:
@@ -272,15 +240,6 @@ VARIANTS["liger-kl-memo"] = VARIANTS["liger-kl-nocache-memo"] = VARIANTS["liger"
 REVISIT = {"liger-kl-memo", "liger-kl-nocache-memo"}
 
 
-def planned_as_own_kernels(model) -> None:
-    """Liger's layers planned with the model's own kernels' activation figure (spds before the
-    figure by kernel set): it recomputes layers that would fit."""
-    from spds.model.recompute import ACTIVATION_BYTES_PER_HIDDEN
-
-    model.recompute.activation_bytes = ACTIVATION_BYTES_PER_HIDDEN["own"]
-
-
-VARIANTS["liger-own-figure"] = VARIANTS["liger"]
 # soft_prompt.form kv (issue 55): the same step with a key and value at every layer for each of the
 # PROMPT positions in place of input embeddings (spds/model/kv_prompt.py)
 VARIANTS["liger-packed-kv"] = VARIANTS["liger-packed"]
@@ -294,8 +253,6 @@ VARIANTS["liger-packed-onpolicy"] = VARIANTS["liger-packed-kl"]
 VARIANTS["liger-packed-fa4-onpolicy"] = VARIANTS["liger-packed-fa4-kl"]
 ON_POLICY = dict(fraction=0.5, temperature=1.0, max_new_tokens=512)
 AFTER_BUILD = {
-    "wholeckpt": all_or_nothing,
-    "liger-own-figure": planned_as_own_kernels,
     "kl": online_kl(True),
     "kl-nocache": online_kl(False),
     "liger-kl": online_kl(True),

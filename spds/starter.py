@@ -20,6 +20,7 @@ from spds.contract.gate import load_config
 from spds.contract.hub import model_directory
 from spds.contract.schema import apply_defaults, load_schema
 from spds.data.chat import derive_scaffold, stability_problem
+from spds.data.context import corpus_of
 from spds.data.sources import json_lines
 from spds.errors import SpdsError
 from spds.fsio import atomic_writer
@@ -255,8 +256,6 @@ def checked(values: dict, schema: dict, fields, note, out: Path, as_json: bool, 
         config = load_config(candidate, check_pins=False, candidates=written_later)
         require_ready(config, tokenizer)
         if config.context.documents:
-            from spds.data.context import corpus_of
-
             corpus_of(config, tokenizer)  # read while the file is there (sizing reads it)
     except SpdsError as error:  # named as the file the user asked for, not the check's temporary one
         named = [problem.replace(str(candidate), str(out)) for problem in error.problems]
@@ -280,8 +279,6 @@ EPOCHS = 4
 
 def corpus_sizing(config, recipe: str) -> tuple[dict, list[str]]:
     """The config sections that size a self-study run to its corpus, and what was chosen, in words."""
-    from spds.data.context import corpus_of
-
     corpus = corpus_of(config)
     tokens = corpus.tokens
     low, high = PROMPT_BOUNDS

@@ -34,6 +34,7 @@ import torch
 
 from spds.errors import SpdsError
 from spds.kernels.attention import head_dim_of
+from spds.kernels.causal import varlen_lower_right
 
 
 def form_of(prompt: torch.Tensor) -> str:
@@ -162,8 +163,6 @@ class PromptCache:
 
     def attention(self, layer: int, query, key, value, scaling, kernel: str, window=None, softcap=None):
         """transformers' attention signature's tensors ([B, H, length, D]) -> [B, length, Hq, D]."""
-        from spds.kernels.causal import varlen_lower_right
-
         batch, heads, length, dim = query.shape
         rows = query.transpose(1, 2).reshape(batch * length, heads, dim)
         output = varlen_lower_right(
