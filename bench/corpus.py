@@ -235,11 +235,11 @@ def main() -> None:
             )
     carried(work, Path(args.model))
     whole = [("whole-emb", "embeddings", 128, 0.01), ("whole-kv", "kv", 16, 0.1)]
-    if args.steps in ("all", "whole", "sweep"):
+    if args.steps in ("all", "whole") or (args.steps == "sweep" and not args.spread):
         whole_prompt(work, *whole[0], args)
     if args.steps == "sweep":
         for length in [int(n) for n in args.kv.split(",")]:
-            whole_prompt(work, f"sweep-kv-{length}", "kv", length, 0.1, args)
+            whole_prompt(work, f"sweep-kv-{length}{'-spread' * args.spread}", "kv", length, 0.1, args)
     form, length = args.half.split(":")
     length = int(length)
     rate = 0.1 if form == "kv" else 0.01
