@@ -101,19 +101,19 @@ def attention_modules(student) -> list:
 
 @dataclass
 class PromptCache:
-    """The kv prompt as every layer reads it in the forward in flight: for each record, its key
-    buffer's pieces (header, prompt, rest) and the attention sequences over them. Built once per
-    forward from the records' places in the flattened positions ([rows x length] padded, or the
-    packed row), read by every layer and by its recompute in backward (transformers' checkpointing
-    keeps a layer's keywords).
+    """The kv prompt as every layer reads it in the forward in flight: for each record, where its
+    key buffer's entries come from (its own keys, the prompt's) and the attention sequences over
+    them. Built once per forward from the records' places in the flattened positions ([rows x
+    length] padded, or the packed row), read by every layer and by its recompute in backward
+    (transformers' checkpointing keeps a layer's keywords).
 
     The sequences, in the order of the flattened queries: per record, its header's a queries
-    against the header's a keys, then its rest's L-a queries against a+p+L-a keys. Each is causal
-    from the lower right, so a rest query at buffer index a+p+i (its position) sees every key up
-    to its own; a header query never sees the prompt."""
+    against the header's a keys, then its rest's L-a queries against header ++ prompt ++ rest
+    (a+p+L-a keys). Each is causal from the lower right, so a rest query at buffer index a+p+i
+    (its position) sees every key up to its own; a header query never sees the prompt."""
 
     prompt: torch.Tensor  # [layers, 2, kv heads, p, head dim], FP32 (the parameter)
-    pieces: list[tuple[int, int] | None]  # the buffer in order: [start, end) of the flat keys, or None: the prompt
+    index: torch.Tensor  # int64 [keys]: each buffer entry's row of [the records' own keys ++ the prompt's]
     sequences: list[tuple[int, int, int, int]]  # (first query, queries, first key, keys) of each
     starts_q: torch.Tensor  # int32 [sequences + 1], cumulative query counts (variable-length kernels)
     starts_k: torch.Tensor  # int32 [sequences + 1], cumulative key counts
@@ -124,25 +124,31 @@ class PromptCache:
         together covering the flattened positions (a padded row's padding is its record's: it comes
         after every real query, which never sees it)."""
         p = length_of(prompt)
+        total = records[-1][0] + records[-1][1]  # the flattened positions: the prompt's rows follow them
+        learned = torch.arange(total, total + p)
         pieces, sequences, keys = [], [], 0
         for first, length, a in records:
+            header = torch.arange(first, first + a)
             if a:
-                pieces.append((first, first + a))
+                pieces.append(header)
                 sequences.append((first, a, keys, a))
                 keys += a
-            pieces += [(first, first + a), None, (first + a, first + length)]
+            pieces += [header, learned, torch.arange(first + a, first + length)]
             sequences.append((first + a, length - a, keys, length + p))
             keys += length + p
-        pieces = [piece for piece in pieces if piece is None or piece[1] > piece[0]]
+
+        def on_device(values: torch.Tensor) -> torch.Tensor:
+            return (values.pin_memory() if prompt.is_cuda else values).to(prompt.device, non_blocking=True)
 
         def cumulative(counts: list[int]) -> torch.Tensor:
-            starts = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
-            if prompt.is_cuda:
-                starts = starts.pin_memory()
-            return starts.to(prompt.device, non_blocking=True)
+            return on_device(torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32))
 
         return cls(
-            prompt, pieces, sequences, cumulative([s[1] for s in sequences]), cumulative([s[3] for s in sequences])
+            prompt,
+            on_device(torch.cat(pieces)),
+            sequences,
+            cumulative([s[1] for s in sequences]),
+            cumulative([s[3] for s in sequences]),
         )
 
     @property
@@ -155,11 +161,13 @@ class PromptCache:
 
     def buffer(self, layer: int, states: torch.Tensor, index: int) -> torch.Tensor:
         """The key (index 0) or value (1) buffer [keys, kv heads, D] of `layer` from the records'
-        own `states` [B, kv heads, length, D]: slices and the prompt, concatenated (autograd carries
-        each record's share of the gradient back to the prompt, summed in a fixed order)."""
+        own `states` [B, kv heads, length, D]: one gather from the records' keys and the prompt's.
+        Its backward is one scatter-add (index_select's, deterministic under train.deterministic's
+        strict mode), which sums every record's share of the gradient into the prompt; a
+        concatenation of slices cost a full-size gradient per slice (O(records x positions))."""
         flat = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])  # [B x length, kv heads, D]
         learned = self.prompt[layer, index].to(states.dtype).transpose(0, 1)  # [p, kv heads, D]
-        return torch.cat([learned if piece is None else flat[piece[0] : piece[1]] for piece in self.pieces])
+        return torch.cat([flat, learned]).index_select(0, self.index)
 
     def attention(self, layer: int, query, key, value, scaling, kernel: str, window=None, softcap=None):
         """transformers' attention signature's tensors ([B, H, length, D]) -> [B, length, Hq, D]."""
