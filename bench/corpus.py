@@ -4,15 +4,11 @@ truncated to it and the teacher reading the right slice (the oracle); and compos
 
     python bench/corpus.py MODEL_DIR [--steps all|whole|halves|sweep] [--conversations N] [--out DIR]
 
-The corpus: fact sheets of towns written here from a seed (each a short sheet of eight facts:
-a 135M teacher states a sheet's facts when it reads a few sheets, not thousands of lines), as
-many as make three windows of the model's tokens, and 48 keyword questions, one fact of every
-fourth sheet, spread over the whole corpus, each naming its sheet (`doc`). Everything runs
-through the CLI as a user would: `spds generate` (self-study over each half of the corpus, slices
-of a few sheets, `--conversations` in all), prepare, train, eval (soft / truncated / oracle on the
-48 questions). One set of rows serves every prompt: a half's prompt trains on its half's rows, the
-whole corpus's prompts on both (their teachers read the same slices: the comparison is of the
-prompts, not of two self-study runs). Steps:
+The corpus: town fact sheets written from a seed (eight facts each: a 135M teacher states a sheet's
+facts when it reads a few sheets), three windows of them, and a keyword question on every fourth
+sheet, naming it (`doc`). All through the CLI: `spds generate` (self-study over each half, slices of
+a few sheets), prepare, train, eval (soft / truncated / oracle). One set of rows serves every
+prompt (a half's prompt its half's rows, a whole one both): the prompts are compared. Steps:
   whole   one embeddings prompt (128 positions) and one kv prompt (16) on the whole corpus (a
           prompt already trained in --out is evaluated again, not trained again);
   halves  one prompt per half (--half FORM:LENGTH), each evaluated alone on all 48 questions, and
@@ -20,8 +16,7 @@ prompts, not of two self-study runs). Steps:
   sweep   the compression sweep: a kv prompt of each --kv length on the whole corpus, started from
           its first tokens (--spread: every slice's), its facts, gap, and bytes against the KV cache
           of the whole corpus. A JSON line per figure.
---window N cuts the model's window (its config's max_position_embeddings) to N, so that a corpus of
-three windows runs end to end on a CPU.
+--window N cuts the model's window (config.json) to N: three windows run end to end on a CPU.
 """
 
 from __future__ import annotations

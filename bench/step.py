@@ -176,22 +176,17 @@ VARIANTS["liger-packed-fa4"] = (VARIANTS["liger-fa4"][0], VARIANTS["liger-packed
 VARIANTS["liger-packed-fa4-det"] = VARIANTS["liger-packed-fa4"]  # its deterministic backward (train.deterministic)
 DETERMINISTIC = {"liger-det", "liger-packed-fa4-det"}
 # loss.objective kl with the online teacher (the student with a CONTEXT-token context): its keys
-# and values computed once (kl) or the whole sequence every time (kl-nocache).
-VARIANTS["liger-kl"] = VARIANTS["liger-kl-nocache"] = VARIANTS["liger"]
+# and values computed once (kl) or the whole sequence every time (kl-nocache); packed, the cached
+# teacher packs a pass's records in one forward. loss.teacher top_k: KL against the top-k every
+# record carries (no teacher forward). student.fp8_linear: the decoder's linear layers quantized in
+# place (the shared student: list it last).
 VARIANTS["kl"] = VARIANTS["kl-nocache"] = VARIANTS["packed"]
-# the same on packed micro-batches: the cached-context teacher packs a pass's records in one forward
-VARIANTS["liger-packed-kl"] = VARIANTS["liger-packed-kl-nocache"] = VARIANTS["liger-packed"]
-VARIANTS["liger-packed-fa4-kl"] = VARIANTS["liger-packed-fa4-kl-nocache"] = VARIANTS["liger-packed-fa4"]
-# student.fp8_linear: the decoder's linear layers quantized in place (the shared student: list it last)
-# loss.teacher top_k: KL against an offline teacher's top-k that every record carries (spds generate
-# with generate.top_k_logprobs writes them): no teacher forward in the step
-VARIANTS["packed-topk"] = VARIANTS["packed"]
-VARIANTS["liger-packed-topk"] = VARIANTS["liger-packed"]
-VARIANTS["liger-packed-fa4-topk"] = VARIANTS["liger-packed-fa4"]
-TOPK = 20
-VARIANTS["liger-packed-fp8"] = VARIANTS["liger-packed"]
-VARIANTS["liger-packed-fa4-fp8"] = VARIANTS["liger-packed-fa4"]
-CONTEXT = 4096
+for base in ("liger", "liger-packed", "liger-packed-fa4"):
+    VARIANTS[f"{base}-kl"] = VARIANTS[f"{base}-kl-nocache"] = VARIANTS[base]
+for base in ("packed", "liger-packed", "liger-packed-fa4"):
+    VARIANTS[f"{base}-topk"] = VARIANTS[base]
+    VARIANTS[f"{base}-fp8"] = VARIANTS[base]
+TOPK, CONTEXT = 20, 4096
 
 
 def fp8_linears(model) -> None:
@@ -261,11 +256,8 @@ AFTER_BUILD = {
     "liger-packed-kl-nocache": online_kl(False),
     "liger-packed-fa4-kl": online_kl(True),
     "liger-packed-fa4-kl-nocache": online_kl(False),
-    "packed-topk": offline_kl,
-    "liger-packed-topk": offline_kl,
-    "liger-packed-fa4-topk": offline_kl,
-    "liger-packed-fp8": fp8_linears,
-    "liger-packed-fa4-fp8": fp8_linears,
+    **{f"{base}-topk": offline_kl for base in ("packed", "liger-packed", "liger-packed-fa4")},
+    **{f"{base}-fp8": fp8_linears for base in ("packed", "liger-packed", "liger-packed-fa4")},
     "onpolicy": online_kl(True),
     "liger-packed-onpolicy": online_kl(True),
     "liger-packed-fa4-onpolicy": online_kl(True),
