@@ -248,8 +248,8 @@ class SoftPromptModel(nn.Module):
         positions = torch.stack([record_positions(longest, *skip, device) for skip in skips])
         kv = self.cache([(row * longest, longest, a) for row, (a, _) in enumerate(skips)]) if cached else {}
         # A sharded student's ranks decide alike, from the positions the plan agreed on.
-        if recompute_positions:  # the plan's figure, the same on every rank
-            count = self.recompute(recompute_positions, prompt_keys=p * len(joined))
+        if recompute_positions:  # the plan's figure, the same on every rank (a rank's own record count is not)
+            count = self.recompute(recompute_positions)
         else:
             count = self.recompute(longest * len(joined), longest, prompt_keys=p * len(joined))
         recompute_first(self.student, count)
@@ -271,7 +271,8 @@ class SoftPromptModel(nn.Module):
         lengths = [len(j) for j in joined]
         longest = max(lengths)
         self.use_kernel(longest, packed=True)
-        prompt_keys = self.prompt_length * len(lengths) if cached else 0
+        # a kv prompt's buffers are counted where the ranks need not agree (a rank's record count is its own)
+        prompt_keys = self.prompt_length * len(lengths) if cached and not recompute_positions else 0
         recompute_first(self.student, self.recompute(recompute_positions or sum(lengths), longest, True, prompt_keys))
         kv = {}
         if cached:
