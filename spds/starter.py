@@ -270,11 +270,13 @@ def checked(values: dict, schema: dict, fields, note, out: Path, as_json: bool, 
 # (Cartridges matched in-context quality at about 38.6x less memory than the corpus's KV cache);
 # every chunk read READS times by self-study (fact lines are asked a line per fact conversation of
 # a chunk: 2,048 conversations over 386 chunks stated 31 of 47 asked facts, 8,192 all 47); the
-# updates as many epochs over the rows as the recipe's, at most EPOCHS.
+# updates as many epochs over the rows as the recipe's, at most EPOCHS; the kv form's learning rate
+# (docs/config.md: ten times the embeddings', measured on the real example).
 COMPRESSION = 30
 PROMPT_BOUNDS = (64, 4096)
 READS = {"cpu": 2, "gpu": 16}
 EPOCHS = 4
+KV_LEARNING_RATE = 0.1
 
 
 def corpus_sizing(config, recipe: str) -> tuple[dict, list[str]]:
@@ -282,6 +284,7 @@ def corpus_sizing(config, recipe: str) -> tuple[dict, list[str]]:
     corpus = corpus_of(config)
     tokens = corpus.tokens
     low, high = PROMPT_BOUNDS
+    high = min(high, (config.context_limit or high) // 2 // 64 * 64)  # half the window at most: records need room
     length = int(min(high, max(low, round(tokens / COMPRESSION / 64) * 64)))
     chunk = config.generate.self_study.chunk_tokens
     chunks = -(-tokens // chunk)
@@ -292,14 +295,15 @@ def corpus_sizing(config, recipe: str) -> tuple[dict, list[str]]:
     sized = {
         "soft_prompt": {"length": length, "form": "kv"},  # started from the context: the recipe's init
         "generate": {"self_study": {"conversations": conversations}},
-        "optim": {"updates": updates},
+        "optim": {"updates": updates, "learning_rate": KV_LEARNING_RATE},
     }
     said = [
         f"sized for a corpus of {tokens:,} tokens in {len(corpus.slices)} slices of the teacher's window: "
         f"a kv prompt of {length} positions ({tokens / length:.0f}x fewer than the corpus's tokens, its KV cache "
         f"as much smaller), started from the corpus's first tokens;",
         f"{conversations:,} self-study conversations (each of its ~{chunks:,} chunks of {chunk} tokens read "
-        f"~{conversations // max(chunks, 1)} times); {updates} updates of {r['rows']} rows (~{epochs:g} epochs)",
+        f"~{conversations // max(chunks, 1)} times); {updates} updates of {r['rows']} rows (~{epochs:g} epochs) "
+        f"at the kv form's learning rate {KV_LEARNING_RATE}",
     ]
     return sized, said
 

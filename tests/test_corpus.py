@@ -269,6 +269,7 @@ def test_init_reads_a_corpus_from_the_configs_folder_and_names_the_config_it_ref
     assert written["soft_prompt"]["form"] == "kv" and written["soft_prompt"]["init"]["method"] == "context"
     assert written["soft_prompt"]["length"] == max(64, round(tokens / 30 / 64) * 64)
     assert written["generate"]["self_study"]["conversations"] == max(256, -(-tokens // 64) * 2)
+    assert written["optim"]["learning_rate"] == 0.1  # the kv form's (docs/config.md)
     check(spds(["validate", "sub/run.json"], corpus))
     refused = spds(
         ["init", str(corpus / "student"), "rows.jsonl", "--context", "nowhere", "--out", "sub/b.json"], corpus
