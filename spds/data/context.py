@@ -72,17 +72,14 @@ def init_ids(config: Config, tokenizer, length: int) -> list[int]:
         if not ids:
             raise SpdsError("soft_prompt.init.method 'context' needs context.text, context.file or context.documents")
         return (ids * -(-length // len(ids)))[:length]
-    texts = [corpus.text(0)] + [
-        corpus.text_of(s.parts).removeprefix(corpus.description_block) for s in corpus.slices[1:]
-    ]
     if not config.soft_prompt.init.spread:
         ids: list[int] = []
-        for text in texts:  # the corpus in order, a slice at a time, until the prompt is full
+        for text in corpus.slice_texts():  # the corpus in order, a slice at a time, until the prompt is full
             ids += encode_text(tokenizer, text if not ids else SEPARATOR + text)
             if len(ids) >= length:
                 return ids[:length]
         raise corpus_too_short(len(ids), length)
-    per_slice = [encode_text(tokenizer, text) for text in texts]
+    per_slice = [encode_text(tokenizer, text) for text in corpus.slice_texts()]
     shares = [0] * len(per_slice)
     left = length
     for rank, index in enumerate(sorted(range(len(per_slice)), key=lambda i: len(per_slice[i]))):  # water-filling

@@ -344,14 +344,15 @@ class Corpus:
         """The whole corpus's tokens, rendered as one text (the description once): what its KV cache
         holds, and what a prompt started from it can read. Counted when asked (init's sizing, a
         prompt started from it), a slice at a time; the separators between slices are counted too."""
-        join = len(encode_text(self.tokenizer, SEPARATOR))
-        texts = [self.text(0)] + [self.text(k).removeprefix(self.description_block) for k in range(1, len(self.slices))]
-        return sum(len(encode_text(self.tokenizer, text)) for text in texts) + join * (len(texts) - 1)
+        join = len(encode_text(self.tokenizer, SEPARATOR)) * (len(self.slices) - 1)
+        return sum(len(encode_text(self.tokenizer, text)) for text in self.slice_texts()) + join
 
-    @property
-    def description_block(self) -> str:
-        """What every slice's text opens with before its documents: the description and its separator."""
-        return self.description + SEPARATOR if self.description else ""
+    def slice_texts(self) -> Iterator[str]:
+        """Each slice's text in turn, the description only in the first's (every slice's text opens
+        with it): joined by SEPARATOR, the whole corpus as one text. One slice's text at a time."""
+        opening = self.description + SEPARATOR if self.description else ""
+        for index in range(len(self.slices)):
+            yield self.text(index) if index == 0 else self.text(index).removeprefix(opening)
 
     def text_of(self, parts) -> str:
         blocks = [self.documents[p.document].heading + self.part_text(p).rstrip() for p in parts]

@@ -9,8 +9,8 @@ they hold with the prompt before them. In every layer spds's attention (spds/ker
 reads, for each record, a key buffer header ++ prompt ++ rest: x[:a]'s queries attend to x[:a]'s
 keys, x[a:]'s to all three, each causally from the lower right (`PromptCache`). No projection,
 MLP or norm runs for the prompt: its cost is the attention to p more keys (and the buffer's copy),
-whatever p, where laying its p positions into every record cost a whole forward over them (a
-kv prompt of 1,024 cost 11x the step of 16; bench/RESULTS.md). It is exactly what a transformers
+whatever p, where laying its p positions into every record cost a whole forward over them (at
+1.7B on an H100, p = 1,024 cost 2.56x the step of p = 16; bench/RESULTS.md). It is exactly what a transformers
 DynamicCache holding the header and the prompt computes for the rest (tests/test_kv_prompt.py).
 
 RoPE. The keys are stored after rotation, at the positions the prompt takes (a .. a+p-1 for
@@ -117,6 +117,8 @@ class PromptCache:
     sequences: list[tuple[int, int, int, int]]  # (first query, queries, first key, keys) of each
     starts_q: torch.Tensor  # int32 [sequences + 1], cumulative query counts (variable-length kernels)
     starts_k: torch.Tensor  # int32 [sequences + 1], cumulative key counts
+    longest_q: int  # the most queries of a sequence (the variable-length kernels' bound)
+    longest_k: int  # the most keys of a sequence
 
     @classmethod
     def at(cls, prompt: torch.Tensor, records: list[tuple[int, int, int]]) -> PromptCache:
@@ -143,21 +145,9 @@ class PromptCache:
         def cumulative(counts: list[int]) -> torch.Tensor:
             return on_device(torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32))
 
-        return cls(
-            prompt,
-            on_device(torch.cat(pieces)),
-            sequences,
-            cumulative([s[1] for s in sequences]),
-            cumulative([s[3] for s in sequences]),
-        )
-
-    @property
-    def longest_q(self) -> int:
-        return max(s[1] for s in self.sequences)
-
-    @property
-    def longest_k(self) -> int:
-        return max(s[3] for s in self.sequences)
+        queries, keys = [s[1] for s in sequences], [s[3] for s in sequences]
+        index = on_device(torch.cat(pieces))
+        return cls(prompt, index, sequences, cumulative(queries), cumulative(keys), max(queries), max(keys))
 
     def buffer(self, layer: int, states: torch.Tensor, index: int) -> torch.Tensor:
         """The key (index 0) or value (1) buffer [keys, kv heads, D] of `layer` from the records'

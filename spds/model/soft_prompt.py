@@ -245,7 +245,10 @@ class SoftPromptModel(nn.Module):
         else:
             inputs = torch.stack([nn.functional.pad(j, (0, 0, 0, longest - len(j))) for j in joined])
         device = self.prompt.device
-        positions = torch.stack([record_positions(longest, *skip, device) for skip in skips])
+        if cached:  # each row's positions from its own insertion point on moved p later
+            positions = torch.stack([record_positions(longest, *skip, device) for skip in skips])
+        else:
+            positions = torch.arange(longest, device=device)[None].expand(len(joined), -1)
         kv = self.cache([(row * longest, longest, a) for row, (a, _) in enumerate(skips)]) if cached else {}
         # A sharded student's ranks decide alike, from the positions the plan agreed on.
         if recompute_positions:  # the plan's figure, the same on every rank (a rank's own record count is not)
