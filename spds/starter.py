@@ -20,7 +20,7 @@ from spds.contract.gate import load_config
 from spds.contract.hub import model_directory
 from spds.contract.schema import apply_defaults, load_schema
 from spds.data.chat import derive_scaffold, stability_problem
-from spds.data.context import corpus_of
+from spds.data.context import corpus_of, share
 from spds.data.sources import json_lines
 from spds.errors import SpdsError
 from spds.fsio import atomic_writer
@@ -233,7 +233,7 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
         values["generate"]["self_study"] = {**values["generate"]["self_study"], **sized["generate"]["self_study"]}
         note += "\n" + "\n".join(f"# {line}" for line in said)
         fields = fields + [("soft_prompt", "form")]
-        text, config = checked(values, schema, fields, note, out, as_json, tokenizer, True)
+        text, config = checked(values, schema, fields, note, out, as_json, tokenizer, True, corpus_from=config)
         print("\n".join(said))
     if out.exists():  # written meanwhile by someone else: still never overwritten
         raise SpdsError(f"{out} exists: spds init never overwrites a config (choose another --out)")
@@ -242,10 +242,13 @@ def init(model: str, data: str, out: Path, context: str | None = None, recipe: s
     return out
 
 
-def checked(values: dict, schema: dict, fields, note, out: Path, as_json: bool, tokenizer, self_study: bool):
+def checked(
+    values: dict, schema: dict, fields, note, out: Path, as_json: bool, tokenizer, self_study: bool, corpus_from=None
+):
     """(the config's text, its Config) after the whole contract and what prepare checks (the config
     names MODEL's own tokenizer), checked as written from a new file beside `out` (relative paths
-    resolve alike; mkstemp: no file of the user's is replaced or removed); refusals name `out`."""
+    resolve alike; mkstemp: no file of the user's is replaced or removed); refusals name `out`.
+    `corpus_from`: the config it was sized from, whose corpus it reads (sizing changes no slice)."""
     text = render_json(values, fields) if as_json else render(values, schema, fields, note)
     descriptor, name = tempfile.mkstemp(prefix=".init-", suffix=".json" if as_json else ".yaml", dir=out.parent)
     candidate = Path(name)
@@ -254,9 +257,9 @@ def checked(values: dict, schema: dict, fields, note, out: Path, as_json: bool, 
             stream.write(text)
         written_later = "generate writes one" if self_study else "must exist"  # self-study: generate writes DATA
         config = load_config(candidate, check_pins=False, candidates=written_later)
+        if corpus_from is not None:
+            share(config, corpus_from)
         require_ready(config, tokenizer)
-        if config.context.documents:
-            corpus_of(config, tokenizer)  # read while the file is there (sizing reads it)
     except SpdsError as error:  # named as the file the user asked for, not the check's temporary one
         named = [problem.replace(str(candidate), str(out)) for problem in error.problems]
         raise SpdsError(str(error.args[0]).replace(str(candidate), str(out)), named) from None
