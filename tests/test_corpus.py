@@ -110,10 +110,6 @@ def test_every_broken_document_is_named_by_file_and_rule_in_one_refusal(corpus):
         (dict(generate={"self_study": None, "questions": "asked.jsonl"}), "question_id 'q1' names no doc"),
         (dict(context={"documents": "sheets/*.txt"}), "context.documents: 'sheets/*.txt' matches no file"),
         (dict(context={"documents": None, "file": "sheets/sheet00.md"}), "context.description: describes a corpus"),
-        (
-            dict(soft_prompt={"length": 4000, "form": "kv", "init": {"method": "context"}}),
-            "rule 'enough context to start from'",
-        ),
     ],
 )
 def test_validate_refuses_what_a_corpus_cannot_do_naming_the_key(corpus, sections, named):
@@ -285,6 +281,8 @@ def test_a_prompt_started_from_a_corpus_reads_its_first_tokens_or_every_slices_f
     the tokens recomputed here from the rendered text and each slice's documents."""
     from spds.contract.gate import load_config
     from spds.data.context import corpus_of, init_ids
+    from spds.errors import SpdsError
+    from spds.generation.teacher_window import require_ready
 
     tokenizer = make_tiny.chatml_tokenizer()
     count = len(corpus_of(load_config(corpus / "config.json", candidates="generate writes one"), tokenizer).slices)
@@ -294,6 +292,9 @@ def test_a_prompt_started_from_a_corpus_reads_its_first_tokens_or_every_slices_f
     config = load_config(corpus / "config.json", candidates="generate writes one")
     ids = init_ids(config, tokenizer, length)
     texts = [(p.name, p.read_text()) for p in sorted((corpus / "sheets").iterdir())]
+    edit_config(corpus, soft_prompt={"length": 4000})  # more than the corpus holds: validate refuses it
+    with pytest.raises(SpdsError, match="rule 'enough context to start from'"):
+        require_ready(load_config(corpus / "config.json", candidates="generate writes one"))
     if not spread:
         assert ids == tokenizer.encode(rendered(texts, DESCRIPTION), add_special_tokens=False)[:length]
         return

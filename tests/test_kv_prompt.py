@@ -121,11 +121,11 @@ def test_a_kv_prompt_that_pushes_the_longest_record_past_the_window_is_refused_w
     a+p ... Prepare refuses a record p pushes past data.context_limit, naming the row and the sum,
     and writes nothing; validate refuses a prompt that leaves no room for any record."""
     from conftest import edit_config, read_rows
-    from helpers import spds
 
     from spds.contract.gate import load_config
     from spds.data.prepare import prepare
     from spds.errors import SpdsError
+    from spds.generation.teacher_window import require_ready
 
     limit = 512
     longest = max(len(r["input_ids"]) for r in read_rows(tiny / "candidates.jsonl") if "input_ids" in r)
@@ -135,10 +135,10 @@ def test_a_kv_prompt_that_pushes_the_longest_record_past_the_window_is_refused_w
     assert "rule 'context limit'" in str(caught.value) and f"soft-prompt tokens = {limit + 1} > " in str(caught.value)
     assert not (tiny / "packed").exists()
     edit_config(tiny, soft_prompt={"form": "kv", "length": limit})
-    refused = spds(["validate", "config.json"], tiny)
-    assert refused.returncode != 0 and f"data.context_limit: {limit} positions cannot hold the soft prompt" in (
-        refused.stdout + refused.stderr
-    )
+    with pytest.raises(SpdsError) as refused:  # what spds validate runs, in this process
+        require_ready(load_config(tiny / "config.json", candidates="generate writes one"))
+    named = f"data.context_limit: {limit} positions cannot hold the soft prompt"
+    assert any(named in problem for problem in refused.value.problems), refused.value.problems
 
 
 def test_a_student_on_its_own_attention_cannot_hold_a_kv_prompt(tmp_path):
