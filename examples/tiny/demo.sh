@@ -10,7 +10,9 @@ rm -rf "$tiny"
 echo "== building the tiny example in $tiny (random 2-layer Qwen3 student, byte-level ChatML tokenizer)"
 "$venv/bin/python" examples/tiny/make_tiny.py "$tiny" >/dev/null 2>&1
 config="$tiny/loop.json"
-quiet() { "$@" 2> >(grep -vE "Loading weights|Writing model|warn|Warn|^\s*$" >&2); }
+# stderr filtered in the same pipeline, not a process substitution: every line is shown before
+# the next step starts (a substitution's lines came after the next step's header)
+quiet() { { "$@" 2>&1 1>&3 3>&- | { grep --line-buffered -vE "Loading weights|Writing model|warn|Warn|^\s*$" || true; } >&2; } 3>&1; }
 echo "== spds generate  (the teacher, here the student itself, answers 32 questions x 2 samples with the context)"
 quiet "$spds" generate "$config"
 echo "== spds pin";      quiet "$spds" pin "$config"
